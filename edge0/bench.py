@@ -1,0 +1,136 @@
+"""`edge0 bench`: throughput arms, each in its own process, rotated across rounds, medians reported.
+
+    edge0 bench --source /tmp/small-mlx --store /tmp/small-store --arms mlx-lm,exact --cache cold,warm --rounds 3
+
+Arms: `mlx-lm` (mlx_lm's model fully resident, loaded from --source) and `exact` (Edge0's exact path on
+--store). Every arm decodes the same prompt greedily for the same number of tokens, EOS ignored.
+Cache `cold` evicts the checkpoint's files before each run; `warm` reads them once first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import Edge0Error
+
+ARMS = ("mlx-lm", "exact")
+FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "bytes_read", "cold_fraction")
+
+
+def add_bench_flags(p) -> None:
+    p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm)")
+    p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it")
+    p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}")
+    p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each round runs every arm once (default 3)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="def fibonacci(n):\n    ")
+    p.add_argument("--dtype", default="auto", help="compute dtype for every arm (auto: float32 on CPU)")
+    p.add_argument("--out", default="results", help="directory for results (default ./results)")
+
+
+def blas_in_use() -> str:
+    """Which BLAS the MLX CPU backend would call: an LD_PRELOADed one, else the wheel's reference BLAS."""
+    pre = os.environ.get("LD_PRELOAD", "")
+    return f"preloaded {pre}" if "blas" in pre.lower() else "netlib reference BLAS (mlx[cpu] wheel)"
+
+
+def _evict_tree(path: Path) -> None:
+    from .io.pagecache import evict
+
+    for f in path.rglob("*.safetensors"):
+        evict(f)
+
+
+def _warm_tree(path: Path) -> None:
+    for f in path.rglob("*.safetensors"):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def run_arm(arm: str, args, cache: str) -> dict:
+    path = Path(args.source if arm == "mlx-lm" else args.store)
+    (_evict_tree if cache == "cold" else _warm_tree)(path)
+    if arm == "mlx-lm":
+        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), args.prompt, str(args.max_tokens), args.dtype]
+    else:
+        cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--prompt", args.prompt, "--max-tokens",
+               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", arm]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Edge0Error(f"arm {arm} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench(args) -> int:
+    arms = [a for a in args.arms.split(",") if a]
+    caches = [c for c in args.cache.split(",") if c]
+    for a in arms:
+        if a not in ARMS:
+            raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)})")
+        if not (args.source if a == "mlx-lm" else args.store):
+            raise Edge0Error(f"--arms {a}: needs --{'source' if a == 'mlx-lm' else 'store'}")
+    for c in caches:
+        if c not in ("cold", "warm"):
+            raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
+        for cache in caches:
+            for arm in order:
+                res = run_arm(arm, args, cache)
+                runs.setdefault(f"{arm}/{cache}", []).append(res)
+                print(f"round {r + 1} {arm:8s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
+                      f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
+    summary = {key: {f: statistics.median(x[f] for x in rs) for f in FIGURES} for key, rs in runs.items()}
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "source": args.source,
+            "store": args.store}
+    out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
+    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, dtype {args.dtype}, {args.rounds} rounds, "
+             f"{args.max_tokens} tokens, medians", "",
+             "| arm | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, s in summary.items():
+        arm, cache = key.split("/")
+        lines.append(f"| {arm} | {cache} | {s['decode_tok_s']:.2f} | {s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | "
+                     f"{s['peak_rss_gib']:.3f} | {s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)
+    return 0
+
+
+def mlx_lm_arm(path: str, prompt: str, max_tokens: int, dtype: str) -> None:
+    """One resident mlx-lm run; prints the same JSON figures as `edge0 run --json`."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.sample_utils import make_sampler
+
+    from .model.load import cast_floats, compute_dtype
+    from .run import memory_figures
+    from .sched.generate import StepTimes, generate_steps
+
+    model, tok = load(path)
+    cast_floats(model, compute_dtype(dtype))
+    mx.eval(model.parameters())
+    mx.reset_peak_memory()
+    times = StepTimes()
+    for _ in generate_steps(model, tok.encode(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0), times=times):
+        pass
+    print(json.dumps({"tokens": times.tokens, "decode_tok_s": times.decode_tok_s, "prefill_tok_s": times.prefill_tok_s,
+                      **memory_figures(), "bytes_read": 0, "cold_fraction": 0.0}))
+
+
+if __name__ == "__main__":
+    _, arm, path, prompt, n, dtype = sys.argv
+    mlx_lm_arm(path, prompt, int(n), dtype)

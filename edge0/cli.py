@@ -1,0 +1,136 @@
+"""The `edge0` command: one console script, one subcommand per job (`edge0 --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import Edge0Error
+
+NOT_YET = {
+    "train": "training (heads, LoRA, distillation) is not available yet",
+    "eval": "evaluation is not available yet",
+    "trace": "trace analysis is not available yet",
+    "serve": "the OpenAI-compatible server is not available yet",
+}
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `edge0 run` (DESIGN.md section 1); machinery of later stages answers 'not available yet'."""
+    p.add_argument("--model", metavar="DIR", help="Edge0 store (made by `edge0 convert`); default: the built-in demo model")
+    p.add_argument("--prompt", default=None, help="prompt text (default: a short Python prompt)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0: off)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
+                   help="native: the model's router, experts read on demand (default)")
+    p.add_argument("--executor", choices=["auto", "exact", "staged", "hot"], default="auto",
+                   help="expert execution path (auto: exact for now)")
+    p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None)
+    p.add_argument("--heads", metavar="FILE", default=None)
+    p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB")
+    p.add_argument("--io", choices=["pread", "mmap", "direct"], default="pread", help="how bundles are read (default pread)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")
+    p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
+    p.add_argument("--verify", action="store_true", help="check the checksum of every bundle read")
+    p.add_argument("--trace", metavar="PATH", default=None, help="write a timeline trace (not available yet)")
+    p.add_argument("--json", action="store_true", help="print only one JSON object with the tokens and figures, at the end")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge0", description="Serve MoE models larger than memory, experts streamed from SSD.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate text, streaming tokens to stdout", description="Generate text with an Edge0 store.")
+    add_run_flags(p)
+
+    p = sub.add_parser("convert", help="mlx-lm 4-bit or Hugging Face MoE checkpoint -> Edge0 store",
+                       description="Turn an mlx-lm (4-bit) or Hugging Face (bf16/fp16/fp32) MoE checkpoint into an Edge0 store.")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, model*.safetensors, tokenizer)")
+    p.add_argument("out", metavar="OUT", help="store directory to write (must be empty or absent)")
+    p.add_argument("--bits", type=int, default=4, help="quantization bits for float sources (default 4)")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size for float sources (default 64)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("verify", help="check every bundle checksum and header of a store")
+    p.add_argument("store", metavar="STORE")
+
+    p = sub.add_parser("make-model", help="write a random-weight MoE checkpoint of a real architecture",
+                       description="Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.")
+    p.add_argument("--arch", required=True, help="qwen3_moe | qwen3_5_moe | bailing_moe")
+    p.add_argument("--preset", default="tiny", help="tiny (tests) | small (benchmarks) | paper-35b (paper shapes, ~19 GB)")
+    p.add_argument("--format", default="mlx", choices=["mlx", "hf"], help="mlx: mlx-lm 4-bit (default); hf: Hugging Face bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("out", metavar="OUT")
+
+    p = sub.add_parser("bench", help="throughput experiments (each arm in its own process)")
+    from .bench import add_bench_flags
+
+    add_bench_flags(p)
+
+    for name, text in NOT_YET.items():
+        p = sub.add_parser(name, help=text.split(" is ")[0] + " (not available yet)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from .run import run
+
+            return run(args)
+        if args.command == "convert":
+            from .model.convert import convert
+
+            out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, force=args.force,
+                          progress=not args.quiet)
+            print(f"wrote {out}", file=sys.stderr)
+            return 0
+        if args.command == "verify":
+            return verify(args.store)
+        if args.command == "make-model":
+            from .model.make import make_model
+
+            out = make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)
+            print(f"wrote {out}", file=sys.stderr)
+            return 0
+        if args.command == "bench":
+            from .bench import bench
+
+            return bench(args)
+        raise Edge0Error(f"`edge0 {args.command}`: {NOT_YET[args.command]}")
+    except Edge0Error as e:
+        print(f"edge0: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def verify(store: str) -> int:
+    from tqdm import tqdm
+
+    from .io.manifest import read_manifest
+    from .io.reader import verify_store
+
+    manifest = read_manifest(store)
+    total = manifest.num_experts * len(manifest.layers)
+    with tqdm(total=total, unit="bundle", desc="verify", file=sys.stderr) as bar:
+        problems = verify_store(store, bar)
+    for p in problems:
+        print(f"edge0: error: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"{store}: {total} bundles in {len(manifest.layers)} layer files verified", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Expert execution. The math contract of every path: down(silu(gate(x)) * up(x)) through
+compute.qmm.gather_qmm on the store's bytes, exactly as mlx-lm's SwitchGLU computes it.
+
+Shapes: T tokens, K routed, U unique experts of a step, D hidden, H expert hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.activations import swiglu
+
+from .qmm import gather_qmm
+
+MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How the routed expert weights are packed."""
+
+    bits: int
+    group_size: int
+    mode: str
+
+
+def switch_glu(x: mx.array, inds: mx.array, bank: dict[str, mx.array], q: Quant) -> mx.array:
+    """x (..., D), inds (..., K) indexing the bank's first axis -> (..., K, D)."""
+    x = mx.expand_dims(x, (-2, -3))
+    do_sort = inds.size >= 64  # mlx-lm sorts many rows by expert; keep its choice so outputs match
+    idx, inv_order = inds, None
+    if do_sort:
+        k = inds.shape[-1]
+        flat = inds.flatten()
+        order = mx.argsort(flat)
+        inv_order = mx.argsort(order)
+        x, idx = x.flatten(0, -3)[order // k], flat[order]
+
+    def proj(h, name):
+        return gather_qmm(h, bank[f"{name}.weight"], bank[f"{name}.scales"], bank.get(f"{name}.biases"), idx,
+                          group_size=q.group_size, bits=q.bits, mode=q.mode, sorted_indices=do_sort)
+
+    up = proj(x, "up_proj")
+    gate = proj(x, "gate_proj")
+    y = proj(swiglu(gate, up), "down_proj")
+    if do_sort:
+        y = mx.unflatten(y[inv_order], 0, inds.shape)
+    return y.squeeze(-2)
+
+
+class ExactExperts:
+    """The exact path: deduplicate the routed ids, read their bundles (one preadv each) into fresh
+    arrays, gather. The correctness baseline; it syncs once per layer to learn the ids."""
+
+    def __init__(self, reader, layer: int, dtype: mx.Dtype | None):
+        m = reader.manifest
+        self.reader, self.layer = reader, layer
+        self.pieces = m.pieces
+        self.num_experts = m.num_experts
+        self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
+        self.dtype = dtype  # compute dtype for scales/biases (None: as stored)
+
+    def load(self, ids: np.ndarray) -> dict[str, mx.array]:
+        """Read bundles of experts `ids` into new (U, ...) arrays, one per piece."""
+        u = len(ids)
+        bank = {p.name: mx.zeros((u, *p.shape), dtype=MLX_DTYPES[p.dtype]) for p in self.pieces}
+        mx.eval(list(bank.values()))
+        flat = [memoryview(bank[p.name]).cast("B") for p in self.pieces]
+        for slot, expert in enumerate(ids.tolist()):
+            bufs = [f[slot * p.nbytes:(slot + 1) * p.nbytes] for f, p in zip(flat, self.pieces)]
+            self.reader.read_into(self.layer, expert, bufs)
+        del flat  # release the buffer exports before MLX reads the arrays
+        if self.dtype is not None:
+            for name, arr in bank.items():
+                if arr.dtype != self.dtype and mx.issubdtype(arr.dtype, mx.floating):
+                    bank[name] = arr.astype(self.dtype)
+        return bank
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        mx.eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
+        host = np.array(inds, copy=False)
+        ids = np.unique(host)
+        bank = self.load(ids)
+        lut = np.zeros(self.num_experts, dtype=np.uint32)
+        lut[ids] = np.arange(len(ids), dtype=np.uint32)
+        local = mx.array(lut[host])  # (..., K) positions in the bank
+        return switch_glu(x, local, bank, self.quant)

@@ -1,0 +1,58 @@
+"""Routing math, op for op as mlx-lm's blocks compute it (tests pin it bit for bit).
+
+Shapes: T tokens (any leading dims), E experts, K routed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+
+
+def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
+    """Qwen3-MoE / Qwen3-Next / Qwen3.5-MoE: softmax, top-k, optional renormalisation."""
+    gates = mx.softmax(logits, axis=-1, precise=True)  # (T, E)
+    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])  # (T, K)
+    scores = mx.take_along_axis(gates, inds, axis=-1)  # (T, K)
+    if norm_topk_prob:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
+@mx.compile
+def sigmoid_group_topk(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, score_function):
+    """Bailing (Ling) / DeepSeek-style: sigmoid scores, group-limited top-k, selection bias, routed scaling."""
+    in_type = logits.dtype
+    if score_function == "sigmoid":
+        scores = mx.sigmoid(logits.astype(mx.float32))
+    else:
+        scores = mx.softmax(logits.astype(mx.float32), axis=-1)
+    orig_scores = scores
+    if expert_bias is not None:
+        scores = scores + expert_bias  # the bias selects, it never weighs
+    if n_group > 1:
+        scores = mx.unflatten(scores, axis=-1, shape=(n_group, -1))  # (T, G, E/G)
+        group_scores = mx.topk(scores, 2, axis=-1).sum(axis=-1, keepdims=True)  # (T, G, 1)
+        drop = n_group - topk_group
+        group_idx = mx.argpartition(group_scores, kth=drop - 1, axis=-2)[..., :drop, :]
+        scores = mx.put_along_axis(scores, mx.stop_gradient(group_idx), mx.array(0.0, scores.dtype), axis=-2)
+        scores = mx.flatten(scores, -2, -1)
+    inds = mx.stop_gradient(mx.argpartition(scores, kth=-top_k, axis=-1)[..., -top_k:])
+    scores = mx.take_along_axis(orig_scores, inds, axis=-1)
+    if top_k > 1 and norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    scores = scores * routed_scaling_factor
+    return inds, scores.astype(in_type)
+
+
+def combine(y: mx.array, scores: mx.array, *, cast_back: bool) -> mx.array:
+    """Weighted sum of the K expert outputs (T, K, D) -> (T, D)."""
+    out = (y * scores[..., None]).sum(axis=-2)
+    return out.astype(y.dtype) if cast_back else out
+
+
+@partial(mx.compile, shapeless=True)
+def combine_compiled(y, scores):
+    """Bailing compiles its aggregation; compiled and eager sums may round differently."""
+    return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)

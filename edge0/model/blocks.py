@@ -1,0 +1,75 @@
+"""Edge0's MoE blocks: mlx-lm's router and shared experts, Edge0's routed-expert executor.
+
+Each block keeps the attribute names of the mlx-lm block it replaces, so resident weights load
+under mlx-lm's own parameter names. Shapes: T tokens, E experts, K routed, D hidden.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..compute.routing import combine, combine_compiled, sigmoid_group_topk, softmax_topk
+
+
+class SoftmaxMoeBlock(nn.Module):
+    """Qwen3-MoE (no shared expert) and Qwen3-Next / Qwen3.5-MoE (gated shared expert)."""
+
+    def __init__(self, src: nn.Module, executor, *, cast_back: bool):
+        super().__init__()
+        self.top_k = src.top_k
+        self.norm_topk_prob = src.norm_topk_prob
+        self.gate = src.gate
+        self.shared = "shared_expert" in src
+        if self.shared:
+            self.shared_expert = src.shared_expert
+            self.shared_expert_gate = src.shared_expert_gate
+        self.executor = executor  # (x, inds) -> (T, K, D)
+        self.cast_back = cast_back
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)  # (T, K), (T, K)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores = self.route(x)
+        y = combine(self.executor(x, inds), scores, cast_back=self.cast_back)  # (T, D)
+        if self.shared:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class SigmoidGroupMoeBlock(nn.Module):
+    """Bailing (Ling): sigmoid scores with group-limited top-k, plus always-on shared experts."""
+
+    def __init__(self, src: nn.Module, executor):
+        super().__init__()
+        self.gate = src.gate
+        self.shared_experts = src.shared_experts
+        self.executor = executor
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        g = self.gate
+        return sigmoid_group_topk(g.gate_proj(x), g.expert_bias, g.top_k, g.n_group, g.topk_group,
+                                  g.routed_scaling_factor, g.norm_topk_prob, g.score_function)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores = self.route(x)
+        out = combine_compiled(self.executor(x, inds), scores)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def make_block(model_type: str, src: nn.Module, executor) -> nn.Module:
+    """Edge0's block for mlx-lm block `src` of architecture `model_type`."""
+    if model_type == "qwen3_moe":
+        return SoftmaxMoeBlock(src, executor, cast_back=True)
+    if model_type == "qwen3_5_moe":
+        return SoftmaxMoeBlock(src, executor, cast_back=False)
+    if model_type == "bailing_moe":
+        return SigmoidGroupMoeBlock(src, executor)
+    raise KeyError(model_type)
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    return "switch_mlp" in module

@@ -1,0 +1,121 @@
+"""Load an Edge0 store as mlx-lm's own model class, with every MoE block streaming its experts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+
+from ..compute.experts import ExactExperts
+from ..errors import Edge0Error
+from ..io.manifest import Manifest, read_manifest
+from ..io.reader import BundleReader
+from .arch import arch_for, read_config
+from .blocks import is_moe_block, make_block
+
+RESIDENT = "resident.safetensors"
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass
+class Store:
+    """A loaded store: the model, its tokenizer and the reader its experts stream through."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict
+    manifest: Manifest
+    reader: BundleReader
+    dtype: mx.Dtype | None  # compute dtype of non-quantized tensors (None: as stored)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def compute_dtype(name: str) -> mx.Dtype | None:
+    """'auto' is float32 on CPU (bf16 runs about 8x slower there, PLATFORM.md) and the stored dtype elsewhere."""
+    if name == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    if name == "source":
+        return None
+    if name not in DTYPES:
+        raise Edge0Error(f"--dtype {name}: choose auto, source, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Cast floating parameters (quantization scales and biases included) to dtype, as mlx-lm's convert does."""
+    if dtype is None:
+        return
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+
+
+def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
+    """Turn Linear layers into QuantizedLinear where the checkpoint holds packed weights (as mlx_lm.load does)."""
+    quantization = config.get("quantization")
+    if quantization is None:
+        return
+
+    def predicate(path, module):
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+
+
+def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False) -> Store:
+    """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts."""
+    root = Path(path)
+    config = read_config(root)
+    arch = arch_for(config, root / "config.json")
+    if not (root / "edge0.json").exists() and list(root.glob("model*.safetensors")):
+        raise Edge0Error(f"{root}: a {config['model_type']} checkpoint, not an Edge0 store; convert it first: edge0 convert {root} OUT")
+    manifest = read_manifest(root)
+    if manifest.arch != arch.model_type:
+        raise Edge0Error(f"{root / 'edge0.json'}: arch '{manifest.arch}' disagrees with config.json model_type '{arch.model_type}'")
+    resident = root / RESIDENT
+    if not resident.exists():
+        raise Edge0Error(f"{resident}: missing")
+    try:
+        weights = mx.load(str(resident))
+    except (RuntimeError, ValueError) as e:
+        raise Edge0Error(f"{resident}: cannot be read as safetensors ({e})") from None
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    reader = BundleReader(root, manifest, verify=verify)
+    cdtype = compute_dtype(dtype)
+    try:
+        moe_layers = {entry.layer for entry in manifest.layers}
+        for i, layer in enumerate(model.layers):
+            if i in moe_layers:
+                if not is_moe_block(layer.mlp):
+                    raise Edge0Error(f"{root / 'edge0.json'}: layer {i} holds experts but the model's layer {i} is dense")
+                layer.mlp = make_block(arch.model_type, layer.mlp, ExactExperts(reader, i, cdtype))
+            elif is_moe_block(layer.mlp):
+                raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
+        quantize_like_config(model, config, weights)
+        model.eval()
+        try:
+            model.load_weights(list(weights.items()), strict=True)
+        except ValueError as e:
+            raise Edge0Error(f"{resident}: does not match the {arch.model_type} model of config.json ({e})") from None
+        cast_floats(model, cdtype)
+        mx.eval(model.parameters())
+        tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
+    except BaseException:
+        reader.close()
+        raise
+    return Store(root, model, tokenizer, config, manifest, reader, cdtype)

@@ -1,0 +1,156 @@
+"""`edge0 run` (also `python -m edge0.run`): generate text from an Edge0 store, streaming tokens.
+
+    python -m edge0.run --prompt "def fib(n):" --max-tokens 32
+    edge0 run --model ~/stores/qwen3-30b --cold --json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .errors import Edge0Error
+
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DEMO = ("qwen3_moe", "tiny")  # until the project's trained demo model exists
+UNAVAILABLE = {
+    "routing": ("native",),
+    "executor": ("auto", "exact"),
+    "io": ("pread",),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGE0_CACHE", Path.home() / ".cache" / "edge0"))
+
+
+def demo_store() -> Path:
+    """The built-in model: made and converted into the cache on first use."""
+    store = cache_dir() / f"demo-{DEMO[0]}-{DEMO[1]}"
+    if (store / "edge0.json").exists():
+        return store
+    from .model.convert import convert
+    from .model.make import make_model
+
+    print(f"edge0: first use: making the built-in demo model (random-weight {DEMO[0]} {DEMO[1]}) in {store}",
+          file=sys.stderr)
+    src = cache_dir() / f"src-{DEMO[0]}-{DEMO[1]}"
+    make_model(DEMO[0], DEMO[1], src, force=True, progress=False)
+    convert(src, store, force=True, progress=False)
+    return store
+
+
+def memory_figures() -> dict:
+    """Peak MLX allocation, peak RSS, and file-backed RSS now (GiB)."""
+    gib = 2**30
+    rss_file = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
+                rss_file = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak_mlx_gib": mx.get_peak_memory() / gib, "peak_rss_gib": peak_rss / gib, "file_rss_gib": rss_file / gib}
+
+
+def check_flags(args) -> None:
+    for flag, ok in UNAVAILABLE.items():
+        value = getattr(args, flag)
+        if value not in ok:
+            raise Edge0Error(f"--{flag} {value}: not available yet (this build has {', '.join(ok)})")
+    for flag in ("predictor", "heads", "k", "memory_budget", "trace"):
+        if getattr(args, flag) is not None:
+            raise Edge0Error(f"--{flag.replace('_', '-')}: not available yet")
+    if args.max_tokens < 1:
+        raise Edge0Error(f"--max-tokens {args.max_tokens}: must be at least 1")
+
+
+def run(args) -> int:
+    from mlx_lm.sample_utils import make_sampler
+
+    from .io.pagecache import evict
+    from .model.load import load_store
+    from .sched.generate import StepTimes, generate_steps
+
+    check_flags(args)
+    path = Path(args.model) if args.model else demo_store()
+    if args.cold and path.is_dir():
+        for f in path.rglob("*.safetensors"):
+            evict(f)
+    t0 = time.perf_counter()
+    store = load_store(path, dtype=args.dtype, verify=args.verify)
+    load_s = time.perf_counter() - t0
+    try:
+        tok = store.tokenizer
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        if args.chat and getattr(tok, "chat_template", None):
+            prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        else:
+            prompt = tok.encode(text)
+        if not prompt:
+            raise Edge0Error("--prompt: encodes to no tokens")
+        limit = store.config.get("max_position_embeddings") or store.config.get("text_config", {}).get("max_position_embeddings")
+        if limit and len(prompt) + args.max_tokens > limit:
+            raise Edge0Error(f"--prompt: {len(prompt)} tokens + --max-tokens {args.max_tokens} exceed the model's context of {limit}")
+        mx.random.seed(args.seed)
+        mx.reset_peak_memory()
+        sampler = make_sampler(temp=args.temp, top_p=args.top_p)
+        times = StepTimes()
+        detok = tok.detokenizer
+        detok.reset()
+        eos = set(tok.eos_token_ids)
+        for t, _ in generate_steps(store.model, prompt, max_tokens=args.max_tokens, sampler=sampler, times=times):
+            if t in eos and not args.ignore_eos:
+                times.tokens.pop()
+                break
+            detok.add_token(t)
+            if not args.json:
+                print(detok.last_segment, end="", flush=True)
+        detok.finalize()
+        if not args.json:
+            print(detok.last_segment, flush=True)
+        stats = store.reader.stats
+        result = {
+            "tokens": times.tokens,
+            "text": detok.text,
+            "prompt_tokens": len(prompt),
+            "decode_tok_s": times.decode_tok_s,
+            "prefill_tok_s": times.prefill_tok_s,
+            **memory_figures(),
+            "bytes_read": stats.bytes,
+            "reads": stats.reads,
+            "cold_fraction": stats.cold_fraction,
+            "routing": args.routing,
+            "executor": "exact",
+            "dtype": str(store.dtype or "source").removeprefix("mlx.core."),
+            "load_s": load_s,
+            "model": str(path),
+            "expert_gib": store.manifest.expert_bytes / 2**30,
+        }
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"[edge0] prompt {len(prompt)} tok at {times.prefill_tok_s:.1f} tok/s, decode {len(times.tokens)} tok "
+                  f"at {times.decode_tok_s:.2f} tok/s, read {stats.bytes / 2**20:.1f} MiB in {stats.reads} bundles "
+                  f"({100 * stats.cold_fraction:.0f}% cold), peak MLX {result['peak_mlx_gib']:.2f} GiB",
+                  file=sys.stderr)
+    finally:
+        store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import main as cli_main
+
+    return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The decode loop: prefill the prompt, then one token per step, as mlx-lm's generate_step does it
+(prompt[:-1] in chunks, then the last prompt token yields the first logits), so tokens match it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock figures of one generation."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0  # prompt processing until the first logits are evaluated
+    decode_s: float = 0.0  # from the first sampled token to the last
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first token comes out of prefill; decode covers the steps after it
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+
+def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callable[[mx.array], mx.array],
+                   times: StepTimes | None = None) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs) for up to max_tokens steps; the caller stops early on EOS."""
+    times = times if times is not None else StepTimes()
+    times.prompt_tokens = len(prompt)
+    cache = make_prompt_cache(model)
+    y = mx.array(prompt, dtype=mx.uint32)
+    t0 = time.perf_counter()
+    while y.size > 1:
+        n = min(PREFILL_STEP, y.size - 1)
+        model(y[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        y = y[n:]
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, V)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    token, logprobs = step(y)
+    mx.eval(token, logprobs)
+    t1 = time.perf_counter()
+    times.prefill_s = t1 - t0
+    for n in range(max_tokens):
+        t = token.item()  # SYNC: the sampled id goes to the host, once per token
+        times.tokens.append(t)
+        times.decode_s = time.perf_counter() - t1
+        yield t, logprobs
+        if n + 1 == max_tokens:
+            break
+        token, logprobs = step(token)
+        mx.eval(token, logprobs)
+    times.decode_s = time.perf_counter() - t1
