@@ -87,3 +87,19 @@ class ExactExperts:
         lut[ids] = np.arange(len(ids), dtype=np.uint32)
         local = mx.array(lut[host])  # (..., K) positions in the bank
         return switch_glu(x, local, bank, self.quant)
+
+
+class ResidentExperts:
+    """Every expert of a layer already in memory: the compute floor, and the oracle in tests."""
+
+    def __init__(self, bank: dict[str, mx.array], quant: Quant):
+        self.bank, self.quant = bank, quant
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        return switch_glu(x, inds, self.bank, self.quant)
+
+
+def bank_of(switch_mlp) -> dict[str, mx.array]:
+    """The stacked (E, ...) pieces of an mlx-lm QuantizedSwitchLinear-based SwitchGLU, by piece name."""
+    return {f"{proj}.{kind}": switch_mlp[proj][kind] for proj in ("gate_proj", "up_proj", "down_proj")
+            for kind in ("weight", "scales", "biases") if kind in switch_mlp[proj]}
