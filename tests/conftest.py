@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny checkpoints of each architecture in both source formats, and their stores."""
+
+from pathlib import Path
+
+import pytest
+
+from edge0.model.convert import convert
+from edge0.model.make import make_model
+
+ARCHS = ("qwen3_moe", "qwen3_5_moe", "bailing_moe")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Lazily made {(arch, fmt): checkpoint dir} and {(arch, fmt): store dir}, shared by the session."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict = {}
+
+    def get(arch: str, fmt: str = "mlx", what: str = "store") -> Path:
+        key = (arch, fmt)
+        if key not in made:
+            src = make_model(arch, "tiny", root / f"{arch}-{fmt}", fmt=fmt, seed=0, progress=False)
+            store = convert(src, root / f"{arch}-{fmt}-store", progress=False)
+            made[key] = (Path(src), Path(store))
+        return made[key][0 if what == "src" else 1]
+
+    return get
