@@ -184,3 +184,17 @@ def test_out_not_empty_is_not_overwritten(models, capsys, tmp_path):
 def test_checkpoint_given_to_run_is_named(models, capsys):
     code, err = run_cli(capsys, "run", "--model", str(models("qwen3_moe", "mlx", "src")))
     assert code == 2 and "not an Edge0 store" in err and "edge0 convert" in err
+
+
+def test_prompt_longer_than_context(models, capsys):
+    store = models("qwen3_moe", "mlx")
+    limit = json.loads((store / "config.json").read_text())["max_position_embeddings"]
+    code, err = run_cli(capsys, "run", "--model", str(store), "--prompt", "x " * limit, "--max-tokens", "4")
+    assert code == 2 and "exceed the model's context" in err
+
+
+def test_flags_of_later_stages_say_not_available(models, capsys):
+    store = models("qwen3_moe", "mlx")
+    for flags in (["--routing", "predicted"], ["--executor", "staged"], ["--io", "direct"], ["--heads", "h.safetensors"]):
+        code, err = run_cli(capsys, "run", "--model", str(store), *flags)
+        assert code == 2 and "not available yet" in err, flags
