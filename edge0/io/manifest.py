@@ -83,10 +83,7 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raise Edge0Error(f"{root}: no such model directory")
     if not path.exists():
         raise Edge0Error(f"{path}: missing; {root} is not an Edge0 store (make one with `edge0 convert SRC OUT`)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Edge0Error(f"{path}: not valid JSON ({e})") from None
+    raw = read_json(path)
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if not isinstance(version, int):
         raise Edge0Error(f"{path}: field 'format_version' missing or not an integer")
@@ -108,6 +105,14 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
     if sum(p.nbytes for p in manifest.pieces) != manifest.bundle_bytes:
         raise Edge0Error(f"{path}: pieces do not add up to bundle_bytes {manifest.bundle_bytes}")
     return manifest
+
+
+def read_json(path: Path):
+    """Parse a JSON file; a broken one is an Edge0Error naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Edge0Error(f"{path}: not valid JSON ({e})") from None
 
 
 def write_atomic(path: Path, data: bytes) -> None:

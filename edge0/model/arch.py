@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Edge0Error
+from ..io.manifest import read_json
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,7 @@ def read_config(model_dir: str | Path) -> dict:
     path = root / "config.json"
     if not path.exists():
         raise Edge0Error(f"{path}: missing; {root} is not a model directory")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Edge0Error(f"{path}: not valid JSON ({e})") from None
+    config = read_json(path)
     if not isinstance(config, dict) or "model_type" not in config:
         raise Edge0Error(f"{path}: field 'model_type' missing")
     return config
