@@ -1,0 +1,378 @@
+"""`edge0 train base`: train a small Qwen3-MoE language model from scratch on the Python standard library.
+
+    edge0 train base --out runs/demo --preset demo            # about 70 minutes on a 2-core CPU
+    edge0 train base --out runs/demo --preset demo --resume   # continue from the latest checkpoint
+    edge0 train base --out /tmp/t --preset tiny --steps 8     # seconds (tests)
+
+The model is mlx-lm's own `qwen3_moe.Model` (softmax top-k routing, renormalised), so the exported
+checkpoint loads with `mlx_lm.load` and converts with `edge0 convert`. Training adds a Switch-style
+load-balancing loss, computed from each layer's router in `forward_with_aux`, which walks the same
+modules mlx-lm's forward does: the parameter names stay mlx-lm's. Batches are drawn from
+numpy.random.default_rng([seed, step]): a run resumed from a checkpoint sees exactly the batches and
+losses of an uninterrupted one. On CPU, training in float32 with OpenBLAS preloaded is fastest
+(PLATFORM.md); the exported weights are bfloat16 and need neither.
+
+OUT/data     tokenizer and token streams (edge0.train.corpus)
+OUT/ckpt     step_N.safetensors (weights), step_N.opt.safetensors (AdamW state), step_N.json (last: marks it complete)
+OUT/log.jsonl  one line per step: step, loss, ce, aux, lr, tokens, elapsed_s; eval lines carry heldout_loss
+OUT/fp       the float (bf16) mlx-lm checkpoint;  OUT/store  its int4 Edge0 store
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from edge0.errors import Edge0Error
+from edge0.model.tokenizer import SPECIAL_TOKENS
+from edge0.train.corpus import Corpus, prepare_corpus, save_tokenizer_files
+
+EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")
+KEEP_CKPTS = 2  # older complete checkpoints are deleted
+
+
+@dataclass
+class Preset:
+    """Model shape and training schedule of one named configuration."""
+
+    layers: int  # decoder layers, every one MoE
+    hidden: int  # D
+    heads: int  # query heads of head_dim each
+    kv_heads: int
+    head_dim: int
+    experts: int  # E
+    top_k: int  # K routed per token
+    moe_hidden: int  # H, per expert
+    vocab: int  # BPE vocabulary, special tokens included
+    seq_len: int  # tokens per training window
+    batch: int  # windows per step
+    steps: int
+    lr: float  # peak AdamW learning rate
+    warmup: int  # linear warmup steps
+    weight_decay: float
+    aux_coef: float  # weight of the load-balancing loss (Switch: E * sum_e f_e P_e, 1.0 when uniform)
+    eval_every: int  # steps between held-out evaluations
+    eval_tokens: int  # held-out tokens per evaluation
+    ckpt_every: int  # steps between checkpoints
+    max_files: int | None = None  # corpus files cap (tests)
+
+
+PRESETS = {
+    # 6 layers x 32 experts (K 4, H 128), D 256: about 22M parameters, 5M active; ~1k tok/s on one core.
+    "demo": Preset(layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, moe_hidden=128,
+                   vocab=4096, seq_len=256, batch=16, steps=950, lr=2e-3, warmup=50, weight_decay=0.1,
+                   aux_coef=0.01, eval_every=100, eval_tokens=16384, ckpt_every=50),
+    "tiny": Preset(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, experts=8, top_k=2, moe_hidden=64,
+                   vocab=512, seq_len=32, batch=4, steps=8, lr=3e-3, warmup=2, weight_decay=0.1,
+                   aux_coef=0.01, eval_every=4, eval_tokens=256, ckpt_every=4, max_files=12),
+}
+
+
+def model_config(p: Preset) -> dict:
+    """The Hugging Face style config.json of the qwen3_moe model (mlx-lm reads it as is)."""
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+        hidden_size=p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads, head_dim=p.head_dim, num_experts=p.experts,
+        num_experts_per_tok=p.top_k, moe_intermediate_size=p.moe_hidden, intermediate_size=4 * p.hidden,
+        norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=p.vocab, tie_word_embeddings=False,
+        eos_token_id=EOS_ID, bos_token_id=None, use_cache=True, attention_bias=False, attention_dropout=0.0,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, rope_theta=10000.0,
+        router_aux_loss_coef=p.aux_coef, output_router_logits=False, sliding_window=None,
+        use_sliding_window=False, torch_dtype="bfloat16",
+    )
+
+
+def build_model(config: dict, seed: int) -> nn.Module:
+    """mlx-lm's qwen3_moe.Model at its default initialisation under `seed`, float32."""
+    from mlx_lm.models import qwen3_moe
+
+    mx.random.seed(seed)
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def forward_with_aux(model: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.array]:
+    """Logits as mlx-lm's forward computes them, and the mean over layers of the load-balancing loss.
+
+    Per layer: aux = E * sum_e f_e * P_e, f_e the fraction of routed slots going to expert e
+    (not differentiable), P_e the mean router probability of e; 1.0 when balanced.
+    """
+    from mlx_lm.models.base import create_attention_mask
+
+    h = model.model.embed_tokens(inputs)  # (B, L, D)
+    mask = create_attention_mask(h, None)
+    aux = []
+    for layer in model.model.layers:
+        h = h + layer.self_attn(layer.input_layernorm(h), mask, None)
+        x = layer.post_attention_layernorm(h)
+        moe = layer.mlp
+        probs = mx.softmax(moe.gate(x), axis=-1, precise=True)  # (B, L, E)
+        k, n_exp = moe.top_k, moe.num_experts
+        inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])  # (B, L, K)
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if moe.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = moe.switch_mlp(x, inds)  # (B, L, K, D)
+        h = h + (y * scores[..., None]).sum(axis=-2)
+        frac = mx.zeros((n_exp,), probs.dtype).at[inds.reshape(-1)].add(1.0) / inds.size
+        aux.append(n_exp * (frac * probs.reshape(-1, n_exp).mean(axis=0)).sum())
+    logits = model.lm_head(model.model.norm(h))
+    return logits, mx.stack(aux).mean()
+
+
+def loss_fn(model: nn.Module, inputs: mx.array, targets: mx.array, aux_coef: float):
+    logits, aux = forward_with_aux(model, inputs)
+    ce = nn.losses.cross_entropy(logits, targets, reduction="mean")
+    return ce + aux_coef * aux, (ce, aux)
+
+
+def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, seq_len: int) -> tuple[mx.array, mx.array]:
+    """The step's (inputs, targets): random windows drawn from default_rng([seed, step])."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, stream.size - seq_len - 1, size=batch)
+    win = np.stack([stream[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+    return mx.array(win[:, :-1]), mx.array(win[:, 1:])
+
+
+def eval_windows(stream: np.ndarray, seq_len: int, max_tokens: int) -> list[np.ndarray]:
+    """Consecutive non-overlapping windows of seq_len + 1 tokens from the stream's start."""
+    n = min(max_tokens // seq_len, (stream.size - 1) // seq_len)
+    return [stream[i * seq_len:i * seq_len + seq_len + 1].astype(np.int32) for i in range(max(n, 1))]
+
+
+def heldout_loss(model: nn.Module, windows: list[np.ndarray], batch: int) -> float:
+    """Mean next-token cross-entropy (nats) of the model over the windows."""
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        w = np.stack(windows[i:i + batch])
+        logits = model(mx.array(w[:, :-1]))
+        ce = nn.losses.cross_entropy(logits, mx.array(w[:, 1:]), reduction="sum")
+        total += ce.item()  # SYNC: once per eval batch
+        count += w[:, 1:].size
+    return total / count
+
+
+def make_optimizer(p: Preset) -> optim.Optimizer:
+    decay = optim.cosine_decay(p.lr, max(p.steps - p.warmup, 1), end=p.lr * 0.1)
+    warm = optim.linear_schedule(p.lr * 0.01, p.lr, max(p.warmup, 1))
+    return optim.AdamW(learning_rate=optim.join_schedules([warm, decay], [max(p.warmup, 1)]),
+                       betas=[0.9, 0.95], weight_decay=p.weight_decay)
+
+
+# Checkpoints ---------------------------------------------------------------------------------------
+
+def latest_checkpoint(ckpt_dir: Path) -> int | None:
+    """Step of the newest complete checkpoint (its json written last), or None."""
+    steps = [int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json")] if ckpt_dir.is_dir() else []
+    return max(steps) if steps else None
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer, state: dict) -> None:
+    """Weights, optimizer state, then the json that marks the checkpoint complete; each written atomically."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    base = ckpt_dir / f"step_{step}"
+    _save_arrays(Path(f"{base}.safetensors"), dict(tree_flatten(model.parameters())))
+    _save_arrays(Path(f"{base}.opt.safetensors"), dict(tree_flatten(opt.state)))
+    _write_atomic(Path(f"{base}.json"), json.dumps(state, indent=1) + "\n")
+    done = sorted(int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json"))
+    for old in done[:-KEEP_CKPTS]:
+        for suffix in (".json", ".safetensors", ".opt.safetensors"):  # json first: never a complete-looking stub
+            Path(f"{ckpt_dir / f'step_{old}'}{suffix}").unlink(missing_ok=True)
+
+
+def load_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer) -> dict:
+    base = ckpt_dir / f"step_{step}"
+    model.load_weights(list(mx.load(f"{base}.safetensors").items()), strict=True)
+    opt.state = tree_unflatten(list(mx.load(f"{base}.opt.safetensors").items()))
+    mx.eval(model.parameters(), opt.state)
+    return json.loads(Path(f"{base}.json").read_text())
+
+
+def _save_arrays(path: Path, arrays: dict) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
+    mx.save_safetensors(str(tmp), arrays)
+    os.replace(tmp, path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# Training ------------------------------------------------------------------------------------------
+
+def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | None = None, seed: int = 0,
+               resume: bool = False, export: bool = True, progress: bool = True, stop_at: int | None = None) -> dict:
+    """Train (or resume) a base model into `out`; export OUT/fp and OUT/store at the end. Returns the summary.
+
+    steps: override the preset's step count (the LR schedule follows it).
+    resume: continue from the latest complete checkpoint in OUT/ckpt; without it, OUT/ckpt must be empty.
+    stop_at: stop after this step with a checkpoint and without export (an interruption, for tests).
+    """
+    from tqdm import tqdm
+
+    if preset not in PRESETS:
+        raise Edge0Error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    if steps is not None:
+        p = Preset(**{**asdict(p), "steps": steps})
+    out = Path(out)
+    ckpt_dir = out / "ckpt"
+    last = latest_checkpoint(ckpt_dir)
+    if last is not None and not resume:
+        raise Edge0Error(f"{ckpt_dir}: holds checkpoints (latest step {last}); pass --resume or use another --out")
+    corpus = prepare_corpus(out / "data", vocab_size=p.vocab, max_files=p.max_files)
+    config = model_config(p)
+    model = build_model(config, seed)
+    opt = make_optimizer(p)
+    log_path = out / "log.jsonl"
+    state = dict(step=0, seed=seed, preset=preset, tokens=0, elapsed_s=0.0, config=config, hparams=asdict(p))
+    if last is not None:
+        prev = load_checkpoint(ckpt_dir, last, model, opt)
+        if prev["seed"] != seed or prev["hparams"] != asdict(p):
+            raise Edge0Error(f"{ckpt_dir}/step_{last}.json: was trained with another seed or preset; resume with the same flags")
+        state.update(prev)
+        _truncate_log(log_path, state["step"])
+    out.mkdir(parents=True, exist_ok=True)
+    windows = eval_windows(corpus.heldout, p.seq_len, p.eval_tokens)
+    step_fn = nn.value_and_grad(model, loss_fn)
+    blas = _blas()
+
+    bar = tqdm(total=p.steps, initial=state["step"], desc=f"train {preset}", disable=not progress,
+               dynamic_ncols=True)
+    t_start = time.perf_counter() - state["elapsed_s"]
+    heldout = state.get("heldout_loss")
+    with open(log_path, "a") as log:
+        while state["step"] < min(p.steps, stop_at or p.steps):
+            step = state["step"]
+            t0 = time.perf_counter()
+            inputs, targets = batch_at(corpus.train, seed, step, p.batch, p.seq_len)
+            (loss, (ce, aux)), grads = step_fn(model, inputs, targets, p.aux_coef)
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            opt.update(model, grads)
+            lr = opt.learning_rate  # the rate this update used
+            mx.eval(model.parameters(), opt.state, loss, ce, aux)
+            loss, ce, aux, lr = loss.item(), ce.item(), aux.item(), lr.item()  # SYNC: once per step, for the log
+            if not math.isfinite(loss):
+                raise Edge0Error(f"step {step}: loss is {loss}; lower --lr or check the data")
+            state["step"] = step + 1
+            state["tokens"] += inputs.size
+            state["elapsed_s"] = time.perf_counter() - t_start
+            rec = dict(step=step + 1, loss=loss, ce=ce, aux=aux, lr=lr, tokens=state["tokens"],
+                       elapsed_s=round(state["elapsed_s"], 2))
+            if state["step"] % p.eval_every == 0 or state["step"] == p.steps:
+                heldout = rec["heldout_loss"] = state["heldout_loss"] = heldout_loss(model, windows, p.batch)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if state["step"] % p.ckpt_every == 0 or state["step"] in (p.steps, stop_at):
+                save_checkpoint(ckpt_dir, state["step"], model, opt, state)
+            bar.update(1)
+            bar.set_postfix(loss=f"{ce:.3f}", aux=f"{aux:.2f}", heldout=f"{heldout:.3f}" if heldout else "-",
+                            tok_s=f"{inputs.size / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    summary = dict(preset=preset, seed=seed, steps=state["step"], tokens=state["tokens"],
+                   train_s=round(state["elapsed_s"], 1), heldout_loss=heldout,
+                   heldout_ppl=math.exp(heldout) if heldout else None, blas=blas, config=config,
+                   train_files=len(corpus.train_files), heldout_files=len(corpus.heldout_files),
+                   train_tokens=int(corpus.train.size), heldout_tokens=int(corpus.heldout.size))
+    if export and state["step"] == p.steps:
+        export_fp(model, config, corpus, out / "fp")
+        from edge0.model.convert import convert
+
+        convert(out / "fp", out / "store", force=True, progress=progress)
+        summary["fp"], summary["store"] = str(out / "fp"), str(out / "store")
+    _write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path:
+    """A bf16 mlx-lm checkpoint: config.json, model.safetensors, tokenizer files; built aside, renamed in."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_tokenizer_files(tmp, corpus.tokenizer_json)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint a run resumes from, so the log is the run's one curve."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+    _write_atomic(path, "".join(ln + "\n" for ln in lines))
+
+
+def read_log(out: str | os.PathLike) -> list[dict]:
+    path = Path(out) / "log.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+
+
+def _blas() -> str:
+    """Which BLAS MLX's fp32 matmuls go through: OpenBLAS when preloaded, else the wheel's reference BLAS."""
+    pre = os.environ.get("LD_PRELOAD", "")
+    if "openblas" in pre.lower():
+        return f"openblas ({pre}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')})"
+    return "mlx default (reference BLAS on Linux CPU)" if mx.default_device() == mx.cpu else "mlx gpu"
+
+
+# CLI -----------------------------------------------------------------------------------------------
+
+def add_train_base_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="run directory: data, checkpoints, log, exported fp and store")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="model size and schedule")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
+    p.add_argument("--no-export", action="store_true", help="skip writing OUT/fp and OUT/store")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def train_base_cli(args: argparse.Namespace) -> int:
+    summary = train_base(args.out, preset=args.preset, steps=args.steps, seed=args.seed, resume=args.resume,
+                         export=not args.no_export, progress=not args.json)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['steps']} steps, {summary['tokens']:,} tokens in {summary['train_s']:.0f} s; "
+              f"held-out loss {summary['heldout_loss']:.3f} (ppl {summary['heldout_ppl']:.1f}); BLAS: {summary['blas']}")
+        if "store" in summary:
+            print(f"fp checkpoint {summary['fp']}, Edge0 store {summary['store']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edge0 train base", description=__doc__.splitlines()[0])
+    add_train_base_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return train_base_cli(args)
+    except Edge0Error as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
