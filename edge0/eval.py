@@ -1,0 +1,248 @@
+"""`edge0 eval`: held-out perplexity of a model, and how far it is from a teacher.
+
+    edge0 eval                                              # the built-in model on the stdlib held-out split
+    edge0 eval --model STORE --data FILE_OR_DIR --teacher FP_DIR --json
+    edge0 eval --routing                                    # + expert usage and cross-token overlap per layer
+
+The token stream (a file, every .py file under a directory, or a .npy of token ids) is cut into
+consecutive windows of --seq-len tokens, each scored from a fresh context; --max-tokens caps the
+scored tokens. With a teacher (normally the float checkpoint the store was made from), each scored
+position also gives top-1 agreement (same argmax) and KL(teacher || model) in nats: the price of
+int4, and later of predicted routing. Models compute in float32 on CPU (--dtype auto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from edge0.errors import Edge0Error
+
+MAX_TOKENS = 4096  # scored tokens by default: a few seconds for the demo model on CPU
+SEQ_LEN = 256  # tokens per window (the demo model's training window)
+
+
+@dataclass
+class Loaded:
+    """A model from a store or an mlx-lm checkpoint, with what is needed to release it."""
+
+    model: object  # mlx-lm model class (Edge0 MoE blocks for a store)
+    tokenizer_dir: Path  # holds tokenizer.json
+    kind: str  # "store" or "mlx-lm"
+    close: object  # () -> None
+
+
+def load_any(path: str | os.PathLike, dtype: str = "auto") -> Loaded:
+    """An Edge0 store through load_store, anything else through mlx_lm.load (floats cast like a store's)."""
+    from edge0.model.load import cast_floats, compute_dtype, load_store
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise Edge0Error(f"{path}: no config.json; not a model directory")
+    if (path / "edge0.json").exists():
+        store = load_store(path, dtype=dtype)
+        return Loaded(store.model, path, "store", store.close)
+    from mlx_lm import load
+
+    try:
+        model, _ = load(str(path))
+    except (ValueError, FileNotFoundError) as e:
+        raise Edge0Error(f"{path}: cannot load with mlx_lm.load ({e})") from None
+    cast_floats(model, compute_dtype(dtype))
+    mx.eval(model.parameters())
+    return Loaded(model, path, "mlx-lm", lambda: None)
+
+
+def token_stream(tokenizer_dir: Path, data: str | os.PathLike | None) -> tuple[np.ndarray, str]:
+    """(token ids, description) of data; None means the stdlib held-out split of edge0.train.corpus."""
+    from edge0.train.corpus import encode_files, heldout_stream, split_files, stdlib_files, stdlib_root
+
+    if data is not None:
+        return heldout_stream(tokenizer_dir, data), str(data)
+    root = stdlib_root()
+    _, heldout = split_files(stdlib_files(root))
+    tok_json = (tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8")
+    return encode_files(tok_json, root, heldout), f"stdlib held-out split ({len(heldout)} files under {root})"
+
+
+def windows_of(stream: np.ndarray, seq_len: int, max_tokens: int) -> list[np.ndarray]:
+    """Consecutive windows of seq_len + 1 tokens (the last shorter), scoring at most max_tokens in all."""
+    out, i = [], 0
+    while i + 1 < stream.size and sum(w.size - 1 for w in out) < max_tokens:
+        n = min(seq_len, max_tokens - sum(w.size - 1 for w in out), stream.size - 1 - i)
+        out.append(stream[i:i + n + 1].astype(np.int32))
+        i += n
+    if not out:
+        raise Edge0Error("the data holds fewer than two tokens")
+    return out
+
+
+def _logprobs(model, window: np.ndarray) -> mx.array:
+    logits = model(mx.array(window[None, :-1])).astype(mx.float32)[0]  # (L, V)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None, *,
+             teacher: str | os.PathLike | None = None, max_tokens: int = MAX_TOKENS, seq_len: int = SEQ_LEN,
+             dtype: str = "auto", routing: bool = False) -> dict:
+    """Perplexity of model_dir (store or mlx-lm checkpoint) on data, and vs the teacher if given.
+
+    Returns loss (nats/token), ppl, tokens; with a teacher also teacher_loss, teacher_ppl,
+    top1_agreement, kl (mean KL(teacher || model) per token); with routing, routing_stats's figures.
+    """
+    student = load_any(model_dir, dtype)
+    try:
+        stream, desc = token_stream(student.tokenizer_dir, data)
+        wins = windows_of(stream, seq_len, max_tokens)
+        tutor = load_any(teacher, dtype) if teacher is not None else None
+        try:
+            nll = t_nll = agree = kl = 0.0
+            n = 0
+            for w in wins:
+                targets = mx.array(w[1:])
+                lp = _logprobs(student.model, w)  # (L, V)
+                parts = [-mx.take_along_axis(lp, targets[:, None], axis=-1).sum()]
+                if tutor is not None:
+                    tlp = _logprobs(tutor.model, w)
+                    parts += [-mx.take_along_axis(tlp, targets[:, None], axis=-1).sum(),
+                              (mx.argmax(tlp, axis=-1) == mx.argmax(lp, axis=-1)).sum(),
+                              (mx.exp(tlp) * (tlp - lp)).sum()]
+                mx.eval(parts)
+                vals = [p.item() for p in parts]  # SYNC: once per window
+                nll += vals[0]
+                if tutor is not None:
+                    t_nll, agree, kl = t_nll + vals[1], agree + vals[2], kl + vals[3]
+                n += w.size - 1
+        finally:
+            if tutor is not None:
+                tutor.close()
+        out = dict(model=str(model_dir), kind=student.kind, data=desc, tokens=n, windows=len(wins), seq_len=seq_len,
+                   loss=nll / n, ppl=math.exp(nll / n))
+        if tutor is not None:
+            out.update(teacher=str(teacher), teacher_loss=t_nll / n, teacher_ppl=math.exp(t_nll / n),
+                       top1_agreement=agree / n, kl=kl / n)
+        if routing:
+            out["routing"] = routing_stats(student.model, wins)
+    finally:
+        student.close()
+    return out
+
+
+def capture_routing(model):
+    """Record the expert ids each Edge0 MoE block routes to: (per-layer lists of (..., K) ids, undo)."""
+    seen: list[list[mx.array]] = []
+    undo = []
+    for layer in model.layers:
+        blk = layer.mlp
+        if not hasattr(blk, "route"):
+            raise Edge0Error("routing statistics need an Edge0 store; convert the checkpoint first (edge0 convert)")
+        rec: list[mx.array] = []
+        seen.append(rec)
+
+        def route(x, _orig=blk.route, _rec=rec):
+            inds, scores = _orig(x)
+            _rec.append(inds)
+            return inds, scores
+
+        object.__setattr__(blk, "route", route)  # an instance attribute shadows the method
+        undo.append(lambda b=blk: object.__delattr__(b, "route"))
+    if not seen:
+        raise Edge0Error("the model has no MoE layer")
+    return seen, lambda: [u() for u in undo]
+
+
+def routing_stats(model, windows: list[np.ndarray]) -> dict:
+    """Expert usage and cross-token overlap per MoE layer over the windows.
+
+    used_fraction: share of experts routed to at least once; effective_fraction: exp(entropy of the
+    load) / E (1.0 when perfectly balanced); overlap: mean |S_t & S_t+1| / K between consecutive
+    tokens of a window (K/E if routing were independent across tokens).
+    """
+    seen, undo = capture_routing(model)
+    E = model.args.num_experts
+    K = model.args.num_experts_per_tok
+    counts = np.zeros((len(seen), E), np.int64)
+    inter = np.zeros(len(seen))
+    pairs = 0
+    try:
+        for w in windows:
+            for rec in seen:
+                rec.clear()
+            mx.eval(model(mx.array(w[None, :-1])))
+            for li, rec in enumerate(seen):
+                ids = np.array(mx.concatenate([r.reshape(-1, K) for r in rec]))  # (L, K)
+                np.add.at(counts[li], ids.reshape(-1), 1)
+                hit = (ids[1:, :, None] == ids[:-1, None, :]).any(-1).sum()
+                inter[li] += hit / K
+            pairs += w.size - 2
+    finally:
+        undo()
+    load = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    ent = -(np.where(load > 0, load * np.log(np.where(load > 0, load, 1)), 0)).sum(1)
+    return dict(
+        experts=E, top_k=K, tokens=int(counts[0].sum() // K),
+        used_fraction=[float(x) for x in (counts > 0).mean(1)],
+        effective_fraction=[float(x) for x in np.exp(ent) / E],
+        max_load=[float(x) for x in load.max(1)],
+        overlap=[float(x) for x in inter / max(pairs, 1)],
+        overlap_mean=float((inter / max(pairs, 1)).mean()),
+        overlap_independent=K / E,
+    )
+
+
+# CLI -----------------------------------------------------------------------------------------------
+
+def add_eval_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="an Edge0 store or an mlx-lm checkpoint; default the built-in model")
+    p.add_argument("--data", default=None,
+                   help="a text file, a directory (its .py files), or a .npy of token ids; default the stdlib held-out split")
+    p.add_argument("--teacher", default=None, help="the reference model (normally the float checkpoint) for agreement and KL")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens scored at most")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per window")
+    p.add_argument("--dtype", default="auto", help="compute dtype of non-quantized tensors: auto, source, float32, bfloat16")
+    p.add_argument("--routing", action="store_true", help="also expert usage and cross-token overlap per layer")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def eval_cli(args: argparse.Namespace) -> int:
+    from edge0.model.demo import DEMO_STORE
+
+    if args.max_tokens < 1 or args.seq_len < 1:
+        raise Edge0Error("--max-tokens and --seq-len must be positive")
+    r = evaluate(args.model or DEMO_STORE, args.data, teacher=args.teacher, max_tokens=args.max_tokens,
+                 seq_len=args.seq_len, dtype=args.dtype, routing=args.routing)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['model']} on {r['data']}: {r['tokens']} tokens, loss {r['loss']:.4f} nats/token, ppl {r['ppl']:.3f}")
+    if "teacher" in r:
+        print(f"teacher {r['teacher']}: ppl {r['teacher_ppl']:.3f}; top-1 agreement {r['top1_agreement']:.4f}, "
+              f"KL(teacher||model) {r['kl']:.5f} nats/token")
+    if "routing" in r:
+        s = r["routing"]
+        for i, (u, e, o) in enumerate(zip(s["used_fraction"], s["effective_fraction"], s["overlap"])):
+            print(f"layer {i}: experts used {u:.2f}, effective {e:.2f}, overlap t->t+1 {o:.3f}")
+        print(f"mean overlap {s['overlap_mean']:.3f} (independent routing: {s['overlap_independent']:.3f})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    add_eval_flags(parser)
+    try:
+        return eval_cli(parser.parse_args(argv))
+    except Edge0Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
