@@ -2,8 +2,8 @@
 
     edge0 bench --source /tmp/small-mlx --store /tmp/small-store --arms mlx-lm,exact --cache cold,warm --rounds 3
 
-Arms: `mlx-lm` (mlx_lm's model fully resident, loaded from --source) and `exact` (Edge0's exact path on
---store). Every arm decodes the same prompt greedily for the same number of tokens, EOS ignored.
+Arms: `mlx-lm` (mlx_lm's model fully resident, loaded from --source, in its stored dtype, as users run
+it), `mlx-lm:f32` (the same in float32, like with like on CPU) and `exact` (Edge0's exact path on --store). Every arm decodes the same prompt greedily for the same number of tokens, EOS ignored.
 Cache `cold` evicts the checkpoint's files before each run; `warm` reads them once first.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import Edge0Error
 
-ARMS = ("mlx-lm", "exact")
+ARMS = ("mlx-lm", "mlx-lm:f32", "exact")
 FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "bytes_read", "cold_fraction")
 
 
@@ -31,7 +31,7 @@ def add_bench_flags(p) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round runs every arm once (default 3)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt", default="def fibonacci(n):\n    ")
-    p.add_argument("--dtype", default="auto", help="compute dtype for every arm (auto: float32 on CPU)")
+    p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
 
 
@@ -56,10 +56,12 @@ def _warm_tree(path: Path) -> None:
 
 
 def run_arm(arm: str, args, cache: str) -> dict:
-    path = Path(args.source if arm == "mlx-lm" else args.store)
+    resident = arm.startswith("mlx-lm")
+    path = Path(args.source if resident else args.store)
     (_evict_tree if cache == "cold" else _warm_tree)(path)
-    if arm == "mlx-lm":
-        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), args.prompt, str(args.max_tokens), args.dtype]
+    if resident:
+        dtype = "float32" if arm == "mlx-lm:f32" else "source"
+        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), args.prompt, str(args.max_tokens), dtype]
     else:
         cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--prompt", args.prompt, "--max-tokens",
                str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", arm]
@@ -75,8 +77,9 @@ def bench(args) -> int:
     for a in arms:
         if a not in ARMS:
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)})")
-        if not (args.source if a == "mlx-lm" else args.store):
-            raise Edge0Error(f"--arms {a}: needs --{'source' if a == 'mlx-lm' else 'store'}")
+        resident = a.startswith("mlx-lm")
+        if not (args.source if resident else args.store):
+            raise Edge0Error(f"--arms {a}: needs --{'source' if resident else 'store'}")
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
@@ -89,20 +92,21 @@ def bench(args) -> int:
                 runs.setdefault(f"{arm}/{cache}", []).append(res)
                 print(f"round {r + 1} {arm:8s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
-    summary = {key: {f: statistics.median(x[f] for x in rs) for f in FIGURES} for key, rs in runs.items()}
+    summary = {key: {**{f: statistics.median(x[f] for x in rs) for f in FIGURES}, "dtype": rs[0]["dtype"]}
+               for key, rs in runs.items()}
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "source": args.source,
             "store": args.store}
     out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
-    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, dtype {args.dtype}, {args.rounds} rounds, "
+    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
              f"{args.max_tokens} tokens, medians", "",
-             "| arm | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| arm | dtype | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, s in summary.items():
         arm, cache = key.split("/")
-        lines.append(f"| {arm} | {cache} | {s['decode_tok_s']:.2f} | {s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | "
+        lines.append(f"| {arm} | {s['dtype']} | {cache} | {s['decode_tok_s']:.2f} | {s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | "
                      f"{s['peak_rss_gib']:.3f} | {s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -114,6 +118,7 @@ def mlx_lm_arm(path: str, prompt: str, max_tokens: int, dtype: str) -> None:
     """One resident mlx-lm run; prints the same JSON figures as `edge0 run --json`."""
     import mlx.core as mx
     from mlx_lm import load
+    from mlx.utils import tree_flatten
     from mlx_lm.sample_utils import make_sampler
 
     from .model.load import cast_floats, compute_dtype
@@ -122,12 +127,14 @@ def mlx_lm_arm(path: str, prompt: str, max_tokens: int, dtype: str) -> None:
 
     model, tok = load(path)
     cast_floats(model, compute_dtype(dtype))
+    dtype = next(str(v.dtype) for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    dtype = dtype.removeprefix("mlx.core.")
     mx.eval(model.parameters())
     mx.reset_peak_memory()
     times = StepTimes()
     for _ in generate_steps(model, tok.encode(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0), times=times):
         pass
-    print(json.dumps({"tokens": times.tokens, "decode_tok_s": times.decode_tok_s, "prefill_tok_s": times.prefill_tok_s,
+    print(json.dumps({"tokens": times.tokens, "dtype": dtype, "decode_tok_s": times.decode_tok_s, "prefill_tok_s": times.prefill_tok_s,
                       **memory_figures(), "bytes_read": 0, "cold_fraction": 0.0}))
 
 

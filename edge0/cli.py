@@ -28,12 +28,18 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
                    help="native: the model's router, experts read on demand (default)")
     p.add_argument("--executor", choices=["auto", "exact", "staged", "hot"], default="auto",
-                   help="expert execution path (auto: exact for now)")
+                   help="exact: read the routed experts into fresh arrays every step; staged: per-layer double-buffered "
+                        "slot banks, only changed slots read; hot: one LRU of bundles shared by all layers within "
+                        "--memory-budget (auto: staged). staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None)
     p.add_argument("--heads", metavar="FILE", default=None)
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB")
-    p.add_argument("--io", choices=["pread", "mmap", "direct"], default="pread", help="how bundles are read (default pread)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
+    p.add_argument("--io", choices=["pread", "mmap", "direct"], default="pread",
+                   help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
+    p.add_argument("--replay", metavar="FILE", default=None,
+                   help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
     p.add_argument("--verify", action="store_true", help="check the checksum of every bundle read")

@@ -21,8 +21,6 @@ DEFAULT_PROMPT = "def fibonacci(n):\n    "
 DEMO = ("qwen3_moe", "tiny")  # until the project's trained demo model exists
 UNAVAILABLE = {
     "routing": ("native",),
-    "executor": ("auto", "exact"),
-    "io": ("pread",),
 }
 
 
@@ -65,11 +63,23 @@ def check_flags(args) -> None:
         value = getattr(args, flag)
         if value not in ok:
             raise Edge0Error(f"--{flag} {value}: not available yet (this build has {', '.join(ok)})")
-    for flag in ("predictor", "heads", "k", "memory_budget", "trace"):
+    for flag in ("predictor", "heads", "k", "trace"):
         if getattr(args, flag) is not None:
             raise Edge0Error(f"--{flag.replace('_', '-')}: not available yet")
     if args.max_tokens < 1:
         raise Edge0Error(f"--max-tokens {args.max_tokens}: must be at least 1")
+
+
+def read_replay(path: str) -> dict:
+    """--replay FILE: {"prompt": [ids], "tokens": [ids]}: a fixed prompt and forced decode tokens (benchmarks)."""
+    from .io.manifest import read_json
+
+    data = read_json(Path(path))
+    ok = isinstance(data, dict) and all(isinstance(data.get(k, []), list) and all(isinstance(t, int) for t in data.get(k, []))
+                                        for k in ("prompt", "tokens"))
+    if not ok or not data.get("prompt"):
+        raise Edge0Error(f"{path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}}")
+    return data
 
 
 def run(args) -> int:
@@ -85,12 +95,16 @@ def run(args) -> int:
         for f in path.rglob("*.safetensors"):
             evict(f)
     t0 = time.perf_counter()
-    store = load_store(path, dtype=args.dtype, verify=args.verify)
+    replay = read_replay(args.replay) if args.replay else None
+    store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
+                       memory_budget=args.memory_budget, io=args.io)
     load_s = time.perf_counter() - t0
     try:
         tok = store.tokenizer
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-        if args.chat and getattr(tok, "chat_template", None):
+        if replay is not None:
+            prompt = replay["prompt"]
+        elif args.chat and getattr(tok, "chat_template", None):
             prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         else:
             prompt = tok.encode(text)
@@ -106,7 +120,9 @@ def run(args) -> int:
         detok = tok.detokenizer
         detok.reset()
         eos = set(tok.eos_token_ids)
-        for t, _ in generate_steps(store.model, prompt, max_tokens=args.max_tokens, sampler=sampler, times=times):
+        forced = replay.get("tokens") if replay is not None else None
+        for t, _ in generate_steps(store.model, prompt, max_tokens=args.max_tokens, sampler=sampler, times=times,
+                                   runtime=store.runtime, forced=forced):
             if t in eos and not args.ignore_eos:
                 times.tokens.pop()
                 break
@@ -117,6 +133,7 @@ def run(args) -> int:
         if not args.json:
             print(detok.last_segment, flush=True)
         stats = store.reader.stats
+        rt = store.runtime
         result = {
             "tokens": times.tokens,
             "text": detok.text,
@@ -127,8 +144,13 @@ def run(args) -> int:
             "bytes_read": stats.bytes,
             "reads": stats.reads,
             "cold_fraction": stats.cold_fraction,
+            "hit_rate": rt.stats.hit_rate,
+            "resident_expert_bytes": rt.resident_expert_bytes,
+            "memory_budget_gib": args.memory_budget,
             "routing": args.routing,
-            "executor": "exact",
+            "executor": rt.executor,
+            "whole_layer_prefill": rt.prefill is not None,
+            "io": store.reader.io,
             "dtype": str(store.dtype or "source").removeprefix("mlx.core."),
             "load_s": load_s,
             "model": str(path),
@@ -137,10 +159,10 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"[edge0] prompt {len(prompt)} tok at {times.prefill_tok_s:.1f} tok/s, decode {len(times.tokens)} tok "
-                  f"at {times.decode_tok_s:.2f} tok/s, read {stats.bytes / 2**20:.1f} MiB in {stats.reads} bundles "
-                  f"({100 * stats.cold_fraction:.0f}% cold), peak MLX {result['peak_mlx_gib']:.2f} GiB",
-                  file=sys.stderr)
+            print(f"[edge0] {rt.executor}: prompt {len(prompt)} tok at {times.prefill_tok_s:.1f} tok/s, decode "
+                  f"{len(times.tokens)} tok at {times.decode_tok_s:.2f} tok/s, read {stats.bytes / 2**20:.1f} MiB in "
+                  f"{stats.reads} reads ({100 * stats.cold_fraction:.0f}% cold), slot hit rate "
+                  f"{100 * rt.stats.hit_rate:.0f}%, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
     finally:
         store.close()
     return 0

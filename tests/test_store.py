@@ -195,6 +195,6 @@ def test_prompt_longer_than_context(models, capsys):
 
 def test_flags_of_later_stages_say_not_available(models, capsys):
     store = models("qwen3_moe", "mlx")
-    for flags in (["--routing", "predicted"], ["--executor", "staged"], ["--io", "direct"], ["--heads", "h.safetensors"]):
+    for flags in (["--routing", "predicted"], ["--routing", "prefetch"], ["--heads", "h.safetensors"], ["--trace", "t.json"]):
         code, err = run_cli(capsys, "run", "--model", str(store), *flags)
         assert code == 2 and "not available yet" in err, flags

@@ -12,9 +12,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
+from .banks import MLX_DTYPES
 from .qmm import gather_qmm
-
-MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,10 @@ class ExactExperts:
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         mx.eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
         host = np.array(inds, copy=False)
-        ids = np.unique(host)
+        return self.compute(x, host, np.unique(host))
+
+    def compute(self, x: mx.array, host: np.ndarray, ids: np.ndarray) -> mx.array:
+        """The routed ids already on the host: read their bundles and gather."""
         bank = self.load(ids)
         lut = np.zeros(self.num_experts, dtype=np.uint32)
         lut[ids] = np.arange(len(ids), dtype=np.uint32)

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
-from ..compute.experts import ExactExperts
+from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..io.manifest import Manifest, read_manifest
 from ..io.reader import BundleReader
@@ -33,6 +33,7 @@ class Store:
     manifest: Manifest
     reader: BundleReader
     dtype: mx.Dtype | None  # compute dtype of non-quantized tensors (None: as stored)
+    runtime: Runtime  # the expert executors and what they share
 
     def close(self) -> None:
         self.reader.close()
@@ -75,8 +76,12 @@ def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
                 mode=quantization.get("mode", "affine"), class_predicate=predicate)
 
 
-def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False) -> Store:
-    """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts."""
+def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
+               memory_budget: float | None = None, io: str = "pread") -> Store:
+    """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
+
+    executor: exact | staged | hot | auto (staged); memory_budget: GiB of resident expert bytes; io: pread | mmap | direct.
+    """
     root = Path(path)
     config = read_config(root)
     arch = arch_for(config, root / "config.json")
@@ -95,15 +100,15 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    reader = BundleReader(root, manifest, verify=verify)
+    reader = BundleReader(root, manifest, verify=verify, io=io)
     cdtype = compute_dtype(dtype)
     try:
-        moe_layers = {entry.layer for entry in manifest.layers}
+        runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget)
         for i, layer in enumerate(model.layers):
-            if i in moe_layers:
+            if i in runtime.executors:
                 if not is_moe_block(layer.mlp):
                     raise Edge0Error(f"{root / 'edge0.json'}: layer {i} holds experts but the model's layer {i} is dense")
-                layer.mlp = make_block(arch.model_type, layer.mlp, ExactExperts(reader, i, cdtype))
+                layer.mlp = make_block(arch.model_type, layer.mlp, runtime.executors[i])
             elif is_moe_block(layer.mlp):
                 raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
         quantize_like_config(model, config, weights)
@@ -118,4 +123,4 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     except BaseException:
         reader.close()
         raise
-    return Store(root, model, tokenizer, config, manifest, reader, cdtype)
+    return Store(root, model, tokenizer, config, manifest, reader, cdtype, runtime)

@@ -34,26 +34,42 @@ class StepTimes:
 
 
 def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callable[[mx.array], mx.array],
-                   times: StepTimes | None = None) -> Iterator[tuple[int, mx.array]]:
-    """Yield (token, logprobs) for up to max_tokens steps; the caller stops early on EOS."""
+                   times: StepTimes | None = None, runtime=None,
+                   forced: list[int] | None = None) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs) for up to max_tokens steps; the caller stops early on EOS.
+
+    runtime: the store's executor runtime (its fence advances at every evaluated step, its prefill banks
+    are released after the prompt). forced: replay these tokens instead of the sampled ones, so that
+    benchmark arms do identical work.
+    """
+    if forced is not None:
+        max_tokens = min(max_tokens, len(forced))
     times = times if times is not None else StepTimes()
     times.prompt_tokens = len(prompt)
     cache = make_prompt_cache(model)
     y = mx.array(prompt, dtype=mx.uint32)
     t0 = time.perf_counter()
+    sync = runtime.fence.sync if runtime is not None else (lambda: None)
     while y.size > 1:
         n = min(PREFILL_STEP, y.size - 1)
         model(y[:n][None], cache=cache)
         mx.eval([c.state for c in cache])
+        sync()
         y = y[n:]
+    if runtime is not None:
+        runtime.end_prefill()
 
-    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+    def step(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
         logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, V)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0)
+        sampled = sampler(logprobs)
+        if forced is not None:
+            sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)
+        return sampled, logprobs.squeeze(0)
 
-    token, logprobs = step(y)
+    token, logprobs = step(y, 0)
     mx.eval(token, logprobs)
+    sync()
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
     for n in range(max_tokens):
@@ -63,6 +79,7 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
         yield t, logprobs
         if n + 1 == max_tokens:
             break
-        token, logprobs = step(token)
+        token, logprobs = step(token, n + 1)
         mx.eval(token, logprobs)
+        sync()
     times.decode_s = time.perf_counter() - t1

@@ -1,0 +1,111 @@
+"""Slot banks: persistent, evaluated MLX arrays that I/O writes expert bundles into, in place.
+
+The rule that keeps this sound, written once: MLX does not see writes made through a memoryview,
+so a bank may be written only when every graph that reads it has been evaluated. The Fence counts
+evaluations; a bank remembers the fence epoch of the last graph built to read it; `Bank.writable`
+is the only test, and `Bank.write_buffers` refuses to hand out buffers otherwise.
+
+Shapes: S slots, and per piece the expert's own shape (e.g. (H, D/8) uint32 for a 4-bit weight).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
+
+
+class BankBusy(RuntimeError):
+    """A write was attempted into a bank that a built-but-unevaluated graph may still read."""
+
+
+class Fence:
+    """Epochs of graph building. `sync()` is called right after an mx.eval that evaluated everything
+    built so far (the model's graph is one chain: each layer's output depends on every earlier layer)."""
+
+    def __init__(self):
+        self.epoch = 0  # the graph being built now
+        self.completed = -1  # every graph built in epochs <= completed has been evaluated
+
+    def sync(self) -> None:
+        self.completed = self.epoch
+        self.epoch += 1
+
+
+class Bank:
+    """S slots of expert bundles, one (S, ...) array per piece, plus which expert each slot holds.
+
+    With a compute dtype wider than the stored one (float32 on CPU, bf16 on disk), the float pieces
+    (scales, biases) are kept widened: their bytes land in a per-slot staging area and `commit`
+    widens them into the bank with numpy, so no MLX cast runs per step and weights still go
+    straight from disk into the bank.
+    """
+
+    def __init__(self, pieces, slots: int, fence: Fence, compute_dtype: mx.Dtype | None = None):
+        self.pieces, self.slots, self.fence = pieces, slots, fence
+        self.widen = self.widened(pieces, compute_dtype)
+        self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=mx.float32 if w else MLX_DTYPES[p.dtype])
+                       for p, w in zip(pieces, self.widen)}
+        mx.eval(list(self.arrays.values()))
+        self._flat = [memoryview(self.arrays[p.name]).cast("B") for p in pieces]
+        widened = [p for p, w in zip(pieces, self.widen) if w]
+        self._stage_bytes = sum(p.nbytes for p in widened)
+        self._stage = np.zeros((slots, self._stage_bytes), dtype=np.uint8) if widened else None
+        self._stage_at = {}  # piece index -> byte offset inside a slot's staging row
+        at = 0
+        for i, (p, w) in enumerate(zip(pieces, self.widen)):
+            if w:
+                self._stage_at[i] = at
+                at += p.nbytes
+        self.holds = np.full(slots, -1, dtype=np.int64)  # expert id (or cache key) in each slot, -1 empty
+        self.last_read = -1  # fence epoch of the last graph built to read this bank
+        self.nbytes = sum(a.nbytes for a in self.arrays.values()) + (self._stage.nbytes if widened else 0)
+
+    @staticmethod
+    def widened(pieces, compute_dtype) -> list[bool]:
+        return [p.dtype == "BF16" and compute_dtype is not None and compute_dtype == mx.float32 for p in pieces]
+
+    @classmethod
+    def slot_bytes(cls, pieces, compute_dtype) -> int:
+        """Memory one slot takes: the stored bytes, plus the widened copy and its staging for bf16 pieces."""
+        return sum(p.nbytes * (3 if w else 1) for p, w in zip(pieces, cls.widened(pieces, compute_dtype)))
+
+    @property
+    def writable(self) -> bool:
+        return self.last_read <= self.fence.completed
+
+    def write_buffers(self, slot: int) -> list[memoryview]:
+        """Writable views of one slot's pieces (stored bytes), in manifest order; only while no pending
+        graph reads the bank. Call `commit` after the read lands."""
+        if not self.writable:
+            raise BankBusy(f"bank read by graph epoch {self.last_read}, evaluated only up to {self.fence.completed}")
+        out = []
+        for i, (f, p) in enumerate(zip(self._flat, self.pieces)):
+            if self.widen[i]:
+                at = self._stage_at[i]
+                out.append(memoryview(self._stage[slot, at:at + p.nbytes]))
+            else:
+                out.append(f[slot * p.nbytes:(slot + 1) * p.nbytes])
+        return out
+
+    def commit(self, slots) -> None:
+        """Widen the staged bf16 pieces of `slots` into the float32 bank (numpy on the bank's memory, no MLX op)."""
+        if self._stage is None:
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        for i, p in enumerate(self.pieces):
+            if self.widen[i]:
+                at = self._stage_at[i]
+                bf16 = self._stage[slots, at:at + p.nbytes].view(np.uint16)  # (n, nbytes/2)
+                dst = np.frombuffer(self._flat[i], dtype=np.uint32).reshape(self.slots, -1)
+                dst[slots] = bf16.astype(np.uint32) << 16  # bf16 -> f32 is exact: the high half of the word
+
+    def read(self) -> dict[str, mx.array]:
+        """The bank's arrays for a graph about to be built; marks the bank as read in this epoch."""
+        self.last_read = self.fence.epoch
+        return self.arrays
+
+    def address(self, name: str) -> int:
+        """Base address of a piece's buffer (tests check fills happen in place)."""
+        return np.frombuffer(self._flat[[p.name for p in self.pieces].index(name)], dtype=np.uint8).ctypes.data

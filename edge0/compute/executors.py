@@ -1,0 +1,168 @@
+"""The streaming executor paths beyond exact: staged slot banks, the hot LRU, whole-layer prefill.
+
+All of them compute switch_glu (experts.py) over a bank of slots with the same kernel, so they are
+bitwise equal to exact on the same inputs. Fills are plain (slot, expert) lists, applied by
+`fill_slots`, so a worker pool can run them unchanged.
+
+Shapes: T tokens, K routed, U unique experts of a step, S slots, E experts.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .banks import Bank, Fence
+from .experts import ExactExperts, Quant, switch_glu
+
+
+@dataclass
+class SlotStats:
+    """Hits and misses of a slot cache (slots already holding the routed expert are hits)."""
+
+    lookups: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class SlotCache:
+    """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared),
+    replaced least recently used first."""
+
+    def __init__(self, bank: Bank, stats: SlotStats, num_keys: int):
+        self.bank, self.stats = bank, stats
+        self.slot_of = np.full(num_keys, -1, dtype=np.int64)  # key -> slot, -1 when not held
+        self.used = np.zeros(bank.slots, dtype=np.int64)  # clock of each slot's last use
+        self.clock = 0
+
+    def overlap(self, keys: np.ndarray) -> int:
+        return int((self.slot_of[keys] >= 0).sum())
+
+    def assign(self, keys: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Slots for unique `keys` (len <= S), and the (slot, key) fills that make them hold those keys."""
+        self.clock += 1
+        slots = self.slot_of[keys]  # (U,)
+        miss = slots < 0
+        self.stats.lookups += len(keys)
+        self.stats.hits += int(len(keys) - miss.sum())
+        fills: list[tuple[int, int]] = []
+        if miss.any():
+            keep = np.zeros(self.bank.slots, dtype=bool)
+            keep[slots[~miss]] = True
+            free = np.flatnonzero(~keep)
+            victims = free[np.argsort(self.used[free], kind="stable")][: int(miss.sum())]
+            old = self.bank.holds[victims]
+            self.slot_of[old[old >= 0]] = -1
+            self.slot_of[keys[miss]] = victims
+            self.bank.holds[victims] = keys[miss]
+            slots[miss] = victims
+            fills = list(zip(victims.tolist(), keys[miss].tolist()))
+        self.used[slots] = self.clock
+        return slots, fills
+
+
+def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None) -> None:
+    """Read each (slot, key) bundle straight into the bank's memory: one preadv per bundle, no MLX op."""
+    for slot, key in fills:
+        expert = key % num_experts if num_experts else key
+        reader.read_into(layer, expert, bank.write_buffers(slot))
+    if fills:
+        bank.commit([slot for slot, _ in fills])
+
+
+class SlottedExperts:
+    """Native routing over slot banks: the routed set is read on demand into slots not already holding it.
+
+    staged: each layer has its own two banks (double buffer) of S slots, keyed by expert id.
+    hot: every layer shares one large bank keyed by (layer, expert), LRU across layers.
+    A step whose unique experts do not fit the bank falls back to exact.
+    """
+
+    def __init__(self, reader, layer: int, caches: list[SlotCache], fence: Fence, exact: ExactExperts,
+                 prefill: "WholeLayer | None", *, shared: bool):
+        self.reader, self.layer, self.caches, self.fence = reader, layer, caches, fence
+        self.exact, self.prefill = exact, prefill
+        self.num_experts = reader.manifest.num_experts
+        self.key_base = layer * self.num_experts if shared else 0
+        self.quant = exact.quant
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        if self.prefill is not None and self.prefill.wants(inds):
+            return self.prefill(self.layer, x, inds)
+        mx.eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
+        self.fence.sync()
+        host = np.array(inds, copy=False)
+        ids = np.unique(host)
+        keys = ids + self.key_base
+        usable = [c for c in self.caches if c.bank.writable and c.bank.slots >= len(ids)]
+        if not usable:
+            return self.exact.compute(x, host, ids)
+        cache = max(usable, key=lambda c: c.overlap(keys))
+        slots, fills = cache.assign(keys)
+        fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
+        lut = np.zeros(self.num_experts, dtype=np.uint32)
+        lut[ids] = slots
+        return switch_glu(x, mx.array(lut[host]), cache.bank.read(), self.quant)
+
+
+class WholeLayer:
+    """Prefill: each MoE layer's experts read whole (one preadv per layer, or a few), used for every
+    prompt token, the next layer's read running on a worker thread while this layer computes.
+
+    Two E-slot banks alternate between layers; they exist only during prefill (`release`).
+    """
+
+    def __init__(self, reader, fence: Fence, compute_dtype, *, min_rows: int | None = None):
+        m = reader.manifest
+        self.reader, self.fence, self.compute_dtype = reader, fence, compute_dtype
+        self.order = [e.layer for e in m.layers]
+        self.next = dict(zip(self.order, self.order[1:]))
+        self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
+        self.min_rows = min_rows or m.num_experts  # T*K at which a step touches about every expert
+        self.banks: list[Bank] = []
+        self.pending: dict[int, tuple[Bank, Future]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-prefill")
+        self.layer_bytes = m.num_experts * m.bundle_stride
+
+    def wants(self, inds: mx.array) -> bool:
+        return inds.size >= self.min_rows
+
+    def _start(self, layer: int, in_use: Bank | None = None) -> None:
+        if not self.banks:
+            m = self.reader.manifest
+            self.banks = [Bank(m.pieces, m.num_experts, self.fence, self.compute_dtype) for _ in range(2)]
+        busy = {id(b) for b, _ in self.pending.values()} | {id(in_use)}
+        bank = next(b for b in self.banks if id(b) not in busy and b.writable)
+        buffers = [bank.write_buffers(e) for e in range(bank.slots)]  # checked here, on the main thread
+        self.pending[layer] = (bank, self.pool.submit(self._read, layer, bank, buffers))
+
+    def _read(self, layer: int, bank: Bank, buffers: list) -> None:
+        """On the worker thread: bytes only, no MLX op."""
+        self.reader.read_layer_into(layer, buffers)
+        bank.commit(np.arange(bank.slots))
+
+    def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        if layer not in self.pending:
+            self._start(layer)
+        bank, fut = self.pending.pop(layer)
+        fut.result()
+        nxt = self.next.get(layer)
+        if nxt is not None and nxt not in self.pending:
+            self._start(nxt, in_use=bank)  # overlaps the read of the next layer with this layer's compute
+        y = switch_glu(x, inds, bank.read(), self.quant)
+        mx.eval(y)  # SYNC: compute this layer now so its bank can take the layer after next
+        self.fence.sync()
+        return y
+
+    def release(self) -> None:
+        """Drop the prefill banks (decode does not need them)."""
+        for _, fut in self.pending.values():
+            fut.result()
+        self.pending.clear()
+        self.banks = []

@@ -1,0 +1,115 @@
+"""Builds the expert executors of a store for one executor choice and memory budget, and holds what
+they share: the fence, the slot caches and their statistics, the whole-layer prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..errors import Edge0Error
+from .banks import Bank, Fence
+from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
+from .experts import ExactExperts
+
+EXECUTORS = ("exact", "staged", "hot")
+DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
+
+
+@dataclass
+class Runtime:
+    """What the executors of one loaded store share."""
+
+    executor: str  # "exact" | "staged" | "hot"
+    fence: Fence
+    executors: dict  # layer -> executor callable (x, inds) -> (T, K, D)
+    banks: list = field(default_factory=list)  # persistent slot banks (staged: 2 per layer; hot: 1 shared)
+    stats: SlotStats = field(default_factory=SlotStats)
+    prefill: WholeLayer | None = None
+    budget_bytes: int | None = None
+
+    @property
+    def resident_expert_bytes(self) -> int:
+        """Expert bytes held in persistent banks now, prefill banks included."""
+        held = sum(b.nbytes for b in self.banks)
+        if self.prefill is not None:
+            held += sum(b.nbytes for b in self.prefill.banks)
+        return held
+
+    def end_prefill(self) -> None:
+        if self.prefill is not None:
+            self.prefill.release()
+
+
+def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memory_budget_gib: float | None = None,
+                  slots: int | None = None) -> Runtime:
+    """Executors for every MoE layer of the store behind `reader`.
+
+    staged: two banks of `slots` (default K) per layer; hot: one LRU bank shared by all layers, as large
+    as the budget allows. Whole-layer prefill (staged, hot) is used when two layers of experts fit the budget.
+    """
+    if executor == "auto":
+        executor = "staged"
+    if executor not in EXECUTORS:
+        raise Edge0Error(f"--executor {executor}: choose auto, {', '.join(EXECUTORS)}")
+    m = reader.manifest
+    fence = Fence()
+    budget = None if memory_budget_gib is None else int(memory_budget_gib * 2**30)
+    if budget is not None and budget < 0:
+        raise Edge0Error(f"--memory-budget {memory_budget_gib}: must not be negative")
+    layers = [e.layer for e in m.layers]
+    exact = {layer: ExactExperts(reader, layer, compute_dtype) for layer in layers}
+    rt = Runtime(executor, fence, {}, budget_bytes=budget)
+    if executor == "exact":
+        rt.executors = exact
+        return rt
+
+    per_slot = Bank.slot_bytes(m.pieces, compute_dtype)  # memory per resident bundle
+    prefill_bytes = 2 * m.num_experts * per_slot
+    if executor == "staged":
+        s = slots or m.top_k
+        need = 2 * s * per_slot * len(layers)
+        if budget is not None and need > budget:
+            raise Edge0Error(f"--memory-budget {memory_budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
+                             f"(2 x {s} slots x {len(layers)} layers); raise it, or use --executor hot")
+        room = None if budget is None else budget - need
+        if room is None or prefill_bytes <= room:
+            rt.prefill = WholeLayer(reader, fence, compute_dtype)
+    else:
+        room = int(DEFAULT_HOT_GIB * 2**30) if budget is None else budget
+        if prefill_bytes <= room // 2:  # prefill banks take at most half of the budget from the LRU
+            rt.prefill = WholeLayer(reader, fence, compute_dtype)
+            room -= prefill_bytes
+
+    if executor == "staged":
+        for layer in layers:
+            caches = []
+            for _ in range(2):
+                bank = Bank(m.pieces, s, fence, compute_dtype)
+                rt.banks.append(bank)
+                caches.append(SlotCache(bank, rt.stats, m.num_experts))
+            rt.executors[layer] = SlottedExperts(reader, layer, caches, fence, exact[layer], rt.prefill, shared=False)
+        return rt
+
+    capacity = min(room // per_slot, m.num_experts * len(layers))
+    if capacity < 1:
+        rt.executors = {layer: _Streaming(exact[layer], rt.prefill, layer) for layer in layers}
+        return rt
+    bank = Bank(m.pieces, capacity, fence, compute_dtype)
+    rt.banks.append(bank)
+    cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1))
+    for layer in layers:
+        rt.executors[layer] = SlottedExperts(reader, layer, [cache], fence, exact[layer], rt.prefill, shared=True)
+    return rt
+
+
+class _Streaming:
+    """No room for any resident bundle: every step streams through exact (prefill through whole-layer if it fits)."""
+
+    def __init__(self, exact: ExactExperts, prefill: WholeLayer | None, layer: int):
+        self.exact, self.prefill, self.layer = exact, prefill, layer
+
+    def __call__(self, x, inds):
+        if self.prefill is not None and self.prefill.wants(inds):
+            return self.prefill(self.layer, x, inds)
+        return self.exact(x, inds)
