@@ -4,6 +4,10 @@
     edge0 train base --out runs/demo --preset demo --resume   # continue from the latest checkpoint
     edge0 train base --out /tmp/t --preset tiny --steps 8     # seconds (tests)
 
+    # Linux CPU: MLX's wheel uses the reference BLAS; OpenBLAS makes float32 training ~10x faster.
+    apt-get install libopenblas0-pthread
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 edge0 train base --out runs/demo
+
 The model is mlx-lm's own `qwen3_moe.Model` (softmax top-k routing, renormalised), so the exported
 checkpoint loads with `mlx_lm.load` and converts with `edge0 convert`. Training adds a Switch-style
 load-balancing loss, computed from each layer's router in `forward_with_aux`, which walks the same
@@ -25,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -253,6 +258,9 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
     windows = eval_windows(corpus.heldout, p.seq_len, p.eval_tokens)
     step_fn = nn.value_and_grad(model, loss_fn)
     blas = _blas()
+    if progress and blas.startswith("mlx default"):
+        print("edge0: MLX's reference BLAS is slow on CPU; preload OpenBLAS (see `edge0 train base --help`)",
+              file=sys.stderr)
 
     bar = tqdm(total=p.steps, initial=state["step"], desc=f"train {preset}", disable=not progress,
                dynamic_ncols=True)
@@ -363,14 +371,13 @@ def train_base_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="edge0 train base", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="edge0 train base", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_base_flags(parser)
     args = parser.parse_args(argv)
     try:
         return train_base_cli(args)
     except Edge0Error as e:
-        import sys
-
         print(f"error: {e}", file=sys.stderr)
         return 1
 
