@@ -19,8 +19,9 @@ from pathlib import Path
 
 from .errors import Edge0Error
 
-ARMS = ("mlx-lm", "mlx-lm:f32", "exact")
-FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "bytes_read", "cold_fraction")
+ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot")
+FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
+           "cold_fraction", "hit_rate", "resident_expert_bytes")
 
 
 def add_bench_flags(p) -> None:
@@ -29,8 +30,9 @@ def add_bench_flags(p) -> None:
     p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}")
     p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round runs every arm once (default 3)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt", default="def fibonacci(n):\n    ")
+    p.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
 
@@ -55,16 +57,40 @@ def _warm_tree(path: Path) -> None:
                 pass
 
 
-def run_arm(arm: str, args, cache: str) -> dict:
+def make_replay(args, out: Path) -> Path:
+    """Prompt ids cut from Python source, and the exact path's greedy tokens for them: replay.json."""
+    import inspect
+    import json as json_mod
+
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(Path(args.store))
+    text = inspect.getsource(json_mod.decoder) * 8
+    ids = tok.encode(text)[:args.prompt_tokens]
+    path = out / "replay.json"
+    path.write_text(json.dumps({"prompt": ids, "tokens": []}))
+    cmd = [sys.executable, "-m", "edge0.run", "--model", str(args.store), "--replay", str(path), "--max-tokens",
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", "exact"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Edge0Error(f"recording the replay tokens failed: {proc.stderr.strip()[-300:]}")
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+    path.write_text(json.dumps({"prompt": ids, "tokens": tokens}))
+    return path
+
+
+def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
     resident = arm.startswith("mlx-lm")
     path = Path(args.source if resident else args.store)
     (_evict_tree if cache == "cold" else _warm_tree)(path)
     if resident:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
-        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), args.prompt, str(args.max_tokens), dtype]
+        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     else:
-        cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--prompt", args.prompt, "--max-tokens",
+        cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
                str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", arm]
+        if args.memory_budget is not None:
+            cmd += ["--memory-budget", str(args.memory_budget)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise Edge0Error(f"arm {arm} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
@@ -83,38 +109,44 @@ def bench(args) -> int:
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
+    out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    replay = make_replay(args, out) if args.store else None
+    if replay is None:
+        raise Edge0Error("--store: needed to record the replayed tokens")
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
         for cache in caches:
             for arm in order:
-                res = run_arm(arm, args, cache)
+                res = run_arm(arm, args, cache, replay)
                 runs.setdefault(f"{arm}/{cache}", []).append(res)
-                print(f"round {r + 1} {arm:8s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
+                print(f"round {r + 1} {arm:10s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
+                      f"{res['prefill_tok_s']:.1f} tok/s prefill, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
     summary = {key: {**{f: statistics.median(x[f] for x in rs) for f in FIGURES}, "dtype": rs[0]["dtype"]}
                for key, rs in runs.items()}
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
-            "rounds": args.rounds, "max_tokens": args.max_tokens, "dtype": args.dtype, "source": args.source,
-            "store": args.store}
-    out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+            "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget}
     (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
     lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
-             f"{args.max_tokens} tokens, medians", "",
-             "| arm | dtype | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians", "",
+             "| arm | dtype | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | file RSS GiB | "
+             "MiB read | cold | slot hits | resident experts MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in summary.items():
         arm, cache = key.split("/")
         lines.append(f"| {arm} | {s['dtype']} | {cache} | {s['decode_tok_s']:.2f} | {s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | "
-                     f"{s['peak_rss_gib']:.3f} | {s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} |")
+                     f"{s['peak_rss_gib']:.3f} | {s['file_rss_gib']:.3f} | {s['bytes_read'] / 2**20:.1f} | "
+                     f"{s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | {s['resident_expert_bytes'] / 2**20:.0f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)
     return 0
 
 
-def mlx_lm_arm(path: str, prompt: str, max_tokens: int, dtype: str) -> None:
+def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
     """One resident mlx-lm run; prints the same JSON figures as `edge0 run --json`."""
     import mlx.core as mx
     from mlx_lm import load
@@ -132,12 +164,15 @@ def mlx_lm_arm(path: str, prompt: str, max_tokens: int, dtype: str) -> None:
     mx.eval(model.parameters())
     mx.reset_peak_memory()
     times = StepTimes()
-    for _ in generate_steps(model, tok.encode(prompt), max_tokens=max_tokens, sampler=make_sampler(0.0), times=times):
+    replay = json.loads(Path(replay_path).read_text())
+    for _ in generate_steps(model, replay["prompt"], max_tokens=len(replay["tokens"]), sampler=make_sampler(0.0),
+                            times=times, forced=replay["tokens"]):
         pass
-    print(json.dumps({"tokens": times.tokens, "dtype": dtype, "decode_tok_s": times.decode_tok_s, "prefill_tok_s": times.prefill_tok_s,
-                      **memory_figures(), "bytes_read": 0, "cold_fraction": 0.0}))
+    print(json.dumps({"tokens": times.tokens, "dtype": dtype, "decode_tok_s": times.decode_tok_s,
+                      "prefill_tok_s": times.prefill_tok_s, **memory_figures(), "bytes_read": 0, "cold_fraction": 0.0,
+                      "hit_rate": 0.0, "resident_expert_bytes": 0}))
 
 
 if __name__ == "__main__":
-    _, arm, path, prompt, n, dtype = sys.argv
-    mlx_lm_arm(path, prompt, int(n), dtype)
+    _, arm, path, replay_file, dtype = sys.argv
+    mlx_lm_arm(path, replay_file, dtype)

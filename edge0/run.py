@@ -120,7 +120,7 @@ def run(args) -> int:
         detok = tok.detokenizer
         detok.reset()
         eos = set(tok.eos_token_ids)
-        forced = replay.get("tokens") if replay is not None else None
+        forced = (replay.get("tokens") or None) if replay is not None else None  # no tokens: generate freely
         for t, _ in generate_steps(store.model, prompt, max_tokens=args.max_tokens, sampler=sampler, times=times,
                                    runtime=store.runtime, forced=forced):
             if t in eos and not args.ignore_eos:
