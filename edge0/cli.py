@@ -10,7 +10,6 @@ from .errors import Edge0Error
 NOT_YET = {
     "train": "training (heads, LoRA, distillation) is not available yet",
     "eval": "evaluation is not available yet",
-    "trace": "trace analysis is not available yet",
     "serve": "the OpenAI-compatible server is not available yet",
 }
 
@@ -26,12 +25,16 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
-                   help="native: the model's router, experts read on demand (default)")
+                   help="native: the model's router, experts read on demand (default); prefetch: the model's router "
+                        "decides, predicted experts are read one token ahead by the I/O pool (same output as native)")
     p.add_argument("--executor", choices=["auto", "exact", "staged", "hot"], default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer double-buffered "
                         "slot banks, only changed slots read; hot: one LRU of bundles shared by all layers within "
                         "--memory-budget (auto: staged). staged and hot read each layer whole for prefill")
-    p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None)
+    p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None,
+                   help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
+                        "router on layer N's input; default)")
+    p.add_argument("--io-workers", type=int, default=2, metavar="N", help="I/O pool threads for prefetch (default 2)")
     p.add_argument("--heads", metavar="FILE", default=None)
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
@@ -43,7 +46,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
     p.add_argument("--verify", action="store_true", help="check the checksum of every bundle read")
-    p.add_argument("--trace", metavar="PATH", default=None, help="write a timeline trace (not available yet)")
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="write a Chrome trace-event timeline (Perfetto); analyse with `edge0 trace summarize PATH`")
     p.add_argument("--json", action="store_true", help="print only one JSON object with the tokens and figures, at the end")
 
 
@@ -74,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("out", metavar="OUT")
+
+    p = sub.add_parser("trace", help="read a timeline trace: breakdown, load-cost fit, plot",
+                       description="Summarize a trace written by `edge0 run --trace PATH`.")
+    p.add_argument("action", choices=["summarize"])
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--plot", metavar="PNG", help="draw a few steps' timeline and the load-cost fit")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
     p = sub.add_parser("bench", help="throughput experiments (each arm in its own process)")
     from .bench import add_bench_flags
@@ -108,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             out = make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)
             print(f"wrote {out}", file=sys.stderr)
             return 0
+        if args.command == "trace":
+            from .sched.summarize import trace_cli
+
+            return trace_cli(args)
         if args.command == "bench":
             from .bench import bench
 

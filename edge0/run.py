@@ -20,7 +20,7 @@ from .errors import Edge0Error
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
 DEMO = ("qwen3_moe", "tiny")  # until the project's trained demo model exists
 UNAVAILABLE = {
-    "routing": ("native",),
+    "routing": ("native", "prefetch"),
 }
 
 
@@ -63,9 +63,15 @@ def check_flags(args) -> None:
         value = getattr(args, flag)
         if value not in ok:
             raise Edge0Error(f"--{flag} {value}: not available yet (this build has {', '.join(ok)})")
-    for flag in ("predictor", "heads", "k", "trace"):
+    for flag in ("heads", "k"):
         if getattr(args, flag) is not None:
-            raise Edge0Error(f"--{flag.replace('_', '-')}: not available yet")
+            raise Edge0Error(f"--{flag.replace('_', '-')}: not available yet (needs trained prerouter heads)")
+    if args.predictor == "heads":
+        raise Edge0Error("--predictor heads: not available yet (needs trained prerouter heads)")
+    if args.predictor is not None and args.routing != "prefetch":
+        raise Edge0Error(f"--predictor {args.predictor}: only used with --routing prefetch")
+    if args.routing == "prefetch" and args.executor not in ("auto", "staged"):
+        raise Edge0Error(f"--routing prefetch fills staged slot banks; --executor {args.executor} does not apply")
     if args.max_tokens < 1:
         raise Edge0Error(f"--max-tokens {args.max_tokens}: must be at least 1")
 
@@ -88,6 +94,8 @@ def run(args) -> int:
     from .io.pagecache import evict
     from .model.load import load_store
     from .sched.generate import StepTimes, generate_steps
+    from .sched.prefetch import build_prefetch_runtime
+    from .sched.trace import NULL, Trace
 
     check_flags(args)
     path = Path(args.model) if args.model else demo_store()
@@ -96,8 +104,15 @@ def run(args) -> int:
             evict(f)
     t0 = time.perf_counter()
     replay = read_replay(args.replay) if args.replay else None
+    trace = Trace({"model": str(path), "routing": args.routing, "predictor": args.predictor}) if args.trace else NULL
+    build = None
+    if args.routing == "prefetch":
+        def build(reader, cdtype):
+            return build_prefetch_runtime(reader, cdtype, predictor=args.predictor or "next-router",
+                                          memory_budget_gib=args.memory_budget, workers=args.io_workers, trace=trace)
     store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
-                       memory_budget=args.memory_budget, io=args.io)
+                       memory_budget=args.memory_budget, io=args.io, build=build)
+    store.runtime.trace = trace
     load_s = time.perf_counter() - t0
     try:
         tok = store.tokenizer
@@ -134,6 +149,8 @@ def run(args) -> int:
             print(detok.last_segment, flush=True)
         stats = store.reader.stats
         rt = store.runtime
+        sched = getattr(rt, "sched", None)
+        steps = max(len(times.tokens), 1)
         result = {
             "tokens": times.tokens,
             "text": detok.text,
@@ -148,6 +165,13 @@ def run(args) -> int:
             "resident_expert_bytes": rt.resident_expert_bytes,
             "memory_budget_gib": args.memory_budget,
             "routing": args.routing,
+            "predictor": (args.predictor or "next-router") if sched else None,
+            "stall_ms_per_token": 1e3 * sched.stats.stall_s / steps if sched else 0.0,
+            "recall": sched.stats.recall if sched else None,
+            "loads": sched.stats.loads if sched else stats.reads,
+            "demand_loads": sched.stats.demand_loads if sched else stats.reads,
+            "load_bytes": sched.stats.bytes if sched else stats.bytes,
+            "load_cold_fraction": sched.stats.cold_fraction if sched else stats.cold_fraction,
             "executor": rt.executor,
             "whole_layer_prefill": rt.prefill is not None,
             "io": store.reader.io,
@@ -156,6 +180,9 @@ def run(args) -> int:
             "model": str(path),
             "expert_gib": store.manifest.expert_bytes / 2**30,
         }
+        if trace.on:
+            trace.save(args.trace, summary={k: result[k] for k in ("decode_tok_s", "stall_ms_per_token", "recall",
+                                                                   "loads", "load_bytes", "load_cold_fraction")})
         if args.json:
             print(json.dumps(result))
         else:

@@ -36,9 +36,24 @@ class Runtime:
             held += sum(b.nbytes for b in self.prefill.banks)
         return held
 
+    trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
+
     def end_prefill(self) -> None:
         if self.prefill is not None:
             self.prefill.release()
+
+    # Hooks of a scheduled pipeline; the native executors need none.
+    def next_step(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def link(self, blocks: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memory_budget_gib: float | None = None,

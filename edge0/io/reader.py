@@ -93,15 +93,19 @@ class BundleReader:
 
     def read_into(self, layer: int, expert: int, buffers: list) -> int:
         """Read bundle (layer, expert) into buffers (one writable buffer per piece, manifest order)."""
+        return self.read_bundle(layer, expert, buffers)[0]
+
+    def read_bundle(self, layer: int, expert: int, buffers: list) -> tuple[int, float]:
+        """As read_into; returns (bytes read, fraction of them that were not in the page cache)."""
         m = self.manifest
-        n = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}")
+        n, cold = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}")
         if self.verify:
             crc = 0
             for b in buffers:
                 crc = zlib.crc32(b, crc)
             if f"{crc:08x}" != self._entries[layer].checksums[expert]:
                 raise Edge0Error(f"{self.path(layer)}: checksum mismatch in the bundle of expert {expert} (file damaged)")
-        return n
+        return n, cold / n
 
     def read_layer_into(self, layer: int, buffers: list[list]) -> int:
         """Read every bundle of a layer (buffers[e] for expert e) in as few large reads as IOV_MAX allows."""
@@ -118,7 +122,7 @@ class BundleReader:
                 if pad is not None and e + 1 < last:
                     iov.append(pad)
             length = (last - first - 1) * m.bundle_stride + m.bundle_bytes
-            total += self._read(layer, self.offset(layer, first), length, iov, f"experts {first}-{last - 1}")
+            total += self._read(layer, self.offset(layer, first), length, iov, f"experts {first}-{last - 1}")[0]
         if self.verify:
             for e in range(m.num_experts):
                 crc = 0
@@ -128,7 +132,8 @@ class BundleReader:
                     raise Edge0Error(f"{self.path(layer)}: checksum mismatch in the bundle of expert {e} (file damaged)")
         return total
 
-    def _read(self, layer: int, offset: int, length: int, iov: list, what: str) -> int:
+    def _read(self, layer: int, offset: int, length: int, iov: list, what: str) -> tuple[int, float]:
+        """One read of [offset, offset+length) into iov; returns (bytes, cold bytes by mincore before it)."""
         cold = 0.0
         if self._residency:
             cold = (1.0 - self._residency[layer].cached_fraction(offset, length)) * length
@@ -147,7 +152,7 @@ class BundleReader:
             self.stats.reads += 1
             self.stats.bytes += n
             self.stats.cold_bytes += cold
-        return n
+        return n, cold
 
     def _read_direct(self, layer: int, offset: int, length: int, iov: list) -> int:
         size = (length + ALIGN - 1) // ALIGN * ALIGN

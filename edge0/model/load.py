@@ -36,6 +36,7 @@ class Store:
     runtime: Runtime  # the expert executors and what they share
 
     def close(self) -> None:
+        self.runtime.close()
         self.reader.close()
 
 
@@ -77,10 +78,11 @@ def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
 
 
 def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
-               memory_budget: float | None = None, io: str = "pread") -> Store:
+               memory_budget: float | None = None, io: str = "pread", build=None) -> Store:
     """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
 
     executor: exact | staged | hot | auto (staged); memory_budget: GiB of resident expert bytes; io: pread | mmap | direct.
+    build: (reader, compute dtype) -> Runtime, for executors made elsewhere (the scheduler's); overrides executor.
     """
     root = Path(path)
     config = read_config(root)
@@ -103,7 +105,10 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     reader = BundleReader(root, manifest, verify=verify, io=io)
     cdtype = compute_dtype(dtype)
     try:
-        runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget)
+        if build is not None:
+            runtime = build(reader, cdtype)
+        else:
+            runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget)
         for i, layer in enumerate(model.layers):
             if i in runtime.executors:
                 if not is_moe_block(layer.mlp):
@@ -111,6 +116,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
                 layer.mlp = make_block(arch.model_type, layer.mlp, runtime.executors[i])
             elif is_moe_block(layer.mlp):
                 raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
+        runtime.link({i: model.layers[i].mlp for i in runtime.executors})
         quantize_like_config(model, config, weights)
         model.eval()
         try:

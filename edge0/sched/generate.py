@@ -10,6 +10,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from .trace import NULL, now_us
+
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
 
 
@@ -50,6 +52,7 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
     y = mx.array(prompt, dtype=mx.uint32)
     t0 = time.perf_counter()
     sync = runtime.fence.sync if runtime is not None else (lambda: None)
+    trace = getattr(runtime, "trace", None) or NULL
     while y.size > 1:
         n = min(PREFILL_STEP, y.size - 1)
         model(y[:n][None], cache=cache)
@@ -67,19 +70,33 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
             sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)
         return sampled, logprobs.squeeze(0)
 
-    token, logprobs = step(y, 0)
-    mx.eval(token, logprobs)
-    sync()
-    t1 = time.perf_counter()
-    times.prefill_s = t1 - t0
-    for n in range(max_tokens):
-        t = token.item()  # SYNC: the sampled id goes to the host, once per token
-        times.tokens.append(t)
-        times.decode_s = time.perf_counter() - t1
-        yield t, logprobs
-        if n + 1 == max_tokens:
-            break
-        token, logprobs = step(token, n + 1)
+    def evaluate(token, logprobs, n):
+        t_eval = now_us()
         mx.eval(token, logprobs)
         sync()
-    times.decode_s = time.perf_counter() - t1
+        if runtime is not None:
+            runtime.next_step()
+        if trace.on:
+            trace.span("step", "step", t_step, now_us(), step=n)
+            trace.span("head+sample", "sample", t_eval, now_us(), step=n)
+
+    t_step = now_us()
+    token, logprobs = step(y, 0)
+    evaluate(token, logprobs, 0)
+    t1 = time.perf_counter()
+    times.prefill_s = t1 - t0
+    try:
+        for n in range(max_tokens):
+            t = token.item()  # SYNC: the sampled id goes to the host, once per token
+            times.tokens.append(t)
+            times.decode_s = time.perf_counter() - t1
+            yield t, logprobs
+            if n + 1 == max_tokens:
+                break
+            t_step = now_us()
+            token, logprobs = step(token, n + 1)
+            evaluate(token, logprobs, n + 1)
+        times.decode_s = time.perf_counter() - t1
+    finally:
+        if runtime is not None:
+            runtime.finish()

@@ -1,0 +1,177 @@
+"""`edge0 trace summarize FILE [--plot PNG]`: the breakdown of a timeline and the load-cost fit.
+
+    edge0 run --routing prefetch --trace traces/run.json --max-tokens 32
+    edge0 trace summarize traces/run.json --plot traces/run.png
+
+Fits load cost (ms) = a + b x cold fraction by least squares, the form the paper found
+(1.17 ms + 1.33 ms x cold on its machine), and prints the residuals.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import Edge0Error
+from .trace import FORMAT
+
+
+def load_trace(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Edge0Error(f"{path}: no such trace file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Edge0Error(f"{path}: not a trace (invalid JSON: {e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise Edge0Error(f"{path}: not a Chrome trace-event file (no traceEvents list)")
+    if data.get("otherData", {}).get("format") != FORMAT:
+        raise Edge0Error(f"{path}: not an Edge0 trace (expected otherData.format '{FORMAT}'; written by `edge0 run --trace`)")
+    for e in data["traceEvents"]:
+        if not isinstance(e, dict) or "ph" not in e or (e["ph"] == "X" and not {"ts", "dur", "name"} <= e.keys()):
+            raise Edge0Error(f"{path}: damaged event {str(e)[:80]}")
+    return data
+
+
+def fit_load_cost(ms: np.ndarray, cold: np.ndarray) -> dict:
+    """Least squares ms = a + b * cold; with one distinct cold value only a is fitted."""
+    if len(ms) == 0:
+        return {"a_ms": None, "b_ms": None, "rms_residual_ms": None, "max_residual_ms": None}
+    if np.ptp(cold) < 1e-9:
+        a, b = float(ms.mean()), 0.0
+    else:
+        (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(cold), cold], axis=1), ms, rcond=None)
+    resid = ms - (a + b * cold)
+    return {"a_ms": float(a), "b_ms": float(b), "rms_residual_ms": float(np.sqrt((resid**2).mean())),
+            "max_residual_ms": float(np.abs(resid).max())}
+
+
+def summarize(data: dict) -> dict:
+    """Figures of the decode steps: events outside every step span (prompt processing) are left out."""
+    spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in spans if e["name"] == "step"), key=lambda e: e["ts"])
+    starts = np.array([e["ts"] for e in steps])
+    ends = np.array([e["ts"] + e["dur"] for e in steps])
+
+    def in_steps(e) -> bool:
+        i = np.searchsorted(starts, e["ts"], side="right") - 1
+        return i >= 0 and e["ts"] <= ends[i]
+
+    by = defaultdict(list)  # compute spans inside decode steps; reads and stalls wherever they happened
+    for e in spans:
+        if e["name"].startswith("eval L") or e["name"] == "head+sample":
+            if in_steps(e):
+                by["eval" if e["name"].startswith("eval L") else e["name"]].append(e)
+        elif e["name"] != "step":
+            by[e["name"]].append(e)
+    n = len(steps)
+    reads = by["read"]
+    ms = np.array([e["dur"] / 1e3 for e in reads])
+    cold = np.array([e["args"].get("cold", 0.0) for e in reads])
+    nbytes = np.array([e["args"].get("bytes", 0) for e in reads], dtype=np.float64)
+    predictions = [e for e in data["traceEvents"] if e.get("ph") == "i" and e.get("name") == "prediction"]
+    hits = sum(e["args"]["hits"] for e in predictions)
+    routed = hits + sum(e["args"]["misses"] for e in predictions)
+    step_ms = sum(e["dur"] for e in steps) / 1e3
+    eval_ms = sum(e["dur"] for e in by["eval"]) / 1e3
+    stall_ms = sum(e["dur"] for e in by["stall"]) / 1e3
+    head_ms = sum(e["dur"] for e in by["head+sample"]) / 1e3
+    return {
+        "steps": n,
+        "tok_s": 1e3 * n / step_ms if step_ms else 0.0,
+        "step_ms": step_ms / n if n else 0.0,
+        "stall_ms_per_token": stall_ms / n if n else 0.0,
+        "loads": len(reads),
+        "loads_per_step": len(reads) / n if n else 0.0,
+        "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
+        "mib_per_load": float(nbytes.mean() / 2**20) if len(reads) else 0.0,
+        "load_bytes": int(nbytes.sum()),
+        "cold_fraction": float((cold * nbytes).sum() / nbytes.sum()) if nbytes.sum() else 0.0,
+        "eval_ms_per_step": eval_ms / n if n else 0.0,
+        "graph_build_ms_per_step": max(step_ms - eval_ms - stall_ms - head_ms, 0.0) / n if n else 0.0,
+        "recall": hits / routed if routed else None,
+        "load_cost_fit": fit_load_cost(ms, cold),
+    }
+
+
+def print_summary(s: dict) -> None:
+    fit = s["load_cost_fit"]
+    rows = [
+        ("steps", f"{s['steps']}"),
+        ("decode", f"{s['tok_s']:.2f} tok/s ({s['step_ms']:.1f} ms/step)"),
+        ("stall", f"{s['stall_ms_per_token']:.2f} ms/token"),
+        ("loads", f"{s['loads_per_step']:.1f}/step, {s['mib_per_load']:.2f} MiB/load, {100 * s['cold_fraction']:.0f}% cold, "
+                  f"{s['demand_loads']} on demand"),
+        ("compute", f"{s['eval_ms_per_step']:.1f} ms/step in layer evals, graph build {s['graph_build_ms_per_step']:.1f} ms/step"),
+        ("recall", "-" if s["recall"] is None else f"{100 * s['recall']:.1f}%"),
+    ]
+    if fit["a_ms"] is not None:
+        rows.append(("load cost", f"{fit['a_ms']:.3f} ms + {fit['b_ms']:.3f} ms x cold (rms residual "
+                                  f"{fit['rms_residual_ms']:.3f} ms, max {fit['max_residual_ms']:.3f} ms)"))
+    for k, v in rows:
+        print(f"{k:>10}  {v}")
+
+
+def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
+    """Timeline of the first few decode steps (a lane per thread) and the load-cost fit, to PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Edge0Error("--plot needs matplotlib: pip install matplotlib") from None
+    events = data["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    step_spans = sorted((e for e in events if e.get("ph") == "X" and e["name"] == "step"), key=lambda e: e["ts"])
+    if not step_spans:
+        raise Edge0Error("trace has no decode steps to plot")
+    first = step_spans[min(1, len(step_spans) - 1)]  # skip the step that follows prefill
+    t0 = first["ts"]
+    t1 = step_spans[min(len(step_spans) - 1, steps)]["ts"] + step_spans[min(len(step_spans) - 1, steps)]["dur"]
+    colors = {"compute": "tab:blue", "io": "tab:orange", "stall": "tab:red", "sample": "tab:green"}
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [2, 1]})
+    order = sorted(lanes)
+    for e in events:
+        if e.get("ph") != "X" or e["cat"] not in colors or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+            continue
+        y = order.index(e["tid"])
+        ax.barh(y, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, color=colors[e["cat"]], height=0.6)
+    ax.set_yticks(range(len(order)), [lanes[t] for t in order])
+    ax.set_xlabel("ms")
+    ax.set_title("decode timeline: compute (blue), reads (orange), stalls (red), head+sample (green)")
+    reads = [e for e in events if e.get("ph") == "X" and e["name"] == "read"]
+    cold = np.array([e["args"].get("cold", 0.0) for e in reads])
+    ms = np.array([e["dur"] / 1e3 for e in reads])
+    bx.scatter(cold, ms, s=8, alpha=0.5)
+    fit = summary["load_cost_fit"]
+    if fit["a_ms"] is not None:
+        xs = np.linspace(0, 1, 20)
+        bx.plot(xs, fit["a_ms"] + fit["b_ms"] * xs, color="black",
+                label=f"{fit['a_ms']:.2f} + {fit['b_ms']:.2f} x cold ms")
+        bx.legend()
+    bx.set_xlabel("cold fraction of the load")
+    bx.set_ylabel("load ms")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def trace_cli(args) -> int:
+    if args.action != "summarize":
+        raise Edge0Error(f"`edge0 trace {args.action}`: unknown action (summarize)")
+    data = load_trace(args.file)
+    s = summarize(data)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        print_summary(s)
+    if args.plot:
+        plot(data, s, args.plot)
+    return 0
