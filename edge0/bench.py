@@ -19,9 +19,19 @@ from pathlib import Path
 
 from .errors import Edge0Error
 
-ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot")
+ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
+        "prefetch:next-router")
 FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
-           "cold_fraction", "hit_rate", "resident_expert_bytes")
+           "cold_fraction", "hit_rate", "resident_expert_bytes", "stall_ms_per_token", "recall", "loads_per_step",
+           "load_cold_fraction")
+
+
+def arm_flags(arm: str) -> list[str]:
+    if arm == "native":
+        return ["--routing", "native", "--executor", "staged"]
+    if arm.startswith("prefetch:"):
+        return ["--routing", "prefetch", "--predictor", arm.split(":", 1)[1]]
+    return ["--executor", arm]
 
 
 def add_bench_flags(p) -> None:
@@ -33,6 +43,7 @@ def add_bench_flags(p) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
+    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
 
@@ -88,13 +99,44 @@ def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
         cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     else:
         cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", arm]
+               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm)]
         if args.memory_budget is not None:
             cmd += ["--memory-budget", str(args.memory_budget)]
+        if args.io_throttle is not None:
+            cmd += ["--io-throttle", str(args.io_throttle)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise Edge0Error(f"arm {arm} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = max(len(res.get("tokens", [])), 1)
+    res["loads_per_step"] = res.get("loads", 0) / steps
+    res["recall"] = res.get("recall") or 0.0
+    res.setdefault("stall_ms_per_token", 0.0)
+    res.setdefault("load_cold_fraction", res.get("cold_fraction", 0.0))
+    return res
+
+
+def read_cost(store: Path, throttle: float | None, samples: int = 48) -> dict:
+    """ms per bundle read, cold (after eviction) and warm, one thread, with the arms' throttle."""
+    import random
+    import time
+
+    from .io.reader import BundleReader
+
+    reader = BundleReader(store, probe=False, throttle_mbps=throttle)
+    m = reader.manifest
+    rng = random.Random(0)
+    picks = [(rng.choice(m.layers).layer, rng.randrange(m.num_experts)) for _ in range(samples)]
+    bufs = [bytearray(p.nbytes) for p in m.pieces]
+    out = {}
+    reader.evict()
+    for state in ("cold", "warm"):
+        t0 = time.perf_counter()
+        for layer, e in picks:
+            reader.read_into(layer, e, bufs)
+        out[f"{state}_ms"] = 1e3 * (time.perf_counter() - t0) / samples
+    reader.close()
+    return out
 
 
 def bench(args) -> int:
@@ -124,22 +166,39 @@ def bench(args) -> int:
                 print(f"round {r + 1} {arm:10s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
                       f"{res['prefill_tok_s']:.1f} tok/s prefill, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
-    summary = {key: {**{f: statistics.median(x[f] for x in rs) for f in FIGURES}, "dtype": rs[0]["dtype"]}
-               for key, rs in runs.items()}
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
-            "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-            "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
-    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
-             f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians", "",
-             "| arm | dtype | cache | decode tok/s | prefill tok/s | peak MLX GiB | peak RSS GiB | file RSS GiB | "
-             "MiB read | cold | slot hits | resident experts MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {key: {**{f: statistics.median(x.get(f, 0.0) or 0.0 for x in rs) for f in FIGURES},
+                     "dtype": rs[0]["dtype"]} for key, rs in runs.items()}
+    cost = read_cost(Path(args.store), args.io_throttle)
+    for s in summary.values():
+        s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
     for key, s in summary.items():
         arm, cache = key.split("/")
-        lines.append(f"| {arm} | {s['dtype']} | {cache} | {s['decode_tok_s']:.2f} | {s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | "
-                     f"{s['peak_rss_gib']:.3f} | {s['file_rss_gib']:.3f} | {s['bytes_read'] / 2**20:.1f} | "
-                     f"{s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | {s['resident_expert_bytes'] / 2**20:.0f} |")
+        cf = s["load_cold_fraction"]
+        s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost["cold_ms"] + (1 - cf) * cost["warm_ms"])
+        floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
+        if floor:
+            s["compute_ms_per_step"] = floor["step_ms"]
+            s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+            "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
+            "io_throttle_mbps": args.io_throttle, "read_cost": cost}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
+    throttle = f", read throttle {args.io_throttle} MB/s" if args.io_throttle else ""
+    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
+             f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians{throttle}; "
+             f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm", "",
+             "| arm | dtype | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
+             "prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold | slot hits | resident experts MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, s in summary.items():
+        arm, cache = key.split("/")
+        limit = f"{s['limit_ms_per_step']:.0f}" if "limit_ms_per_step" in s else "-"
+        lines.append(f"| {arm} | {s['dtype']} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
+                     f"{s['stall_ms_per_token']:.1f} | {s['recall']:.2f} | {s['loads_per_step']:.1f} | "
+                     f"{s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | {s['peak_rss_gib']:.3f} | "
+                     f"{s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | "
+                     f"{s['resident_expert_bytes'] / 2**20:.0f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)

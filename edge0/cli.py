@@ -27,10 +27,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
                    help="native: the model's router, experts read on demand (default); prefetch: the model's router "
                         "decides, predicted experts are read one token ahead by the I/O pool (same output as native)")
-    p.add_argument("--executor", choices=["auto", "exact", "staged", "hot"], default="auto",
+    p.add_argument("--executor", choices=["auto", "exact", "staged", "hot", "resident"], default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer double-buffered "
                         "slot banks, only changed slots read; hot: one LRU of bundles shared by all layers within "
-                        "--memory-budget (auto: staged). staged and hot read each layer whole for prefill")
+                        "--memory-budget (auto: staged); resident: every expert loaded at start (the compute floor, "
+                        "for benchmarks). staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None,
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
                         "router on layer N's input; default)")
@@ -41,6 +42,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
     p.add_argument("--io", choices=["pread", "mmap", "direct"], default="pread",
                    help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
+    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
+                   help="cap read bandwidth at MBPS MB/s (an experiment knob: a slow disk on a fast machine)")
     p.add_argument("--replay", metavar="FILE", default=None,
                    help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")

@@ -111,7 +111,7 @@ def run(args) -> int:
             return build_prefetch_runtime(reader, cdtype, predictor=args.predictor or "next-router",
                                           memory_budget_gib=args.memory_budget, workers=args.io_workers, trace=trace)
     store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
-                       memory_budget=args.memory_budget, io=args.io, build=build)
+                       memory_budget=args.memory_budget, io=args.io, io_throttle=args.io_throttle, build=build)
     store.runtime.trace = trace
     load_s = time.perf_counter() - t0
     try:
@@ -175,6 +175,7 @@ def run(args) -> int:
             "executor": rt.executor,
             "whole_layer_prefill": rt.prefill is not None,
             "io": store.reader.io,
+            "io_throttle_mbps": args.io_throttle,
             "dtype": str(store.dtype or "source").removeprefix("mlx.core."),
             "load_s": load_s,
             "model": str(path),

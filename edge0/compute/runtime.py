@@ -10,9 +10,9 @@ import mlx.core as mx
 from ..errors import Edge0Error
 from .banks import Bank, Fence
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
-from .experts import ExactExperts
+from .experts import ExactExperts, switch_glu
 
-EXECUTORS = ("exact", "staged", "hot")
+EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
 
 
@@ -78,6 +78,14 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     if executor == "exact":
         rt.executors = exact
         return rt
+    if executor == "resident":
+        for layer in layers:
+            bank = Bank(m.pieces, m.num_experts, fence, compute_dtype)
+            reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
+            bank.commit(range(m.num_experts))
+            rt.banks.append(bank)
+            rt.executors[layer] = _Resident(bank, exact[layer].quant)
+        return rt
 
     per_slot = Bank.slot_bytes(m.pieces, compute_dtype)  # memory per resident bundle
     prefill_bytes = 2 * m.num_experts * per_slot
@@ -116,6 +124,16 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     for layer in layers:
         rt.executors[layer] = SlottedExperts(reader, layer, [cache], fence, exact[layer], rt.prefill, shared=True)
     return rt
+
+
+class _Resident:
+    """Every expert of the layer in memory; routed ids never leave the graph (no sync): the compute floor."""
+
+    def __init__(self, bank: Bank, quant):
+        self.bank, self.quant = bank, quant
+
+    def __call__(self, x, inds):
+        return switch_glu(x, inds, self.bank.read(), self.quant)
 
 
 class _Streaming:

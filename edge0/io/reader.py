@@ -11,6 +11,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from ..errors import Edge0Error
 from .layerfile import check_header
 from .manifest import ALIGN, Manifest, read_manifest
 from .pagecache import Residency, evict
+from .throttle import Throttle
 
 
 @dataclass
@@ -44,8 +46,9 @@ class BundleReader:
     IOV_MAX = 1024  # iovecs per preadv (Linux's limit)
 
     def __init__(self, root: str | os.PathLike, manifest: Manifest | None = None, *, verify: bool = False,
-                 probe: bool = True, io: str = "pread"):
+                 probe: bool = True, io: str = "pread", throttle_mbps: float | None = None):
         self.root = Path(root)
+        self.throttle = Throttle(throttle_mbps) if throttle_mbps else None
         self.manifest = manifest or read_manifest(root)
         self.verify = verify
         self.io = io
@@ -135,6 +138,7 @@ class BundleReader:
     def _read(self, layer: int, offset: int, length: int, iov: list, what: str) -> tuple[int, float]:
         """One read of [offset, offset+length) into iov; returns (bytes, cold bytes by mincore before it)."""
         cold = 0.0
+        started = time.perf_counter()
         if self._residency:
             cold = (1.0 - self._residency[layer].cached_fraction(offset, length)) * length
         try:
@@ -148,6 +152,8 @@ class BundleReader:
             raise Edge0Error(f"{self.path(layer)}: read of {what} failed ({e.strerror})") from None
         if n != length:
             raise Edge0Error(f"{self.path(layer)}: short read of {what} ({n} of {length} bytes)")
+        if self.throttle is not None:
+            self.throttle.pace(n, started)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes += n

@@ -78,10 +78,12 @@ def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
 
 
 def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
-               memory_budget: float | None = None, io: str = "pread", build=None) -> Store:
+               memory_budget: float | None = None, io: str = "pread", io_throttle: float | None = None,
+               build=None) -> Store:
     """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
 
-    executor: exact | staged | hot | auto (staged); memory_budget: GiB of resident expert bytes; io: pread | mmap | direct.
+    executor: exact | staged | hot | resident | auto (staged); memory_budget: GiB of resident expert bytes;
+    io: pread | mmap | direct; io_throttle: cap on read bandwidth in MB/s (experiments).
     build: (reader, compute dtype) -> Runtime, for executors made elsewhere (the scheduler's); overrides executor.
     """
     root = Path(path)
@@ -102,7 +104,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    reader = BundleReader(root, manifest, verify=verify, io=io)
+    reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
     cdtype = compute_dtype(dtype)
     try:
         if build is not None:
