@@ -195,6 +195,7 @@ def test_prompt_longer_than_context(models, capsys):
 
 def test_flags_of_later_stages_say_not_available(models, capsys):
     store = models("qwen3_moe", "mlx")
-    for flags in (["--routing", "predicted"], ["--routing", "prefetch"], ["--heads", "h.safetensors"], ["--trace", "t.json"]):
+    for flags in (["--routing", "predicted"], ["--routing", "prefetch", "--predictor", "heads"], ["--heads", "h.safetensors"],
+                  ["--k", "2"]):
         code, err = run_cli(capsys, "run", "--model", str(store), *flags)
         assert code == 2 and "not available yet" in err, flags
