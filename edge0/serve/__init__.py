@@ -1,0 +1,85 @@
+"""`edge0 serve` (OpenAI-compatible HTTP server) and `edge0 chat` (terminal chat) over one Edge0 store.
+
+    edge0 serve --model ~/stores/qwen3-30b --port 8080
+    edge0 chat --model ~/stores/qwen3-30b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Flags shared with `edge0 run` (same meaning, same checks): the model, how its experts are read, and the
+# generation defaults a request does not set.
+MODEL_FLAGS = ("model", "routing", "executor", "predictor", "io_workers", "heads", "k", "memory_budget", "io",
+               "dtype", "cold", "verify", "temp", "top_p", "seed")
+
+
+def _add_shared_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    """Copy MODEL_FLAGS from `edge0 run`'s parser so that help texts and defaults have one source."""
+    from ..cli import add_run_flags
+
+    run = argparse.ArgumentParser(add_help=False)
+    add_run_flags(run)
+    for action in run._actions:  # argparse's own `parents=` copies actions the same way
+        if action.dest in MODEL_FLAGS:
+            p._add_action(action)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                   help=f"tokens to generate when a request does not say (default {max_tokens})")
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from .server import DEFAULT_MAX_QUEUE
+
+    _add_shared_flags(p, max_tokens=512)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests that may wait behind the running one; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--model-id", default=None, metavar="NAME",
+                   help="the model name clients use (default: the store directory's name)")
+
+
+def serve_cli(args) -> int:
+    """Run the server until interrupted (Ctrl-C or SIGTERM)."""
+    import asyncio
+    import signal
+
+    from ..errors import Edge0Error
+    from ..sched.scheduler import new_loop
+    from .server import Server
+
+    if args.max_queue < 0:
+        raise Edge0Error(f"--max-queue {args.max_queue}: must not be negative")
+    loop = new_loop()
+    asyncio.set_event_loop(loop)
+    server = Server(args, host=args.host, port=args.port, max_queue=args.max_queue)
+    try:
+        try:
+            loop.run_until_complete(server.start())
+        except OSError as e:
+            raise Edge0Error(f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})") from None
+        print(f"edge0 serve: {server.engine.model_id} on {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        loop.run_until_complete(stop.wait())
+    finally:
+        loop.run_until_complete(server.stop())
+        loop.close()
+    return 0
+
+
+def add_chat_flags(p: argparse.ArgumentParser) -> None:
+    _add_shared_flags(p, max_tokens=512)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
+    p.add_argument("--stats", action="store_true", help="print the figures after every answer (toggle with /stats)")
+
+
+def chat_cli(args) -> int:
+    from .chat import chat
+
+    return chat(args)

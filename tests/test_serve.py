@@ -1,0 +1,246 @@
+"""`edge0 serve` over real HTTP on 127.0.0.1 (ephemeral port) with the official openai client, and `edge0 chat`.
+
+The server runs in-process (its loop on a thread, MLX on its worker thread); references come from `edge0 run`
+on the same store with the same flags, run before the server starts (one MLX user at a time).
+"""
+
+import contextlib
+import io
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+from edge0.cli import build_parser  # noqa: E402
+from edge0.run import run  # noqa: E402
+from edge0.serve import add_chat_flags, add_serve_flags  # noqa: E402
+from edge0.serve.engine import StopFilter  # noqa: E402
+from edge0.serve.server import BackgroundServer  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n"]
+N = 24  # tokens per answer
+ROUTING = ["--routing", "prefetch"]  # the scheduled path: pending reads must be cancelled cleanly
+DEADLINE = 30.0  # seconds any polling loop may wait
+
+
+def edge0_run(store, prompt: str, *extra: str) -> dict:
+    args = build_parser().parse_args(["run", "--model", str(store), "--prompt", prompt, "--max-tokens", str(N),
+                                      "--json", *ROUTING, *extra])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run(args) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def setup(models):
+    store = models("qwen3_moe")
+    refs = {p: edge0_run(store, p)["text"] for p in PROMPTS}
+    refs["chat"] = edge0_run(store, "hello", "--chat")["text"]
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    srv = BackgroundServer(p.parse_args(["--model", str(store), *ROUTING]), port=0, max_queue=8).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
+    try:
+        yield srv, client, refs, store
+    finally:
+        srv.stop()
+
+
+def http(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:
+    req = urllib.request.Request(srv.url + path, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def metric(srv, name: str) -> float:
+    _, text = http(srv, "GET", "/metrics")
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"edge0_{name} ")))
+
+
+def wait_for(cond, what: str) -> None:
+    end = time.monotonic() + DEADLINE
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def pending_reads(srv) -> int:
+    """Reads in flight, asked on the worker thread (after any generation queued before it)."""
+    sched = srv.server.engine.store.runtime.sched
+    return srv.server.worker.submit(lambda: sched.pending).result(DEADLINE)
+
+
+def test_completions_match_edge0_run(setup):
+    srv, client, refs, _ = setup
+    for p in PROMPTS[:2]:
+        r = client.completions.create(model=srv.server.engine.model_id, prompt=p, max_tokens=N,
+                                      temperature=0)
+        assert r.choices[0].text == refs[p]
+        assert r.usage.completion_tokens == N and r.usage.total_tokens == r.usage.prompt_tokens + N
+        x = r.model_extra["x_edge0"]
+        assert x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 and x["bytes_read"] > 0
+        assert 0 <= x["cold_fraction"] <= 1 and x["stall_ms"] >= 0
+    # streamed, with usage at the end
+    chunks = list(client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[2], max_tokens=N,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == refs[PROMPTS[2]]
+    assert chunks[-1].usage.completion_tokens == N and chunks[-1].choices == []
+
+
+def test_chat_streaming_and_not(setup):
+    srv, client, refs, _ = setup
+    model = srv.server.engine.model_id
+    msgs = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == refs["chat"] and r.choices[0].finish_reason == "length"
+    s = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=N, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in s) == refs["chat"]
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_stop_strings(setup):
+    srv, client, refs, _ = setup
+    text = refs[PROMPTS[0]]
+    stop = text[5:8]
+    cut = text.find(stop)
+    for stream in (False, True):
+        r = client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[0], max_tokens=N, stop=[stop],
+                                      stream=stream)
+        got = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert got == text[:cut]
+    f = StopFilter(["END"])
+    assert f.feed("abcE") == ("abc", False) and f.feed("N") == ("", False) and f.feed("Dx") == ("", True)
+    assert StopFilter(["zz"]).feed("az", final=True) == ("az", False)
+
+
+def test_cancel_mid_stream_then_next_is_clean(setup):
+    srv, client, refs, _ = setup
+    cancelled, tokens = metric(srv, "cancelled_total"), metric(srv, "completion_tokens_total")
+    s = client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[0], max_tokens=4000, stream=True)
+    got = 0
+    for c in s:
+        got += 1
+        if got == 3:
+            break
+    s.close()
+    wait_for(lambda: metric(srv, "cancelled_total") == cancelled + 1 and metric(srv, "generating") == 0, "the cancel")
+    assert metric(srv, "completion_tokens_total") - tokens < 4000  # stopped early
+    assert pending_reads(srv) == 0
+    r = client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[1], max_tokens=N)
+    assert r.choices[0].text == refs[PROMPTS[1]]
+
+
+def test_concurrent_clients_fifo(setup):
+    srv, client, refs, _ = setup
+    n = 6
+    results: dict = {}
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        p = PROMPTS[i % len(PROMPTS)]
+        barrier.wait(DEADLINE)
+        chunks = list(client.completions.create(model=srv.server.engine.model_id, prompt=p, max_tokens=N, stream=True,
+                                                stream_options={"include_usage": True}))
+        results[i] = (p, "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].model_extra["x_edge0"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert len(results) == n
+    for p, text, _ in results.values():
+        assert text == refs[p]  # no tokens of another request
+    order = sorted(results.values(), key=lambda r: r[2]["request"])
+    assert [r[2]["turn"] for r in order] == sorted(r[2]["turn"] for r in order)  # served in arrival order
+
+
+def test_bad_requests(setup, monkeypatch):
+    srv, client, refs, _ = setup
+    model = srv.server.engine.model_id
+    chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    cases = [
+        (b"{not json", 400),
+        (json.dumps({"model": model}).encode(), 400),  # no messages
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": "x " * 42000}]}).encode(), 400),
+        (json.dumps({"model": model, "messages": [{"content": "hi"}]}).encode(), 400),
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400),
+        (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
+    ]
+    for body, status in cases:
+        got, err = http(srv, "POST", "/v1/chat/completions", body)
+        assert got == status, (body[:60], err)
+        assert set(err["error"]) >= {"message", "type", "code"}
+        assert http(srv, "GET", "/health") == (200, {"status": "ok", "model": model, "waiting": 0, "generating": 0})
+    got, err = http(srv, "POST", "/v1/completions", json.dumps({"model": model}).encode())
+    assert got == 400 and "prompt" in err["error"]["message"]
+    got, err = http(srv, "GET", "/v1/nothing-here")
+    assert got == 404 and "error" in err
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+
+    # internal failure: 500 without a traceback, streamed or not, then served again
+    def boom(*a, **k):
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(srv.server.engine, "generate", boom)
+    got, err = http(srv, "POST", "/v1/chat/completions", chat)
+    assert got == 500 and "Traceback" not in json.dumps(err) and "secret" not in json.dumps(err)
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True))
+    monkeypatch.undo()
+    assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=N).choices[0].message.content == refs["chat"]
+
+    # queue full: one generating, one waiting, the third is refused
+    srv.call(lambda: setattr(srv.server.jobs, "max_queue", 1))
+    try:
+        a = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4000, stream=True)
+        next(iter(a))
+        b_result = {}
+        b = threading.Thread(target=lambda: b_result.update(r=client.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=N)))
+        b.start()
+        wait_for(lambda: http(srv, "GET", "/health")[1]["waiting"] == 1, "the second request to queue")
+        got, err = http(srv, "POST", "/v1/chat/completions", chat)
+        assert got == 503 and err["error"]["code"] == "queue_full"
+        a.close()  # frees the slot: the waiting request runs next
+        b.join(DEADLINE)
+        assert b_result["r"].choices[0].text == refs[PROMPTS[1]]
+    finally:
+        srv.call(lambda: setattr(srv.server.jobs, "max_queue", 8))
+    _, text = http(srv, "GET", "/metrics")
+    assert 'edge0_requests_total{status="503"}' in text and metric(srv, "rejected_total") >= 1
+    assert pending_reads(srv) == 0
+
+
+def test_chat_cli(setup):
+    _, _, refs, store = setup
+    import argparse
+
+    from edge0.serve.chat import chat
+
+    p = argparse.ArgumentParser()
+    add_chat_flags(p)
+    args = p.parse_args(["--model", str(store), "--max-tokens", str(N), *ROUTING])
+    out = io.StringIO()
+    assert chat(args, stdin=io.StringIO("hello\n/stats\n/reset\nhello\n/quit\n"), out=out) == 0
+    text = out.getvalue()
+    assert text.count(refs["chat"]) == 2  # the same answer after /reset
+    assert "tok/s" in text and "MiB" in text
