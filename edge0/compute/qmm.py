@@ -1,12 +1,131 @@
-"""The one call site of every routed quantized product, so a faster kernel replaces MLX's in one place."""
+"""The one call site of every quantized product (routed experts and dense quantized linears), so a
+faster kernel replaces MLX's in one place.
+
+Kernels: `mlx` (MLX's own), `edge0` (the CPU extension of csrc/: int8 activations, AVX2 nibble dot
+products, for MLX's affine 4-bit layout with float32 activations, scales and biases), `auto` (edge0
+on CPU when it is built, MLX's elsewhere). Products the extension does not cover (other bits or
+modes, bf16 activations, several rows per expert in one x row) run on MLX's kernels in either case.
+Shapes: R output rows, D inputs, N outputs, K routed, E experts.
+"""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import Edge0Error
+from . import kernels
+
+KERNELS = ("auto", "mlx", "edge0")
+GROUP_SIZES = (32, 64, 128)
+
+_choice = "auto"
+_ext = None  # the extension when the edge0 kernel is in use
+_resolved: str | None = None
+
+
+def set_kernel(name: str) -> None:
+    """Select the kernel for every later graph; `edge0` raises when the extension cannot be used."""
+    global _choice, _resolved, _ext
+    if name not in KERNELS:
+        raise Edge0Error(f"--kernel {name}: choose {', '.join(KERNELS)}")
+    if name == "edge0" and not kernels.available():
+        raise Edge0Error(f"--kernel edge0: the CPU kernels are {kernels.reason()}")
+    _choice, _resolved, _ext = name, None, None
+
+
+def kernel_in_use() -> str:
+    """'edge0' or 'mlx': what the products of graphs built now run on."""
+    global _resolved, _ext
+    if _resolved is None:
+        on_cpu = mx.default_device() == mx.cpu
+        if _choice == "edge0" or (_choice == "auto" and on_cpu):
+            _ext = kernels.load()
+            if _ext is None:
+                kernels.notice()
+        else:
+            _ext = None
+        _resolved = "edge0" if _ext is not None else "mlx"
+    return _resolved
+
+
+def _fits(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+          mode: str) -> bool:
+    d = x.shape[-1]
+    return (bits == 4 and mode == "affine" and biases is not None and group_size in GROUP_SIZES
+            and x.dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
+            and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 8 == d and d // group_size <= 4096)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, *,
                group_size: int, bits: int, mode: str, sorted_indices: bool = False) -> mx.array:
-    """x @ W[indices].T for 4-bit (or other) packed W; the same kernel mlx-lm's SwitchLinear calls."""
+    """x @ W[indices].T for packed W (E, N, D*bits/32); x (..., M, D), indices (...): (..., M, N).
+
+    The same product as mlx-lm's SwitchLinear (mx.gather_qmm with rhs_indices, transpose=True).
+    """
+    if (kernel_in_use() == "edge0" and x.ndim >= 2 and x.shape[-2] == 1 and w.ndim == 3
+            and _fits(x, w, scales, biases, group_size, bits, mode)):
+        return _edge0_gather(x, w, scales, biases, indices, group_size)
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                          bits=bits, mode=mode, sorted_indices=sorted_indices)
+
+
+def _edge0_gather(x, w, scales, biases, indices, group_size):
+    d, n = x.shape[-1], w.shape[-2]
+    bx, bi = tuple(x.shape[:-2]), tuple(indices.shape)
+    bs = tuple(mx.broadcast_shapes(bx, bi)) if bx != bi else bi  # batch shape of the output
+    rows = math.prod(bs)
+    bx = (1,) * (len(bs) - len(bx)) + bx
+    if bx == bs:  # one x row per output row (down_proj: x (..., K, 1, H))
+        xr = x.reshape(rows, d)
+    elif bs and bx == bs[:-1] + (1,):  # one x row shared by the K experts of its token (gate, up)
+        xr = x.reshape(rows // bs[-1], d)
+    else:
+        xr = mx.broadcast_to(x, (*bs, 1, d)).reshape(rows, d)
+    idx = indices if bi == bs else mx.broadcast_to(indices, bs)
+    y = _ext.qmv(xr, w, scales, biases, idx.reshape(rows), group_size)  # (R, N)
+    return y.reshape(*bs, 1, n)
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
+                     bits: int, mode: str) -> mx.array:
+    """x @ W.T for packed W (N, D*bits/32); x (..., D) -> (..., N). As nn.QuantizedLinear computes it."""
+    if kernel_in_use() == "edge0" and w.ndim == 2 and _fits(x, w, scales, biases, group_size, bits, mode):
+        lead = x.shape[:-1]
+        y = _ext.qmv(x.reshape(-1, x.shape[-1]), w, scales, biases, None, group_size)  # (R, N)
+        return y.reshape(*lead, w.shape[0])
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                               bits=bits, mode=mode)
+
+
+class RoutedQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose product goes through quantized_matmul (same parameters and math)."""
+
+    def __call__(self, x):
+        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                             bits=self.bits, mode=self.mode)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RoutedQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose tied output head (as_linear) goes through quantized_matmul."""
+
+    def as_linear(self, x):
+        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                                bits=self.bits, mode=self.mode)
+
+
+def route_dense(model: nn.Module) -> int:
+    """Make the model's dense quantized linears (and a tied quantized embedding head) call
+    quantized_matmul; parameters are untouched. Returns how many modules were rerouted."""
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = RoutedQuantizedLinear
+            n += 1
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = RoutedQuantizedEmbedding
+            n += 1
+    return n

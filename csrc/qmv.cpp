@@ -1,0 +1,376 @@
+// 4-bit affine quantized matrix-vector products: an AVX2 path (int8 activations per group, nibble
+// dot products with vpmaddubsw/vpmaddwd, as llama.cpp does) and a plain C++ path for other CPUs.
+// Shapes: E experts, N outputs, D inputs, G = D/gs groups, P (x row, expert, out row) pairs.
+
+#include "qmv.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define EDGE0_AVX2 1
+#endif
+
+namespace edge0 {
+
+constexpr int MAX_GROUPS = 4096;  // D / gs at most; the Python side checks it
+
+// ---------------------------------------------------------------------------------------------
+// A persistent pool: the caller and n-1 workers claim tasks from one counter. The job generation
+// lives in the counter's high bits, so a worker that wakes late can never run a finished job's task.
+
+class Pool {
+ public:
+  ~Pool() { resize(1); }
+
+  void resize(int n) {
+    n = std::max(1, n);
+    if (n == threads()) return;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+    stop_ = false;
+    for (int i = 1; i < n; i++) workers_.emplace_back([this] { loop(); });
+  }
+
+  int threads() const { return 1 + (int)workers_.size(); }
+
+  void run(int64_t n, const std::function<void(int64_t)>& fn) {
+    if (workers_.empty() || n <= 1) {
+      for (int64_t i = 0; i < n; i++) fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> one(run_mu_);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gen = (gen_.load(std::memory_order_relaxed) + 1) & 0xffffffffu;
+      fn_ = &fn;
+      ntask_ = n;
+      done_.store(0, std::memory_order_relaxed);
+      next_.store(gen << 32, std::memory_order_release);
+      gen_.store(gen, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work(gen, &fn, n);
+    while (done_.load(std::memory_order_acquire) < n) {
+#if defined(EDGE0_AVX2)
+      _mm_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+
+ private:
+  void work(uint64_t gen, const std::function<void(int64_t)>* fn, int64_t n) {
+    for (;;) {
+      uint64_t v = next_.load(std::memory_order_acquire);
+      if ((v >> 32) != gen || (int64_t)(v & 0xffffffffu) >= n) return;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*fn)((int64_t)(v & 0xffffffffu));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void loop() {
+    uint64_t seen = gen_.load();
+    for (;;) {
+      // spin briefly: decode calls come back to back, and a sleeping worker costs a wake-up each
+      for (int i = 0; i < 20000 && gen_.load(std::memory_order_acquire) == seen; i++) {
+#if defined(EDGE0_AVX2)
+        _mm_pause();
+#endif
+      }
+      const std::function<void(int64_t)>* fn;
+      int64_t n;
+      uint64_t gen;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || gen_.load() != seen; });
+        if (stop_) return;
+        gen = seen = gen_.load();
+        fn = fn_;
+        n = ntask_;
+      }
+      work(gen, fn, n);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_, run_mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t ntask_ = 0;
+};
+
+static Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+void set_num_threads(int n) { pool().resize(n); }
+int num_threads() { return pool().threads(); }
+
+#if defined(EDGE0_AVX2)
+static std::atomic<bool> use_avx2{true};
+bool has_avx2() { return true; }
+#else
+static std::atomic<bool> use_avx2{false};
+bool has_avx2() { return false; }
+#endif
+
+const char* impl() { return use_avx2 ? "avx2" : "portable"; }
+
+bool set_impl(const char* name) {
+  if (std::strcmp(name, "portable") == 0) {
+    use_avx2 = false;
+    return true;
+  }
+  if (std::strcmp(name, "avx2") == 0 && has_avx2()) {
+    use_avx2 = true;
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations of one call: float group sums (both paths), int8 values and their scale (AVX2).
+// Within each 64-element chunk the int8 values are stored evens first, odds after: lane j of the
+// low-nibble register of a 32-byte weight load is element 2j, of the high-nibble register 2j+1.
+
+struct Acts {
+  std::vector<float> sums;  // (rows, G) sum of x over each group (of its int8 values, times scale, on AVX2)
+  std::vector<float> scale;  // (rows, G) int8 scale per group
+  std::vector<int8_t> q;  // (rows, D) permuted int8
+};
+
+static void prepare_row(const float* x, int64_t D, int gs, bool quant, float* sums, float* scale, int8_t* q) {
+  const int64_t G = D / gs;
+  float inv[MAX_GROUPS];
+  for (int64_t g = 0; g < G; g++) {
+    const float* xg = x + g * gs;
+    float s = 0.f, amax = 0.f;
+    for (int i = 0; i < gs; i++) {
+      s += xg[i];
+      amax = std::max(amax, std::fabs(xg[i]));
+    }
+    sums[g] = s;
+    scale[g] = amax / 127.f;
+    inv[g] = amax > 0.f ? 127.f / amax : 0.f;
+  }
+  if (!quant) return;
+  int32_t qsum[MAX_GROUPS] = {0};
+  for (int64_t c = 0; c < D; c += 64) {
+    for (int j = 0; j < 32; j++) {
+      int64_t e = c + 2 * j, o = e + 1;
+      int8_t qe = (int8_t)std::lrintf(x[e] * inv[e / gs]), qo = (int8_t)std::lrintf(x[o] * inv[o / gs]);
+      q[c + j] = qe;
+      q[c + 32 + j] = qo;
+      qsum[e / gs] += qe;
+      qsum[o / gs] += qo;
+    }
+  }
+  // The bias term takes the sum of the int8 values too: the product is then exactly that of the
+  // dequantized weights with the rounded x, and b * sum(x) does not amplify the rounding error.
+  for (int64_t g = 0; g < G; g++) sums[g] = scale[g] * (float)qsum[g];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain C++: float activations, nibbles unpacked one byte at a time.
+
+static float dot_portable(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
+                          int64_t D, int gs) {
+  const int64_t G = D / gs;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* wg = w + g * gs / 2;
+    const float* xg = x + g * gs;
+    float sq = 0.f;
+    for (int j = 0; j < gs / 2; j++) {
+      sq += xg[2 * j] * (float)(wg[j] & 15) + xg[2 * j + 1] * (float)(wg[j] >> 4);
+    }
+    acc += s[g] * sq + b[g] * xsum[g];
+  }
+  return acc;
+}
+
+#if defined(EDGE0_AVX2)
+// 64 weights (32 bytes) against 64 permuted int8 activations: 16 int16 partial sums, the low
+// 128 bits from elements 0..31, the high from 32..63 (each |sum| <= 2*2*15*127, no overflow).
+static inline __m256i chunk16(const uint8_t* w, const int8_t* xq) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  __m256i v = _mm256_loadu_si256((const __m256i*)w);
+  __m256i lo = _mm256_and_si256(v, m);
+  __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+  __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xq));
+  __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
+  return _mm256_add_epi16(p0, p1);
+}
+
+static inline __m256i widen(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
+
+// Per 128-bit lane: [sum4(a0), sum4(a1), sum4(a2), sum4(a3)] of that lane's 4 int32s.
+static inline __m256i tree4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+}
+
+// isum[g] = sum over group g of q * xq, for all G groups (isum has room for G rounded up to 8).
+template <int GS>
+static void group_sums(const uint8_t* w, const int8_t* xq, int64_t D, int32_t* isum) {
+  const int64_t G = D / GS;
+  if constexpr (GS == 32) {
+    const int64_t C = D / 64;  // a chunk is two groups, one per 128-bit lane
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t c0 = 0; c0 < C; c0 += 4) {
+      __m256i a[4];
+      for (int i = 0; i < 4; i++)
+        a[i] = c0 + i < C ? widen(chunk16(w + (c0 + i) * 32, xq + (c0 + i) * 64)) : _mm256_setzero_si256();
+      __m256i t = _mm256_permutevar8x32_epi32(tree4(a[0], a[1], a[2], a[3]), perm);
+      _mm256_storeu_si256((__m256i*)(isum + 2 * c0), t);
+    }
+  } else {
+    constexpr int CPG = GS / 64;  // chunks per group
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      __m256i a[8];
+      for (int i = 0; i < 8; i++) {
+        int64_t g = g0 + i;
+        if (g >= G) {
+          a[i] = _mm256_setzero_si256();
+          continue;
+        }
+        __m256i v = chunk16(w + g * GS / 2, xq + g * GS);
+        if constexpr (CPG == 2) v = _mm256_add_epi16(v, chunk16(w + g * GS / 2 + 32, xq + g * GS + 64));
+        a[i] = widen(v);
+      }
+      __m256i t = tree4(a[0], a[1], a[2], a[3]), u = tree4(a[4], a[5], a[6], a[7]);
+      __m256i r = _mm256_add_epi32(_mm256_permute2x128_si256(t, u, 0x20), _mm256_permute2x128_si256(t, u, 0x31));
+      _mm256_storeu_si256((__m256i*)(isum + g0), r);
+    }
+  }
+}
+
+// sum_g s[g] * xs[g] * isum[g] + b[g] * xsum[g]
+static inline float combine(const float* s, const float* b, const float* xs, const float* xsum, const int32_t* isum,
+                            int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    __m256 d = _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g));
+    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(isum + g))), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xsum + g), acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float r = _mm_cvtss_f32(h);
+  for (; g < G; g++) r += s[g] * xs[g] * (float)isum[g] + b[g] * xsum[g];
+  return r;
+}
+
+static float dot_avx2(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+                      const float* xsum, int64_t D, int gs) {
+  alignas(32) int32_t isum[MAX_GROUPS + 8];
+  switch (gs) {
+    case 32: group_sums<32>(w, xq, D, isum); break;
+    case 64: group_sums<64>(w, xq, D, isum); break;
+    default: group_sums<128>(w, xq, D, isum); break;
+  }
+  return combine(s, b, xs, xsum, isum, D / gs);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+
+void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out) {
+  const int64_t N = q.N, D = q.D, G = D / q.group_size;
+  const int gs = q.group_size;
+  const bool avx2 = use_avx2.load();
+  Pool& p = pool();
+
+  // activations: one task per block of rows
+  thread_local Acts tl_acts;
+  Acts& acts = tl_acts;  // a reference: the lambdas below run on other threads
+  acts.sums.resize(x_rows * G);
+  acts.scale.resize(x_rows * G);
+  acts.q.resize(avx2 ? x_rows * D : 0);
+  const int64_t RB = 64;
+  p.run((x_rows + RB - 1) / RB, [&](int64_t t) {
+    for (int64_t r = t * RB; r < std::min(x_rows, (t + 1) * RB); r++)
+      prepare_row(x + r * D, D, gs, avx2, acts.sums.data() + r * G, acts.scale.data() + r * G,
+                  avx2 ? acts.q.data() + r * D : nullptr);
+  });
+
+  // pairs grouped by expert, so that rows sharing an expert read its weights once (prefill)
+  std::vector<Pair> sorted(pairs);
+  std::stable_sort(sorted.begin(), sorted.end(), [](const Pair& a, const Pair& b) { return a.expert < b.expert; });
+  struct Run {
+    int64_t begin, end;
+  };
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < (int64_t)sorted.size();) {
+    int64_t j = i;
+    while (j < (int64_t)sorted.size() && sorted[j].expert == sorted[i].expert) j++;
+    runs.push_back({i, j});
+    i = j;
+  }
+
+  // tasks: (run, block of output features); enough of them to keep every thread busy
+  int64_t nb = 64;
+  while (nb > 8 && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * p.threads()) nb /= 2;
+  const int64_t blocks = (N + nb - 1) / nb;
+  const int64_t ntask = (int64_t)runs.size() * blocks;
+  const int64_t row_bytes = D / 2;
+
+  p.run(ntask, [&](int64_t t) {
+    const Run& run = runs[t / blocks];
+    const int64_t n0 = (t % blocks) * nb, n1 = std::min(N, n0 + nb);
+    const int64_t e = sorted[run.begin].expert;
+    if (e < 0 || e >= q.E) {  // out-of-range index: zeros rather than a wild read
+      for (int64_t i = run.begin; i < run.end; i++) std::fill(out + sorted[i].out * N + n0, out + sorted[i].out * N + n1, 0.f);
+      return;
+    }
+    const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
+    for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
+      const int64_t i1 = std::min(run.end, i0 + PB);
+      for (int64_t m0 = n0; m0 < n1; m0 += NS) {
+        const int64_t m1 = std::min(n1, m0 + NS);
+        for (int64_t i = i0; i < i1; i++) {
+          const Pair& pr = sorted[i];
+          const float* xsum = acts.sums.data() + pr.xrow * G;
+          for (int64_t n = m0; n < m1; n++) {
+            const int64_t row = e * N + n;
+            const uint8_t* w = q.w + row * row_bytes;
+            const float* s = q.scales + row * G;
+            const float* b = q.biases + row * G;
+            float v;
+#if defined(EDGE0_AVX2)
+            if (avx2)
+              v = dot_avx2(w, s, b, acts.q.data() + pr.xrow * D, acts.scale.data() + pr.xrow * G, xsum, D, gs);
+            else
+#endif
+              v = dot_portable(w, s, b, x + pr.xrow * D, xsum, D, gs);
+            out[pr.out * N + n] = v;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace edge0

@@ -1,0 +1,40 @@
+// 4-bit affine quantized matrix-vector products over MLX's packed layout, no MLX types here.
+//
+// Layout (as MLX stores it, no repacking): W (E, N, D/8) uint32, 8 nibbles per word, element j of a
+// word in bits 4j..4j+3; scales and biases (E, N, D/gs) float32; w = s * q + b per group.
+// So per group: sum_i x_i w_i = s * sum_i x_i q_i + b * sum_i x_i.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace edge0 {
+
+// One output row o: its x row and its expert (the weight matrix it multiplies).
+struct Pair {
+  int64_t expert;
+  int64_t xrow;
+  int64_t out;
+};
+
+struct QWeights {
+  const uint8_t* w;  // (E, N, D/2) bytes
+  const float* scales;  // (E, N, D/gs)
+  const float* biases;  // (E, N, D/gs)
+  int64_t E, N, D;
+  int group_size;
+};
+
+// out[p.out, :N] = W[p.expert] @ x[p.xrow] for every pair; x (rows, D) float32, out (*, N) float32.
+void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out);
+
+// "avx2" or "portable": the code path qmv takes; set_impl("portable") forces the plain C++ path (tests).
+const char* impl();
+bool set_impl(const char* name);
+bool has_avx2();
+
+// Compute threads of qmv, the caller included (a persistent pool of n-1 workers).
+void set_num_threads(int n);
+int num_threads();
+
+}  // namespace edge0

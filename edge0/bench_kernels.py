@@ -1,0 +1,157 @@
+"""Micro-benchmark of the quantized kernels: G weights/s of edge0's CPU kernels and MLX's at decode
+shapes (and a prefill batch), against this machine's memory read bandwidth measured in the same run.
+
+    edge0 bench --kernels            (or: python -m edge0.bench_kernels)
+
+At MLX's 4-bit affine format with float32 scales and biases a weight costs 0.5 + 8/gs bytes
+(0.625 at gs 64): bandwidth / that is the ceiling of a decode matvec whose weights come from memory.
+Shapes: E experts, K routed, D hidden, H expert width, R rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from .compute import kernels, qmm
+
+GROUP = 64
+BYTES_PER_WEIGHT = 0.5 + 2 * 4 / GROUP
+EXPERTS = 128  # as Qwen3-30B-A3B: the routed set changes every call, weights come from memory
+DENSE_BYTES = 256 << 20  # dense matrices cycled through, so that they do not sit in cache
+
+
+def add_bench_kernels_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel-threads", default="1,2", help="compute thread counts of the edge0 kernels to measure")
+    p.add_argument("--kernel-seconds", type=float, default=0.3, help="time per measurement")
+    p.add_argument("--kernel-prefill-rows", type=int, default=256, help="rows of the prefill measurement (0: skip)")
+    p.add_argument("--kernel-json", action="store_true", help="print one JSON object at the end")
+
+
+def memory_read_gbs(threads: int, nbytes: int = 256 << 20) -> float:
+    """Read bandwidth of a summation over a fresh array larger than the caches (numpy releases the GIL)."""
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    parts = np.array_split(a, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        best = 0.0
+        for _ in range(5):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, nbytes / (time.perf_counter() - t))
+    return best / 1e9
+
+
+def _quantized(shape, seed=0):
+    w = mx.random.normal(shape, key=mx.random.key(seed)) * 0.05
+    q = mx.quantize(w, group_size=GROUP, bits=4)
+    mx.eval(q)
+    return q
+
+
+def _rate(fn, seconds: float) -> float:
+    """Calls per second of fn() (each builds and evaluates its graph), best of a few rounds."""
+    fn()
+    best, end = 0.0, time.perf_counter() + seconds
+    while True:
+        n, t = 0, time.perf_counter()
+        while n < 8 or time.perf_counter() - t < seconds / 4:
+            fn()
+            n += 1
+        best = max(best, n / (time.perf_counter() - t))
+        if time.perf_counter() > end:
+            return best
+
+
+def _gather_case(d, h, k, seconds, prefill_rows=0):
+    w, s, b = _quantized((EXPERTS, h, d))
+    rng = np.random.default_rng(0)
+    steps = [mx.array(np.stack([rng.choice(EXPERTS, k, replace=False) for _ in range(max(1, prefill_rows))])
+                      .astype(np.uint32)) for _ in range(64)]
+    it = iter(range(1 << 62))
+    rows = max(1, prefill_rows)
+    x = mx.random.normal((rows, 1, 1, d))
+    if prefill_rows:  # as switch_glu's sorted path: (R*K, 1, D) rows sorted by expert
+        flat = [mx.sort(i.flatten()) for i in steps]
+        xs = mx.broadcast_to(x, (rows, k, 1, d)).reshape(rows * k, 1, d)
+        mx.eval(flat, xs)
+
+    def call():
+        i = next(it) % len(steps)
+        if prefill_rows:
+            y = qmm.gather_qmm(xs, w, s, b, flat[i], group_size=GROUP, bits=4, mode="affine", sorted_indices=True)
+        else:
+            y = qmm.gather_qmm(x, w, s, b, steps[i], group_size=GROUP, bits=4, mode="affine")
+        mx.eval(y)
+    return _rate(call, seconds) * rows * k * h * d / 1e9
+
+
+def _dense_case(d, n, seconds, rows=1):
+    copies = max(1, int(DENSE_BYTES // (n * d * BYTES_PER_WEIGHT)))
+    mats = [_quantized((n, d), seed=i) for i in range(copies)]
+    x = mx.random.normal((rows, d))
+    it = iter(range(1 << 62))
+
+    def call():
+        w, s, b = mats[next(it) % copies]
+        mx.eval(qmm.quantized_matmul(x, w, s, b, group_size=GROUP, bits=4, mode="affine"))
+    return _rate(call, seconds) * rows * n * d / 1e9
+
+
+def bench_kernels(args) -> dict:
+    """Print and return G weights/s of each kernel (edge0 at each thread count, mlx) per shape."""
+    threads = [int(t) for t in str(args.kernel_threads).split(",") if t]
+    seconds = args.kernel_seconds
+    out = {"bytes_per_weight": BYTES_PER_WEIGHT, "group_size": GROUP, "experts": EXPERTS, "rows": {},
+           "blas": "not used by quantized kernels" + (f" (LD_PRELOAD={os.environ['LD_PRELOAD']})"
+                                                     if os.environ.get("LD_PRELOAD") else ""),
+           "edge0_kernels": kernels.available() and kernels.load().impl(), "edge0_reason": kernels.reason(),
+           "memory_read_gbs": {t: memory_read_gbs(t) for t in sorted(set(threads + [1]))}}
+    say = (lambda *a: None) if args.kernel_json else print
+    for t, gbs in out["memory_read_gbs"].items():
+        say(f"memory read, {t} thread(s): {gbs:.1f} GB/s = {gbs / BYTES_PER_WEIGHT:.1f} G weights/s at 4-bit gs {GROUP}")
+    if not kernels.available():
+        say(f"edge0 kernels {kernels.reason()}: measuring MLX's only")
+        threads = []
+    say(f"G weights/s (gs {GROUP}, float32 activations and scales; edge0 path {out['edge0_kernels']})")
+    cases = [(f"gather D{d} H{h} K{k}", lambda d=d, h=h, k=k: _gather_case(d, h, k, seconds))
+             for d in (1024, 2048) for h in (512, 768) for k in (4, 8)]
+    cases += [(f"dense {4 * d}x{d}", lambda d=d: _dense_case(d, 4 * d, seconds)) for d in (1024, 2048)]
+    if args.kernel_prefill_rows:
+        r = args.kernel_prefill_rows
+        cases += [(f"prefill gather R{r} D2048 H768 K8", lambda: _gather_case(2048, 768, 8, seconds, prefill_rows=r)),
+                  (f"prefill dense R{r} 4096x1024", lambda: _dense_case(1024, 4096, seconds, rows=r))]
+    previous = qmm._choice
+    try:
+        for name, fn in cases:
+            row = {}
+            qmm.set_kernel("mlx")
+            row["mlx"] = fn()
+            for t in threads:
+                qmm.set_kernel("edge0")
+                kernels.set_num_threads(t)
+                row[f"edge0 x{t}"] = fn()
+            out["rows"][name] = row
+            say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
+                + (f"  ({row[f'edge0 x{threads[0]}'] / row['mlx']:.1f}x)" if threads else ""))
+    finally:
+        qmm.set_kernel(previous)
+        kernels.set_num_threads(kernels.default_threads())
+    if args.kernel_json:
+        print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_kernels_flags(p)
+    bench_kernels(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Edge0's CPU kernels (csrc/, built by `pip install -e .` where a C++ compiler and CMake exist):
+loading the extension, its pin to the MLX version it was built against, and the notice when absent.
+
+The extension is optional: without it every product runs on MLX's own kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Compute threads of the kernels, the calling thread included. On a 2-core machine one thread leaves
+# the other core to the I/O workers (PLATFORM.md); EDGE0_KERNEL_THREADS overrides.
+DEFAULT_THREADS_2_CORES = 1
+MAX_DEFAULT_THREADS = 8
+
+_ext = None  # the loaded module, once load() succeeded
+_reason: str | None = None  # why it is unavailable, once load() failed
+_noticed = False
+
+
+def default_threads() -> int:
+    env = os.environ.get("EDGE0_KERNEL_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return DEFAULT_THREADS_2_CORES if cores <= 2 else min(cores - 1, MAX_DEFAULT_THREADS)
+
+
+def load():
+    """The extension module, or None (see reason())."""
+    global _ext, _reason
+    if _ext is not None or _reason is not None:
+        return _ext
+    import mlx.core as mx  # libmlx must be loaded before the extension that links it
+
+    try:
+        from . import _kernels
+    except ImportError as e:
+        _reason = f"not built ({e.msg})" if "No module named" not in str(e) else "not built"
+        return None
+    built = _kernels.mlx_version()
+    if built != mx.__version__:
+        _reason = f"built against mlx {built} but mlx {mx.__version__} is installed; rebuild: pip install -e ."
+        return None
+    _kernels.set_num_threads(default_threads())
+    _ext = _kernels
+    return _ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str:
+    """Why the extension cannot be used ('' when it can)."""
+    load()
+    return _reason or ""
+
+
+def notice() -> None:
+    """One line on stderr, once per process, saying MLX's kernels are used and why."""
+    global _noticed
+    if not _noticed and not available():
+        _noticed = True
+        print(f"edge0: CPU kernels {reason()}; using MLX's kernels", file=sys.stderr)
+
+
+def set_num_threads(n: int) -> None:
+    if load() is not None:
+        _ext.set_num_threads(max(1, int(n)))
+
+
+def num_threads() -> int:
+    return _ext.num_threads() if load() is not None else 0
