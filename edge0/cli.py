@@ -8,8 +8,6 @@ import sys
 from .errors import Edge0Error
 
 NOT_YET = {
-    "train": "training (heads, LoRA, distillation) is not available yet",
-    "eval": "evaluation is not available yet",
     "serve": "the OpenAI-compatible server is not available yet",
 }
 
@@ -82,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("out", metavar="OUT")
 
+    p = sub.add_parser("train", help="train: base (the demo model), heads (Phase 1)",
+                       description="Training phases. LoRA (Phase 2) and distillation (Phase 3) are not available yet.")
+    train = p.add_subparsers(dest="phase", required=True, metavar="PHASE")
+    from .train.base import add_train_base_flags
+    from .train.heads import add_train_heads_flags
+
+    add_train_base_flags(train.add_parser("base", help="train a small MoE LM from scratch on the stdlib's source"))
+    add_train_heads_flags(train.add_parser("heads", help="distil prerouter heads on a store (Phase 1)"))
+    for phase in ("lora", "distill"):
+        q = train.add_parser(phase, help=f"{phase} (not available yet)")
+        q.add_argument("rest", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("eval", help="quality of the served path: perplexity, top-1 agreement and KL vs a teacher",
+                       description="Evaluate a store (or an mlx-lm checkpoint) on held-out text.")
+    from .eval import add_eval_flags
+
+    add_eval_flags(p)
+
     p = sub.add_parser("trace", help="read a timeline trace: breakdown, load-cost fit, plot",
                        description="Summarize a trace written by `edge0 run --trace PATH`.")
     p.add_argument("action", choices=["summarize"])
@@ -122,6 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             out = make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)
             print(f"wrote {out}", file=sys.stderr)
             return 0
+        if args.command == "train":
+            if args.phase == "base":
+                from .train.base import train_base_cli
+
+                return train_base_cli(args)
+            if args.phase == "heads":
+                from .train.heads import train_heads_cli
+
+                return train_heads_cli(args)
+            raise Edge0Error(f"`edge0 train {args.phase}`: not available yet")
+        if args.command == "eval":
+            from .eval import eval_cli
+
+            return eval_cli(args)
         if args.command == "trace":
             from .sched.summarize import trace_cli
 

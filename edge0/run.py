@@ -19,9 +19,6 @@ from .errors import Edge0Error
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
 DEMO = ("qwen3_moe", "tiny")  # until the project's trained demo model exists
-UNAVAILABLE = {
-    "routing": ("native", "prefetch"),
-}
 
 
 def cache_dir() -> Path:
@@ -59,21 +56,35 @@ def memory_figures() -> dict:
 
 
 def check_flags(args) -> None:
-    for flag, ok in UNAVAILABLE.items():
-        value = getattr(args, flag)
-        if value not in ok:
-            raise Edge0Error(f"--{flag} {value}: not available yet (this build has {', '.join(ok)})")
-    for flag in ("heads", "k"):
-        if getattr(args, flag) is not None:
-            raise Edge0Error(f"--{flag.replace('_', '-')}: not available yet (needs trained prerouter heads)")
-    if args.predictor == "heads":
-        raise Edge0Error("--predictor heads: not available yet (needs trained prerouter heads)")
-    if args.predictor is not None and args.routing != "prefetch":
-        raise Edge0Error(f"--predictor {args.predictor}: only used with --routing prefetch")
-    if args.routing == "prefetch" and args.executor not in ("auto", "staged"):
-        raise Edge0Error(f"--routing prefetch fills staged slot banks; --executor {args.executor} does not apply")
+    if args.predictor is not None and args.routing == "native":
+        raise Edge0Error(f"--predictor {args.predictor}: only used with --routing prefetch or predicted")
+    if args.routing == "predicted" and args.predictor not in (None, "heads"):
+        raise Edge0Error(f"--routing predicted routes with trained heads; --predictor {args.predictor} does not apply")
+    if args.routing != "native" and args.executor not in ("auto", "staged"):
+        raise Edge0Error(f"--routing {args.routing} fills staged slot banks; --executor {args.executor} does not apply")
+    if args.heads is not None and args.routing == "native":
+        raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads")
     if args.max_tokens < 1:
         raise Edge0Error(f"--max-tokens {args.max_tokens}: must be at least 1")
+
+
+def default_heads(store: Path, k: int | None) -> Path | None:
+    """heads-k{K}.safetensors next to the store (K: --k or the model's own), if present."""
+    from .io.manifest import read_manifest
+
+    if not (store / "edge0.json").exists():
+        return None
+    k = k or read_manifest(store).top_k
+    path = store / f"heads-k{k}.safetensors"
+    return path if path.exists() else None
+
+
+def set_top_k(store, k: int) -> None:
+    """Run every MoE block at K routed experts (heads for that K are what make it sound)."""
+    if not 1 <= k <= store.manifest.num_experts:
+        raise Edge0Error(f"--k {k}: must be between 1 and the model's {store.manifest.num_experts} experts")
+    for layer in store.runtime.executors:
+        store.model.layers[layer].mlp.top_k = k
 
 
 def read_replay(path: str) -> dict:
@@ -94,6 +105,8 @@ def run(args) -> int:
     from .io.pagecache import evict
     from .model.load import load_store
     from .sched.generate import StepTimes, generate_steps
+    from .model.arch import read_config
+    from .model.heads import HeadSet
     from .sched.prefetch import build_prefetch_runtime
     from .sched.trace import NULL, Trace
 
@@ -106,13 +119,24 @@ def run(args) -> int:
     replay = read_replay(args.replay) if args.replay else None
     trace = Trace({"model": str(path), "routing": args.routing, "predictor": args.predictor}) if args.trace else NULL
     build = None
-    if args.routing == "prefetch":
+    predictor = "heads" if args.routing == "predicted" else args.predictor or "next-router"
+    heads_file = args.heads or (default_heads(path, args.k) if predictor == "heads" else None)
+    if args.routing != "native":
         def build(reader, cdtype):
-            return build_prefetch_runtime(reader, cdtype, predictor=args.predictor or "next-router",
-                                          memory_budget_gib=args.memory_budget, workers=args.io_workers, trace=trace)
+            heads = None
+            if predictor == "heads":
+                if heads_file is None:
+                    raise Edge0Error(f"{path}: no prerouter heads next to this store; pass --heads FILE "
+                                     "(train them with `edge0 train heads`)")
+                heads = HeadSet.load(heads_file, reader.manifest, read_config(path), top_k=args.k)
+            return build_prefetch_runtime(reader, cdtype, predictor=predictor, memory_budget_gib=args.memory_budget,
+                                          workers=args.io_workers, trace=trace, heads=heads,
+                                          predicted_routing=args.routing == "predicted")
     store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
                        memory_budget=args.memory_budget, io=args.io, io_throttle=args.io_throttle, build=build)
     store.runtime.trace = trace
+    if args.k is not None:
+        set_top_k(store, args.k)
     load_s = time.perf_counter() - t0
     try:
         tok = store.tokenizer
@@ -165,7 +189,9 @@ def run(args) -> int:
             "resident_expert_bytes": rt.resident_expert_bytes,
             "memory_budget_gib": args.memory_budget,
             "routing": args.routing,
-            "predictor": (args.predictor or "next-router") if sched else None,
+            "predictor": predictor if sched else None,
+            "heads": str(heads_file) if heads_file and sched and predictor == "heads" else None,
+            "top_k": args.k or store.manifest.top_k,
             "stall_ms_per_token": 1e3 * sched.stats.stall_s / steps if sched else 0.0,
             "recall": sched.stats.recall if sched else None,
             "loads": sched.stats.loads if sched else stats.reads,

@@ -26,12 +26,19 @@ class SoftmaxMoeBlock(nn.Module):
             self.shared_expert_gate = src.shared_expert_gate
         self.executor = executor  # (x, inds) -> (T, K, D)
         self.cast_back = cast_back
+        self.planned = None  # () -> (inds, scores) | None: routing decided ahead (predicted routing)
+
+    def logits(self, x: mx.array) -> mx.array:
+        return self.gate(x)  # (T, E)
+
+    def select(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return softmax_topk(logits, self.top_k, self.norm_topk_prob)  # (T, K), (T, K)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        return softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)  # (T, K), (T, K)
+        return self.select(self.logits(x))
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, scores = self.route(x)
+        inds, scores = _routing(self, x)
         y = combine(self.executor(x, inds), scores, cast_back=self.cast_back)  # (T, D)
         if self.shared:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -46,18 +53,39 @@ class SigmoidGroupMoeBlock(nn.Module):
         self.gate = src.gate
         self.shared_experts = src.shared_experts
         self.executor = executor
+        self.planned = None
 
-    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    @top_k.setter
+    def top_k(self, k: int) -> None:
+        self.gate.top_k = k
+
+    def logits(self, x: mx.array) -> mx.array:
+        return self.gate.gate_proj(x)  # (T, E)
+
+    def select(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         g = self.gate
-        return sigmoid_group_topk(g.gate_proj(x), g.expert_bias, g.top_k, g.n_group, g.topk_group,
+        return sigmoid_group_topk(logits, g.expert_bias, g.top_k, g.n_group, g.topk_group,
                                   g.routed_scaling_factor, g.norm_topk_prob, g.score_function)
 
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.select(self.logits(x))
+
     def __call__(self, x: mx.array) -> mx.array:
-        inds, scores = self.route(x)
+        inds, scores = _routing(self, x)
         out = combine_compiled(self.executor(x, inds), scores)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def _routing(block, x: mx.array) -> tuple[mx.array, mx.array]:
+    """The block's routing for this step: decided ahead by a prerouter head when planned, else its router."""
+    planned = block.planned() if block.planned is not None else None
+    return planned if planned is not None else block.route(x)
 
 
 def make_block(model_type: str, src: nn.Module, executor) -> nn.Module:

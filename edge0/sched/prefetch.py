@@ -1,11 +1,14 @@
-"""`--routing prefetch`: the model's own router decides, predicted experts are read one token ahead.
+"""`--routing prefetch` and `--routing predicted` under the scheduler.
 
-Predictors (one small interface: given what is known at layer L of step s, name layer L'`s experts for
-step s+1):
+prefetch: the model's own router decides, predicted experts are read one token ahead; output is
+token-identical to native routing. predicted: at consumer layers the prerouter head's prediction *is*
+the routing, so the staged set is the routed set and nothing is read on demand there.
+
+Predictors (given what is known at layer L of step s, name a layer's experts for step s+1):
   repeat       layer L at s+1 uses what it used at s (known once layer L has routed at s).
   next-router  layer L+1's own router applied to layer L's MoE input at s: what an untrained
                prerouter head computes (known at layer L of step s, a full layer earlier).
-Output is token-identical to native routing: the prediction only decides what is read early.
+  heads        trained prerouter heads for consumer layers; next-router for the others.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from ..compute.executors import SlotCache, WholeLayer
 from ..compute.experts import ExactExperts, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
+from ..model.heads import features
 from .scheduler import IO_WORKERS, QUEUE_DEPTH, Scheduler
 from .trace import NULL, now_us
 
-PREDICTORS = ("repeat", "next-router")
+PREDICTORS = ("repeat", "next-router", "heads")
 
 
 class PrefetchExperts:
@@ -34,17 +38,34 @@ class PrefetchExperts:
         self.quant = exact.quant
         self.num_experts = exact.num_experts
         self.next: PrefetchExperts | None = None  # the next MoE layer's executor
-        self.next_route = None  # the next MoE layer's router: x -> (inds, scores)
+        self.next_block = None  # the next MoE layer's block (its router: logits, select)
+        self.head = None  # the prerouter head this layer owns (for self.next), if any
+        self.prev_inds = None  # this layer's routed ids at the previous token (head features)
+        self.predicted_routing = False  # the next layer routes with this layer's head (routing=predicted)
+        self.decided: dict[int, tuple] = {}  # step -> (inds, scores) decided for this layer by its owner's head
+
+    def planned(self):
+        """Routing decided for this layer at the step before (predicted routing), for the step now built."""
+        step = self.sched.step
+        for old in [s for s in self.decided if s < step]:
+            del self.decided[old]
+        return self.decided.get(step)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self.prefill is not None and self.prefill.wants(inds):
+            self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
         sched = self.sched
-        predicted = None
-        if self.predictor == "next-router" and self.next is not None:
-            predicted = self.next_route(x)[0]  # (1, T, K) layer L+1's router on layer L's input
+        predicted, scores = None, None
+        if self.next is not None and self.head is not None and inds.shape[-2] == 1:
+            router = self.next_block.logits(x)  # (1, 1, E) layer L+1's router on layer L's input
+            feats = features(x, inds, self.prev_inds, self.num_experts)
+            predicted, scores = self.next_block.select(self.head(feats, router))
+        elif self.next is not None and self.predictor in ("next-router", "heads"):
+            predicted = self.next_block.route(x)[0]  # (1, T, K)
+        self.prev_inds = inds[..., -1:, :]
         t0 = now_us()
-        mx.eval(inds, predicted) if predicted is not None else mx.eval(inds)  # SYNC: ids to the host
+        mx.eval(*(a for a in (inds, predicted, scores) if a is not None))  # SYNC: ids to the host
         if self.trace.on:
             self.trace.span(f"eval L{self.layer}", "compute", t0, now_us(), layer=self.layer, step=sched.step)
         self.fence.sync()
@@ -59,6 +80,8 @@ class PrefetchExperts:
         if predicted is not None:
             nxt = self.next
             sched.prefetch(nxt.layer, nxt.caches[(sched.step + 1) % 2], np.unique(np.array(predicted, copy=False)))
+            if scores is not None and self.predicted_routing:
+                nxt.decided[sched.step + 1] = (predicted, scores)
         elif self.predictor == "repeat":
             sched.prefetch(self.layer, self.caches[(sched.step + 1) % 2], ids)
         lut = np.zeros(self.num_experts, dtype=np.uint32)
@@ -77,12 +100,25 @@ class PrefetchRuntime(Runtime):
     def finish(self) -> None:
         self.sched.cancel()
 
+    heads = None  # HeadSet when predicting with trained heads
+    predicted_routing = False
+
     def link(self, blocks: dict) -> None:
-        """Give each layer its successor and the successor's router (for next-router)."""
+        """Give each layer its successor and the successor's router; heads to their owners; with predicted
+        routing, consumer blocks take the routing their owner's head decided."""
         order = sorted(self.executors)
         for a, b in zip(order, order[1:]):
             self.executors[a].next = self.executors[b]
-            self.executors[a].next_route = blocks[b].route
+            self.executors[a].next_block = blocks[b]
+        if self.heads is None:
+            return
+        for consumer, owner in self.heads.owners.items():
+            if owner not in self.executors or self.executors[owner].next is not self.executors.get(consumer):
+                raise Edge0Error(f"head for layer {consumer} is owned by layer {owner}, which does not precede it")
+            self.executors[owner].head = self.heads.heads[consumer]
+            self.executors[owner].predicted_routing = self.predicted_routing
+            if self.predicted_routing:
+                blocks[consumer].planned = self.executors[consumer].planned
 
     def close(self) -> None:
         self.sched.close()
@@ -90,10 +126,14 @@ class PrefetchRuntime(Runtime):
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, workers: int = IO_WORKERS, queue_depth: int = QUEUE_DEPTH,
-                           trace=NULL) -> PrefetchRuntime:
-    """Two banks per MoE layer (as staged) filled by the scheduler's pool, whole-layer prefill."""
+                           trace=NULL, heads=None, predicted_routing: bool = False) -> PrefetchRuntime:
+    """Two banks per MoE layer (as staged) filled by the scheduler's pool, whole-layer prefill.
+
+    heads: a HeadSet (predictor "heads" and predicted routing need one)."""
     if predictor not in PREDICTORS:
-        raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)} (heads come with trained heads)")
+        raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
+    if (predictor == "heads" or predicted_routing) and heads is None:
+        raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
     m = reader.manifest
     sched = Scheduler(reader, workers=workers, queue_depth=queue_depth, trace=trace)
@@ -101,6 +141,8 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
                          budget_bytes=base.budget_bytes)
     rt.sched = sched
     rt.trace = trace
+    rt.heads = heads
+    rt.predicted_routing = predicted_routing
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.caches, sched, base.fence, staged.exact, base.prefill,
                                               predictor, trace)

@@ -154,7 +154,8 @@ class Scheduler:
             if self.trace.on:
                 self.trace.span("read", "io", r.start_us, r.end_us, layer=r.fill.layer, expert=r.fill.expert,
                                 bytes=r.nbytes, cold=r.cold, queued_us=r.fill.queued_us - self.trace.t0,
-                                wait_ms=(r.start_us - r.fill.queued_us) / 1e3, demand=plan.demand, thread=r.thread)
+                                wait_ms=(r.start_us - r.fill.queued_us) / 1e3, demand=plan.demand, step=plan.step,
+                                thread=r.thread)
 
     def _drain_one(self) -> None:
         pending = [p.future for p in self.plans.values() if p.future is not None and not p.future.done()]
@@ -189,7 +190,7 @@ class Scheduler:
         self.stats.predicted += hit
         self.stats.routed += len(ids)
         if self.trace.on:
-            self.trace.instant("prediction", "predict", layer=plan.layer, hits=hit, misses=len(ids) - hit)
+            self.trace.instant("prediction", "predict", layer=plan.layer, step=plan.step, hits=hit, misses=len(ids) - hit)
 
     def next_step(self) -> None:
         """Called after a decode step has been evaluated."""

@@ -1,0 +1,139 @@
+"""Prerouter heads: owned by MoE layer N, they predict layer M's (the next MoE layer's) router logits
+for the next token, from what layer N knows now.
+
+Features at token t: concat(h_N,t, multi-hot of N's routed set at t, multi-hot at t-1), size D + 2E.
+logits_M,t+1 = router_M(h_N,t) + delta(features) + fc2(gelu(fc1(features)))
+router_M is layer M's own (frozen, as served) router and delta and fc2 start at zero, so an untrained
+head *is* the next-router predictor (bit for bit); the residual's hidden-state block is thus initialised
+from M's router weights and its multi-hot blocks at zero, as DESIGN.md section 6 asks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import Edge0Error
+
+HIDDEN = 512  # head width (DESIGN.md section 6)
+SKIP_FIRST = 2  # MoE layers at the start that keep their own router (their input moves fastest)
+FEATURES = "h|multi_hot_t|multi_hot_t-1"
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, experts_in: int, experts_out: int, hidden: int = HIDDEN):
+        super().__init__()
+        width = dim + 2 * experts_in
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, experts_out)
+        self.delta = nn.Linear(width, experts_out, bias=False)
+        self.fc2.weight = mx.zeros_like(self.fc2.weight)
+        self.fc2.bias = mx.zeros_like(self.fc2.bias)
+        self.delta.weight = mx.zeros_like(self.delta.weight)
+
+    def __call__(self, features: mx.array, router_logits: mx.array) -> mx.array:
+        return router_logits + self.delta(features) + self.fc2(nn.gelu(self.fc1(features)))  # (T, E)
+
+
+def multi_hot(inds: mx.array, experts: int) -> mx.array:
+    """(..., K) ids -> (..., E) float 0/1."""
+    return (mx.arange(experts) == inds[..., None]).any(axis=-2).astype(mx.float32)
+
+
+def features(h: mx.array, inds: mx.array, prev_inds: mx.array | None, experts: int) -> mx.array:
+    """concat(h, multi-hot(t), multi-hot(t-1)); prev_inds None means no previous token (zeros)."""
+    now = multi_hot(inds, experts)
+    prev = multi_hot(prev_inds, experts) if prev_inds is not None else mx.zeros_like(now)
+    return mx.concatenate([h.astype(mx.float32), now, prev], axis=-1)
+
+
+def default_consumers(moe_layers: list[int]) -> list[int]:
+    """Every MoE layer but the first SKIP_FIRST and the last consumes a head (owned by its predecessor)."""
+    return moe_layers[SKIP_FIRST:-1] if len(moe_layers) > SKIP_FIRST + 1 else moe_layers[1:]
+
+
+def model_fingerprint(manifest, config: dict) -> str:
+    """What a head file is bound to: the store's expert checksums and the model's shapes."""
+    h = hashlib.sha256()
+    h.update(json.dumps({k: config.get(k) for k in sorted(config) if k != "quantization"}, sort_keys=True,
+                        default=str).encode())
+    for entry in manifest.layers:
+        h.update("".join(entry.checksums).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class HeadSet:
+    """All heads of one model at one K."""
+
+    heads: dict  # consumer layer -> Head
+    owners: dict  # consumer layer -> owner layer
+    top_k: int
+    hidden: int
+    fingerprint: str
+    data_hash: str = ""
+
+    def module(self) -> nn.Module:
+        m = nn.Module()
+        m.heads = {f"layer_{c}": h for c, h in self.heads.items()}  # not bare digits: those unflatten as list indices
+        return m
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        """safetensors with the layout in its metadata; written atomically."""
+        path = Path(path)
+        meta = {"format": "edge0-heads-1", "fingerprint": self.fingerprint, "top_k": str(self.top_k),
+                "hidden": str(self.hidden), "features": FEATURES, "data_hash": self.data_hash,
+                "owners": json.dumps({str(c): o for c, o in self.owners.items()}), **(extra or {})}
+        weights = dict(tree_flatten(self.module().parameters()))
+        tmp = path.with_name(f".{path.stem}.tmp.safetensors")
+        mx.save_safetensors(str(tmp), weights, metadata=meta)
+        tmp.replace(path)
+
+    @classmethod
+    def create(cls, manifest, config: dict, *, top_k: int, hidden: int = HIDDEN, consumers=None) -> "HeadSet":
+        moe = [e.layer for e in manifest.layers]
+        consumers = consumers if consumers is not None else default_consumers(moe)
+        owners = {c: moe[moe.index(c) - 1] for c in consumers}
+        dim = _hidden_size(config)
+        heads = {c: Head(dim, manifest.num_experts, manifest.num_experts, hidden) for c in consumers}
+        return cls(heads, owners, top_k, hidden, model_fingerprint(manifest, config))
+
+    @classmethod
+    def load(cls, path: str | Path, manifest, config: dict, *, top_k: int | None = None) -> "HeadSet":
+        path = Path(path)
+        if not path.exists():
+            raise Edge0Error(f"{path}: no such head file")
+        try:
+            weights, meta = mx.load(str(path), return_metadata=True)
+        except (RuntimeError, ValueError) as e:
+            raise Edge0Error(f"{path}: not a safetensors head file ({e})") from None
+        if meta.get("format") != "edge0-heads-1":
+            raise Edge0Error(f"{path}: not an Edge0 head file (metadata format {meta.get('format')!r})")
+        want = model_fingerprint(manifest, config)
+        if meta.get("fingerprint") != want:
+            raise Edge0Error(f"{path}: heads were trained for another model (fingerprint {meta.get('fingerprint')}, "
+                             f"this store is {want})")
+        k = int(meta["top_k"])
+        if top_k is not None and k != top_k:
+            raise Edge0Error(f"{path}: heads for K={k}, but --k {top_k} was asked; use the head file trained for K={top_k}")
+        owners = {int(c): int(o) for c, o in json.loads(meta["owners"]).items()}
+        hidden = int(meta["hidden"])
+        dim = _hidden_size(config)
+        hs = cls({c: Head(dim, manifest.num_experts, manifest.num_experts, hidden) for c in owners}, owners, k, hidden,
+                 want, meta.get("data_hash", ""))
+        try:
+            hs.module().load_weights(list(weights.items()), strict=True)
+        except ValueError as e:
+            raise Edge0Error(f"{path}: head weights do not match their metadata ({e})") from None
+        mx.eval(hs.module().parameters())
+        return hs
+
+
+def _hidden_size(config: dict) -> int:
+    return config.get("hidden_size") or config.get("text_config", {})["hidden_size"]

@@ -1,0 +1,234 @@
+"""Phase 1: distil prerouter heads on the served base (the int4 store, frozen).
+
+    edge0 train heads --model edge0/model/demo/store --out heads-k4.safetensors --k 4 --steps 300
+
+Each step runs the store's model over one window of training text, records every MoE layer's input
+h, router logits and routed ids, and fits each head (owner N -> consumer M) to M's router
+distribution at the next token: KL(softmax(router_M,t+1) || softmax(head_t)). Features stream from the
+forward passes (nothing is stored beyond one window). Held-out recall@K per consumer layer is reported
+for repeat, next-router and the trained heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from ..errors import Edge0Error
+from ..model.heads import HIDDEN, HeadSet, multi_hot
+
+SEQ_LEN = 256
+
+
+def record_routing(model, layers: list[int]):
+    """Wrap each MoE block's route to record (x, logits, inds) of the last forward; returns (records, undo)."""
+    rec: dict[int, tuple] = {}
+    blocks = {i: model.layers[i].mlp for i in layers}
+
+    for i, blk in blocks.items():
+        def route(x, _blk=blk, _i=i):
+            logits = _blk.logits(x)
+            inds, scores = _blk.select(logits)
+            rec[_i] = (x, logits, inds)
+            return inds, scores
+
+        object.__setattr__(blk, "route", route)  # an instance attribute shadows the method
+
+    def undo():
+        for blk in blocks.values():
+            object.__delattr__(blk, "route")
+
+    return rec, blocks, undo
+
+
+def window_targets(model, window: np.ndarray, layers: list[int]):
+    """One forward over the window; per MoE layer: h (T, D), router logits (T, E), routed ids (T, K)."""
+    rec, blocks, undo = record_routing(model, layers)
+    try:
+        model(mx.array(window[None]))
+        out = {i: tuple(a[0] for a in rec[i]) for i in layers}
+        mx.eval([a for v in out.values() for a in v])
+    finally:
+        undo()
+    return out, blocks
+
+
+def window_features(h: mx.array, inds: mx.array, experts: int) -> mx.array:
+    """Features at t = 0..T-2 of a window: (h_t, multi-hot t, multi-hot t-1; zeros at t = 0), as served."""
+    now = multi_hot(inds[:-1], experts)  # (T-1, E)
+    prev = mx.concatenate([mx.zeros((1, experts)), now[:-1]])
+    return mx.concatenate([h[:-1].astype(mx.float32), now, prev], axis=-1)
+
+
+def head_loss(heads: HeadSet, module, data: dict, blocks: dict, experts: int):
+    total = 0.0
+    for consumer, owner in heads.owners.items():
+        h, _, inds = data[owner]
+        _, target, _ = data[consumer]
+        feats = window_features(h, inds, experts)
+        router = mx.stop_gradient(blocks[consumer].logits(h[:-1]).astype(mx.float32))
+        pred = module.heads[f"layer_{consumer}"](feats, router)
+        p = mx.softmax(target[1:].astype(mx.float32), axis=-1)
+        logq = pred - mx.logsumexp(pred, axis=-1, keepdims=True)
+        logp = mx.log(mx.maximum(p, 1e-30))
+        total = total + (p * (logp - logq)).sum(-1).mean()
+    return total / len(heads.owners)
+
+
+def recall(heads: HeadSet, data: dict, blocks: dict, experts: int) -> dict:
+    """Per consumer: fraction of layer M's routed experts at t+1 named by repeat, next-router and the head."""
+    out = {}
+    for consumer, owner in heads.owners.items():
+        h, _, inds = data[owner]
+        _, _, true = data[consumer]
+        k = true.shape[-1]
+        feats = window_features(h, inds, experts)
+        router = blocks[consumer].logits(h[:-1])
+        guesses = {
+            "repeat": true[:-1],
+            "next-router": blocks[consumer].select(router)[0],
+            "heads": blocks[consumer].select(heads.heads[consumer](feats, router.astype(mx.float32)))[0],
+        }
+        t = np.array(true[1:])
+        out[consumer] = {}
+        for name, g in guesses.items():
+            g = np.array(g)
+            out[consumer][name] = float((g[:, :, None] == t[:, None, :]).any(-1).sum() / (t.shape[0] * k))
+    return out
+
+
+def _windows(stream: np.ndarray, seq_len: int) -> list[np.ndarray]:
+    n = (stream.size - 1) // seq_len
+    return [stream[i * seq_len:(i + 1) * seq_len].astype(np.int32) for i in range(n)]
+
+
+def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=None, heldout=None, top_k: int | None = None,
+                steps: int = 300, hidden: int = HIDDEN, lr: float = 1e-3, seed: int = 0, eval_windows: int = 8,
+                resume: bool = False, progress: bool = True, seq_len: int = SEQ_LEN) -> dict:
+    """Train heads for the store at K = top_k (default the model's); returns the report (also written as JSON)."""
+    from ..eval import token_stream
+    from ..model.load import load_store
+
+    out = Path(out)
+    if out.exists() and not resume:
+        raise Edge0Error(f"{out}: exists; pass --resume to continue its checkpoint, or choose another --out")
+    store = load_store(model_dir, dtype="float32", executor="staged")
+    try:
+        m = store.manifest
+        k = top_k or m.top_k
+        layers = [e.layer for e in m.layers]
+        for i in layers:
+            store.model.layers[i].mlp.top_k = k
+        train_stream, train_desc = token_stream(Path(model_dir), data) if data else _stdlib_split(model_dir, "train")
+        held_stream, held_desc = token_stream(Path(model_dir), heldout) if heldout else _stdlib_split(model_dir, "heldout")
+        train_w, held_w = _windows(train_stream, seq_len), _windows(held_stream, seq_len)[:eval_windows]
+        if not train_w or not held_w:
+            raise Edge0Error("not enough text for one training and one held-out window")
+        data_hash = hashlib.sha256(train_stream.tobytes()).hexdigest()[:16]
+        mx.random.seed(seed)  # fc1's initial draw
+        heads = HeadSet.create(m, store.config, top_k=k, hidden=hidden)
+        heads.data_hash = data_hash
+        module = heads.module()
+        opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+        ckpt = out.with_suffix(".ckpt")
+        start = 0
+        if resume and (ckpt / "state.json").exists():
+            state = json.loads((ckpt / "state.json").read_text())
+            module.load_weights(str(ckpt / "heads.safetensors"))
+            opt.state = _unflatten(mx.load(str(ckpt / "opt.safetensors")))
+            start = state["step"]
+        order = np.random.default_rng(seed).permutation(len(train_w))
+        loss_grad = nn.value_and_grad(module, lambda mod, d: head_loss(heads, mod, d, blocks, m.num_experts))
+        held = [window_targets(store.model, w, layers) for w in held_w]
+        blocks = held[0][1]
+        before = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
+        losses = []
+        bar = tqdm(range(start, steps), desc="heads", disable=not progress, file=sys.stderr, initial=start, total=steps)
+        for step in bar:
+            d, blocks = window_targets(store.model, train_w[order[step % len(order)]], layers)
+            loss, grads = loss_grad(module, d)
+            opt.update(module, grads)
+            mx.eval(module.parameters(), opt.state, loss)
+            losses.append(float(loss))
+            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+            if (step + 1) % 50 == 0 or step + 1 == steps:
+                _checkpoint(ckpt, module, opt, step + 1)
+        after = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
+        report = {"model": str(model_dir), "top_k": k, "steps": steps, "seed": seed, "hidden": hidden,
+                  "train": train_desc, "heldout": held_desc, "data_hash": data_hash, "consumers": sorted(heads.owners),
+                  "owners": {str(c): o for c, o in heads.owners.items()}, "recall_before": before, "recall": after,
+                  "losses": losses}
+        heads.save(out, {"report": json.dumps({"recall": after})})
+        Path(str(out) + ".json").write_text(json.dumps(report, indent=1))
+        return report
+    finally:
+        store.close()
+
+
+def _stdlib_split(model_dir, which: str):
+    from ..eval import token_stream
+    from ..train.corpus import encode_files, split_files, stdlib_files, stdlib_root
+
+    if which == "heldout":
+        return token_stream(Path(model_dir), None)
+    root = stdlib_root()
+    train, _ = split_files(stdlib_files(root))
+    tok_json = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
+    return encode_files(tok_json, root, train[:400]), f"stdlib train split (first 400 of {len(train)} files)"
+
+
+def _mean_recall(per_window: list[dict]) -> dict:
+    layers = per_window[0].keys()
+    return {str(c): {name: float(np.mean([w[c][name] for w in per_window])) for name in per_window[0][c]}
+            for c in layers}
+
+
+def _checkpoint(ckpt: Path, module, opt, step: int) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    for name, arrays in (("heads", dict(tree_flatten(module.parameters()))), ("opt", dict(tree_flatten(opt.state)))):
+        tmp = ckpt / f".{name}.tmp.safetensors"
+        mx.save_safetensors(str(tmp), arrays)
+        tmp.replace(ckpt / f"{name}.safetensors")
+    tmp = ckpt / ".state.tmp"
+    tmp.write_text(json.dumps({"step": step}))
+    tmp.replace(ckpt / "state.json")
+
+
+def _unflatten(flat: dict):
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(list(flat.items()))
+
+
+def add_train_heads_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the heads serve")
+    p.add_argument("--out", required=True, metavar="FILE", help="head file to write (safetensors)")
+    p.add_argument("--data", metavar="FILE_OR_DIR", help="training text (.py files); default the stdlib train split")
+    p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
+    p.add_argument("--k", type=int, default=None, help="routed experts per token the heads serve (default the model's)")
+    p.add_argument("--steps", type=int, default=300, help="training windows (default 300)")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help=f"head width (default {HIDDEN})")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
+
+
+def train_heads_cli(args) -> int:
+    report = train_heads(args.model, args.out, data=args.data, heldout=args.heldout, top_k=args.k, steps=args.steps,
+                         hidden=args.hidden, lr=args.lr, seed=args.seed, resume=args.resume)
+    print(f"heads for K={report['top_k']} on consumer layers {report['consumers']} -> {args.out}", file=sys.stderr)
+    print(f"{'layer':>6} {'repeat':>8} {'next-router':>12} {'heads':>8}")
+    for c, r in report["recall"].items():
+        print(f"{c:>6} {r['repeat']:8.3f} {r['next-router']:12.3f} {r['heads']:8.3f}")
+    return 0

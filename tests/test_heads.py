@@ -1,0 +1,114 @@
+"""Prerouter heads: untrained = next-router, predicted routing reads nothing on demand, files are bound
+to their model and K, training improves recall and resumes."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0.errors import Edge0Error
+from edge0.io.manifest import read_manifest
+from edge0.model.arch import read_config
+from edge0.model.heads import HeadSet, features
+from edge0.train.heads import train_heads
+
+
+@pytest.fixture(scope="module")
+def trained(models, tmp_path_factory):
+    store = models("qwen3_moe")
+    out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
+    report = train_heads(store, out, steps=24, hidden=64, eval_windows=2, progress=False, seq_len=128)
+    return store, out, report
+
+
+def test_untrained_head_is_the_next_router_bit_for_bit(models):
+    store = models("bailing_moe")
+    m, config = read_manifest(store), read_config(store)
+    heads = HeadSet.create(m, config, top_k=m.top_k, hidden=32)
+    mx.random.seed(1)
+    d = config["hidden_size"]
+    for head in heads.heads.values():
+        x = mx.random.normal((1, 1, d))
+        router = mx.random.normal((1, 1, m.num_experts))
+        inds = mx.array([[[1, 3, 5, 7]]], dtype=mx.uint32)
+        out = head(features(x, inds, None, m.num_experts), router)
+        assert np.array_equal(np.array(out), np.array(router))
+
+
+def run_json(store, *flags, trace=None):
+    cmd = [sys.executable, "-m", "edge0.run", "--model", str(store), "--max-tokens", "20", "--ignore-eos", "--json",
+           "--prompt", "def main(argv):\n    return 0\n" * 4, *flags]
+    if trace:
+        cmd += ["--trace", str(trace)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_untrained_heads_serve_as_next_router(models, tmp_path):
+    store = models("qwen3_moe")
+    m = read_manifest(store)
+    path = tmp_path / "untrained.safetensors"
+    HeadSet.create(m, read_config(store), top_k=m.top_k, hidden=16).save(path)
+    a = run_json(store, "--routing", "prefetch", "--predictor", "heads", "--heads", str(path))
+    b = run_json(store, "--routing", "prefetch", "--predictor", "next-router")
+    assert a["tokens"] == b["tokens"]
+    assert a["recall"] == b["recall"] and a["loads"] == b["loads"] and a["demand_loads"] == b["demand_loads"]
+
+
+def test_predicted_routing_reads_nothing_on_demand_at_consumers(trained, tmp_path):
+    store, heads, report = trained
+    trace = tmp_path / "t.json"
+    res = run_json(store, "--routing", "predicted", "--heads", str(heads), trace=trace)
+    assert res["predictor"] == "heads"
+    consumers = set(report["consumers"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    reads = [e for e in events if e.get("name") == "read"]
+    # From the first step a head has predicted for (step 1; the step after the prompt routes natively) on:
+    assert not [e for e in reads if e["args"]["demand"] and e["args"]["layer"] in consumers and e["args"]["step"] > 0]
+    assert [e for e in reads if e["args"]["layer"] in consumers and e["args"]["step"] > 0]
+    preds = [e for e in events if e.get("name") == "prediction" and e["args"]["layer"] in consumers]
+    assert len(preds) == 19 and all(e["args"]["misses"] == 0 for e in preds)  # the routed set is the staged set
+
+
+def test_head_files_round_trip_and_are_bound(trained, models, tmp_path):
+    store, path, report = trained
+    m, config = read_manifest(store), read_config(store)
+    loaded = HeadSet.load(path, m, config)
+    assert loaded.owners == {int(c): o for c, o in report["owners"].items()} and loaded.top_k == m.top_k
+    again = tmp_path / "again.safetensors"
+    loaded.save(again)
+    a, b = mx.load(str(path)), mx.load(str(again))
+    assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    from edge0.model.convert import convert
+    from edge0.model.make import make_model
+
+    src = make_model("qwen3_moe", "tiny", tmp_path / "other-src", seed=1, progress=False)
+    other = convert(src, tmp_path / "other", progress=False)  # same architecture and shapes, other weights
+    with pytest.raises(Edge0Error, match="another model"):
+        HeadSet.load(path, read_manifest(other), read_config(other))
+    with pytest.raises(Edge0Error, match=f"heads for K={m.top_k}, but --k 3"):
+        HeadSet.load(path, m, config, top_k=3)
+    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--model", str(other), "--routing", "predicted",
+                           "--heads", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "trained for another model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_training_improves_recall_and_resumes(trained, tmp_path):
+    store, _, report = trained
+    for layer, r in report["recall"].items():
+        assert r["heads"] > report["recall_before"][layer]["heads"]
+        assert report["recall_before"][layer]["heads"] == report["recall_before"][layer]["next-router"]
+    out = tmp_path / "h.safetensors"
+    first = train_heads(store, out, steps=6, hidden=64, eval_windows=1, progress=False, seq_len=128)
+    with pytest.raises(Edge0Error, match="--resume"):
+        train_heads(store, out, steps=6, hidden=64, eval_windows=1, progress=False, seq_len=128)
+    resumed = train_heads(store, out, steps=8, hidden=64, eval_windows=1, progress=False, seq_len=128, resume=True)
+    assert len(resumed["losses"]) == 2  # only the steps after the checkpoint at step 6
+    straight = train_heads(store, tmp_path / "s.safetensors", steps=8, hidden=64, eval_windows=1, progress=False,
+                           seq_len=128)
+    assert straight["losses"][:6] == first["losses"]  # same seed, same curve
+    assert resumed["losses"] == pytest.approx(straight["losses"][6:], rel=1e-5)
