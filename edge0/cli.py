@@ -22,9 +22,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
-                   help="native: the model's router, experts read on demand (default); prefetch: the model's router "
-                        "decides, predicted experts are read one token ahead by the I/O pool (same output as native)")
+    p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default=None,
+                   help="native: the model's router, experts read on demand; prefetch: the model's router decides, "
+                        "predicted experts are read one token ahead by the I/O pool (same output as native); "
+                        "predicted: trained prerouter heads route the consumer layers (default when the store has "
+                        "heads-k{K}.safetensors, else native)")
     p.add_argument("--executor", choices=["auto", "exact", "staged", "hot", "resident"], default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer double-buffered "
                         "slot banks, only changed slots read; hot: one LRU of bundles shared by all layers within "

@@ -56,6 +56,8 @@ def memory_figures() -> dict:
 
 
 def check_flags(args) -> None:
+    if args.routing is None:
+        args.routing = "native"
     if args.predictor is not None and args.routing == "native":
         raise Edge0Error(f"--predictor {args.predictor}: only used with --routing prefetch or predicted")
     if args.routing == "predicted" and args.predictor not in (None, "heads"):
@@ -110,8 +112,12 @@ def run(args) -> int:
     from .sched.prefetch import build_prefetch_runtime
     from .sched.trace import NULL, Trace
 
-    check_flags(args)
     path = Path(args.model) if args.model else demo_store()
+    if args.routing is None and args.heads is None and default_heads(path, args.k) is not None:
+        args.routing = "predicted"
+        print(f"edge0: routing predicted by the prerouter heads in {default_heads(path, args.k)} "
+              "(--routing native to use the model's own router)", file=sys.stderr)
+    check_flags(args)
     if args.cold and path.is_dir():
         for f in path.rglob("*.safetensors"):
             evict(f)
