@@ -244,3 +244,14 @@ def test_chat_cli(setup):
     text = out.getvalue()
     assert text.count(refs["chat"]) == 2  # the same answer after /reset
     assert "tok/s" in text and "MiB" in text
+
+
+def test_chat_template_fallback():
+    from types import SimpleNamespace
+
+    from edge0.serve.engine import Engine
+
+    tok = SimpleNamespace(eos_token_ids=[0], chat_template=None, encode=lambda text: list(text.encode()))
+    engine = Engine(SimpleNamespace(tokenizer=tok, config={}, path=__import__("pathlib").Path("m")))
+    ids = engine.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert bytes(ids).decode() == "system: Be brief.\n\nuser: hi\n\nassistant:"

@@ -9,21 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Flags shared with `edge0 run` (same meaning, same checks): the model, how its experts are read, and the
-# generation defaults a request does not set.
-MODEL_FLAGS = ("model", "routing", "executor", "predictor", "io_workers", "heads", "k", "memory_budget", "io",
-               "dtype", "cold", "verify", "temp", "top_p", "seed")
+# Flags of `edge0 run` that make no sense for a server or a chat; every other one of its flags (the model, how
+# its experts are read and routed, the sampling defaults) is shared, with the same meaning and checks.
+RUN_ONLY = {"prompt": None, "max_tokens": None, "chat": False, "ignore_eos": False, "replay": None, "json": False,
+            "trace": None}
 
 
 def _add_shared_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """Copy MODEL_FLAGS from `edge0 run`'s parser so that help texts and defaults have one source."""
+    """Copy `edge0 run`'s flags but RUN_ONLY, so that help texts and defaults have one source."""
     from ..cli import add_run_flags
 
     run = argparse.ArgumentParser(add_help=False)
     add_run_flags(run)
     for action in run._actions:  # argparse's own `parents=` copies actions the same way
-        if action.dest in MODEL_FLAGS:
+        if action.dest not in RUN_ONLY:
             p._add_action(action)
+    p.set_defaults(**{k: v for k, v in RUN_ONLY.items() if k != "max_tokens"})  # args stay a superset of run's
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help=f"tokens to generate when a request does not say (default {max_tokens})")
 
@@ -67,6 +68,11 @@ def serve_cli(args) -> int:
             except (NotImplementedError, RuntimeError):
                 pass
         loop.run_until_complete(stop.wait())
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process at once
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
     finally:
         loop.run_until_complete(server.stop())
         loop.close()

@@ -58,7 +58,8 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     cancel: threading.Event = field(default_factory=threading.Event)  # set by the loop; read by the worker per token
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("text", str) ... then ("done", Figures) | ("error", exc)
+    # ("text", str) ..., then ("done", Figures) or ("error", exception)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def __aiter__(self):
         return self
@@ -102,8 +103,7 @@ class Metrics:
         self.decode_s += f.decode_s
 
     def prometheus(self, waiting: int, generating: int) -> str:
-        rows = [("requests_total", "counter", "HTTP requests answered, by status", None)]
-        out = [f"# HELP edge0_requests_total {rows[0][2]}", "# TYPE edge0_requests_total counter"]
+        out = ["# HELP edge0_requests_total HTTP requests answered, by status", "# TYPE edge0_requests_total counter"]
         out += [f'edge0_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
         for name, kind, text, value in [
             ("generations_total", "counter", "generations run", self.generations),
