@@ -193,9 +193,13 @@ def test_prompt_longer_than_context(models, capsys):
     assert code == 2 and "exceed the model's context" in err
 
 
-def test_flags_of_later_stages_say_not_available(models, capsys):
+def test_routing_flags_that_cannot_apply(models, capsys):
     store = models("qwen3_moe", "mlx")
-    for flags in (["--routing", "predicted"], ["--routing", "prefetch", "--predictor", "heads"], ["--heads", "h.safetensors"],
-                  ["--k", "2"]):
-        code, err = run_cli(capsys, "run", "--model", str(store), *flags)
-        assert code == 2 and "not available yet" in err, flags
+    for flags, message in ((["--routing", "predicted"], "no prerouter heads next to this store"),
+                           (["--routing", "prefetch", "--predictor", "heads"], "no prerouter heads next to this store"),
+                           (["--heads", "h.safetensors"], "--heads: used with --routing predicted"),
+                           (["--routing", "predicted", "--heads", "missing.safetensors"], "no such head file"),
+                           (["--routing", "prefetch", "--executor", "hot"], "does not apply"),
+                           (["--k", "99"], "--k 99: must be between 1")):
+        code, err = run_cli(capsys, "run", "--model", str(store), "--max-tokens", "2", *flags)
+        assert code == 2 and message in err and "Traceback" not in err, flags
