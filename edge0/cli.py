@@ -7,9 +7,6 @@ import sys
 
 from .errors import Edge0Error
 
-NOT_YET = {
-    "serve": "the OpenAI-compatible server is not available yet",
-}
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +33,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
                         "router on layer N's input; default)")
     p.add_argument("--io-workers", type=int, default=2, metavar="N", help="I/O pool threads for prefetch (default 2)")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="slots per staged bank (default K); more slots keep more experts between steps")
     p.add_argument("--heads", metavar="FILE", default=None)
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
@@ -112,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_flags(p)
 
-    for name, text in NOT_YET.items():
-        p = sub.add_parser(name, help=text.split(" is ")[0] + " (not available yet)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+    from .serve import add_chat_flags, add_serve_flags
+
+    add_serve_flags(sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE)",
+                                   description="Serve a store over an OpenAI-compatible HTTP API."))
+    add_chat_flags(sub.add_parser("chat", help="interactive terminal chat", description="Chat with a store."))
     return parser
 
 
@@ -162,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import bench
 
             return bench(args)
-        raise Edge0Error(f"`edge0 {args.command}`: {NOT_YET[args.command]}")
+        if args.command == "serve":
+            from .serve import serve_cli
+
+            return serve_cli(args)
+        if args.command == "chat":
+            from .serve import chat_cli
+
+            return chat_cli(args)
+        raise Edge0Error(f"`edge0 {args.command}`: unknown command")
     except Edge0Error as e:
         print(f"edge0: error: {e}", file=sys.stderr)
         return 2

@@ -101,17 +101,18 @@ def read_replay(path: str) -> dict:
     return data
 
 
-def run(args) -> int:
-    from mlx_lm.sample_utils import make_sampler
+def open_store(args, trace=None):
+    """Load the store `args` name (the demo model by default) the way `edge0 run` flags ask.
 
+    Used by `edge0 run`, `edge0 serve` and `edge0 chat`; sets args.routing/args.predictor to what runs."""
     from .io.pagecache import evict
-    from .model.load import load_store
-    from .sched.generate import StepTimes, generate_steps
     from .model.arch import read_config
     from .model.heads import HeadSet
+    from .model.load import load_store
     from .sched.prefetch import build_prefetch_runtime
-    from .sched.trace import NULL, Trace
+    from .sched.trace import NULL
 
+    trace = trace or NULL
     path = Path(args.model) if args.model else demo_store()
     if args.routing is None and args.heads is None and default_heads(path, args.k) is not None:
         args.routing = "predicted"
@@ -121,13 +122,12 @@ def run(args) -> int:
     if args.cold and path.is_dir():
         for f in path.rglob("*.safetensors"):
             evict(f)
-    t0 = time.perf_counter()
-    replay = read_replay(args.replay) if args.replay else None
-    trace = Trace({"model": str(path), "routing": args.routing, "predictor": args.predictor}) if args.trace else NULL
     build = None
     predictor = "heads" if args.routing == "predicted" else args.predictor or "next-router"
     heads_file = args.heads or (default_heads(path, args.k) if predictor == "heads" else None)
     if args.routing != "native":
+        args.predictor = predictor
+
         def build(reader, cdtype):
             heads = None
             if predictor == "heads":
@@ -136,13 +136,29 @@ def run(args) -> int:
                                      "(train them with `edge0 train heads`)")
                 heads = HeadSet.load(heads_file, reader.manifest, read_config(path), top_k=args.k)
             return build_prefetch_runtime(reader, cdtype, predictor=predictor, memory_budget_gib=args.memory_budget,
-                                          workers=args.io_workers, trace=trace, heads=heads,
+                                          slots=args.slots, workers=args.io_workers, trace=trace, heads=heads,
                                           predicted_routing=args.routing == "predicted")
-    store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
+    store = load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor, slots=args.slots,
                        memory_budget=args.memory_budget, io=args.io, io_throttle=args.io_throttle, build=build)
     store.runtime.trace = trace
+    store.heads_file = heads_file if predictor == "heads" and args.routing != "native" else None
     if args.k is not None:
         set_top_k(store, args.k)
+    return store
+
+
+def run(args) -> int:
+    from mlx_lm.sample_utils import make_sampler
+
+    from .sched.generate import StepTimes, generate_steps
+    from .sched.trace import NULL, Trace
+
+    t0 = time.perf_counter()
+    replay = read_replay(args.replay) if args.replay else None
+    trace = Trace({"model": str(args.model or "demo"), "routing": args.routing, "predictor": args.predictor}) \
+        if args.trace else NULL
+    store = open_store(args, trace)
+    path = store.path
     load_s = time.perf_counter() - t0
     try:
         tok = store.tokenizer
@@ -195,8 +211,8 @@ def run(args) -> int:
             "resident_expert_bytes": rt.resident_expert_bytes,
             "memory_budget_gib": args.memory_budget,
             "routing": args.routing,
-            "predictor": predictor if sched else None,
-            "heads": str(heads_file) if heads_file and sched and predictor == "heads" else None,
+            "predictor": args.predictor if sched else None,
+            "heads": str(store.heads_file) if store.heads_file else None,
             "top_k": args.k or store.manifest.top_k,
             "stall_ms_per_token": 1e3 * sched.stats.stall_s / steps if sched else 0.0,
             "recall": sched.stats.recall if sched else None,

@@ -34,6 +34,7 @@ class Store:
     reader: BundleReader
     dtype: mx.Dtype | None  # compute dtype of non-quantized tensors (None: as stored)
     runtime: Runtime  # the expert executors and what they share
+    heads_file: Path | None = None  # prerouter heads in use, if any
 
     def close(self) -> None:
         self.runtime.close()
@@ -79,7 +80,7 @@ def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
 
 def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
                memory_budget: float | None = None, io: str = "pread", io_throttle: float | None = None,
-               build=None) -> Store:
+               slots: int | None = None, build=None) -> Store:
     """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
 
     executor: exact | staged | hot | resident | auto (staged); memory_budget: GiB of resident expert bytes;
@@ -110,7 +111,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         if build is not None:
             runtime = build(reader, cdtype)
         else:
-            runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget)
+            runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget, slots=slots)
         for i, layer in enumerate(model.layers):
             if i in runtime.executors:
                 if not is_moe_block(layer.mlp):

@@ -55,6 +55,7 @@ def serve_cli(args) -> int:
     loop = new_loop()
     asyncio.set_event_loop(loop)
     server = Server(args, host=args.host, port=args.port, max_queue=args.max_queue)
+    server.end_thread = True
     try:
         try:
             loop.run_until_complete(server.start())

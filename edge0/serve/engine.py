@@ -91,11 +91,13 @@ class Engine:
         store = opener(args) if opener is not None else _open_store(args)
         return cls(store, model_id=getattr(args, "model_id", None))
 
-    def close(self) -> None:
-        """Close the store and the MLX streams of the calling thread (the one that generated): MLX needs a
-        thread that used it to clear its streams before it ends, or the process may abort at exit."""
+    def close(self, end_thread: bool = False) -> None:
+        """Close the store. end_thread: also clear the calling thread's MLX streams, as a thread that used MLX
+        must before the process exits (or it may abort at exit); only when the process ends next, since it
+        broke MLX on other threads of a process that goes on (the in-process test server)."""
         self.store.close()
-        mx.clear_streams()
+        if end_thread:
+            mx.clear_streams()
 
     # -- prompts (no MLX: safe on any thread) ----------------------------------------------------
 

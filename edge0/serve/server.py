@@ -446,6 +446,8 @@ class Output:
 class Server:
     """Engine + queue + HTTP site on the calling loop; the engine is loaded on the worker thread."""
 
+    end_thread = False  # clear the MLX worker's streams at stop (the process exits right after)
+
     def __init__(self, args, *, host: str = "127.0.0.1", port: int = 8080, max_queue: int = DEFAULT_MAX_QUEUE):
         self.args, self.host, self.port, self.max_queue = args, host, port, max_queue
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-mlx")
@@ -477,7 +479,7 @@ class Server:
             await self.jobs.close()
         loop = asyncio.get_running_loop()
         if self.engine is not None:
-            await loop.run_in_executor(self.worker, self.engine.close)  # after the last generation
+            await loop.run_in_executor(self.worker, lambda: self.engine.close(end_thread=self.end_thread))
         self.worker.shutdown(wait=True)
 
     @property
