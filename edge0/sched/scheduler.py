@@ -112,7 +112,7 @@ class Scheduler:
     def prefetch(self, layer: int, cache, ids: np.ndarray) -> None:
         """Plan and submit the fill of `cache` (layer's bank for step + 1) with predicted `ids`."""
         key = (layer, self.step + 1)
-        if key in self.plans:
+        if key in self.plans or len(ids) > cache.bank.slots:  # a multi-token step's union does not fit: skip
             return
         plan = LayerPlan(layer, self.step + 1, ids)
         self.plans[key] = plan
