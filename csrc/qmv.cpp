@@ -21,6 +21,7 @@
 namespace edge0 {
 
 constexpr int MAX_GROUPS = 4096;  // D / gs at most; the Python side checks it
+constexpr int SPIN = 2000;  // pause loops (tens of microseconds) a worker spins before it sleeps
 
 // ---------------------------------------------------------------------------------------------
 // A persistent pool: the caller and n-1 workers claim tasks from one counter. The job generation
@@ -88,7 +89,7 @@ class Pool {
     uint64_t seen = gen_.load();
     for (;;) {
       // spin briefly: decode calls come back to back, and a sleeping worker costs a wake-up each
-      for (int i = 0; i < 20000 && gen_.load(std::memory_order_acquire) == seen; i++) {
+      for (int i = 0; i < SPIN && gen_.load(std::memory_order_acquire) == seen; i++) {
 #if defined(EDGE0_AVX2)
         _mm_pause();
 #endif

@@ -12,7 +12,7 @@ from edge0.compute import kernels, qmm
 from edge0.errors import Edge0Error
 
 EXT = kernels.load()
-needs_ext = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()} (pip install -e . with a C++ compiler and cmake)")
+needs_ext = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()} (built by pip install -e . where a C++ compiler and cmake exist)")
 IMPLS = ["portable"] + (["avx2"] if EXT is not None and EXT.set_impl("avx2") else [])
 TOL = {"portable": 1e-5, "avx2": 1e-2}  # int8 activations: about 5e-3 on Gaussian inputs
 

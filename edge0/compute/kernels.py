@@ -6,6 +6,7 @@ The extension is optional: without it every product runs on MLX's own kernels.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -34,10 +35,13 @@ def load():
         return _ext
     import mlx.core as mx  # libmlx must be loaded before the extension that links it
 
+    if importlib.util.find_spec(f"{__package__}._kernels") is None:
+        _reason = "not built"
+        return None
     try:
         from . import _kernels
     except ImportError as e:
-        _reason = f"not built ({e.msg})" if "No module named" not in str(e) else "not built"
+        _reason = f"cannot be loaded ({e}); rebuild: pip install -e ."
         return None
     built = _kernels.mlx_version()
     if built != mx.__version__:
