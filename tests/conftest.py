@@ -1,8 +1,13 @@
 """Shared fixtures: tiny checkpoints of each architecture in both source formats, and their stores."""
 
+import os
 from pathlib import Path
 
 import pytest
+
+# mlx-lm is the oracle of most tests: compute with MLX's own kernels (subprocesses inherit this);
+# the kernel tests select Edge0's explicitly.
+os.environ.setdefault("EDGE0_KERNEL", "mlx")
 
 from edge0.model.convert import convert
 from edge0.model.make import make_model
@@ -25,3 +30,12 @@ def models(tmp_path_factory):
         return made[key][0 if what == "src" else 1]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choice():
+    """Whatever a test selects, the next one starts from the pinned kernel."""
+    yield
+    from edge0.compute import qmm
+
+    qmm.set_kernel(os.environ["EDGE0_KERNEL"])

@@ -123,18 +123,25 @@ def test_cancel_leaves_no_pending_reads():
     sched.close()
 
 
-def test_prefetch_refuses_a_bank_a_graph_may_read():
+def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
     import mlx.core as mx
 
-    from edge0.compute.banks import BankBusy
-
-    reader, fence, caches, sched = fake_setup()
+    reader, fence, caches, sched = fake_setup(slots=3)
     reader.release.set()
-    pending = caches[1].bank.read()["w"] + 1  # a graph built on the bank, not evaluated
-    with pytest.raises(BankBusy):
-        sched.prefetch(1, caches[1], np.array([2]))
+    cache = caches[1]
+    slots = sched.demand(1, cache, np.array([0, 1]))  # step 0 routes to 0 and 1 ...
+    pending = cache.bank.read(slots)["w"] + 1  # ... and builds its gather (not evaluated yet)
+    sched.prefetch(1, cache, np.array([1, 2]))  # for step 1: 1 is held; 2 may only go to the third slot
+    sched.cancel()
+    assert cache.bank.holds[slots].tolist() == [0, 1] and sorted(cache.bank.holds.tolist()) == [0, 1, 2]
+    sched.prefetch(2, caches[0], np.array([5]))
+    sched.plans.clear()
+    sched.step += 1
+    sched.prefetch(1, cache, np.array([3, 4]))  # needs two slots, only one can be written: not planned
+    assert (1, 2) not in sched.plans and sorted(cache.bank.holds.tolist()) == [0, 1, 2]
     mx.eval(pending)
     fence.sync()
-    sched.plans.clear()
-    sched.prefetch(1, caches[1], np.array([2]))
+    sched.prefetch(1, cache, np.array([3, 4]))  # evaluated: every slot is writable again
+    sched.cancel()
+    assert sorted(cache.bank.holds.tolist())[1:] == [3, 4] or 3 in cache.bank.holds and 4 in cache.bank.holds
     sched.close()

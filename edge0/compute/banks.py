@@ -1,9 +1,10 @@
 """Slot banks: persistent, evaluated MLX arrays that I/O writes expert bundles into, in place.
 
 The rule that keeps this sound, written once: MLX does not see writes made through a memoryview,
-so a bank may be written only when every graph that reads it has been evaluated. The Fence counts
-evaluations; a bank remembers the fence epoch of the last graph built to read it; `Bank.writable`
-is the only test, and `Bank.write_buffers` refuses to hand out buffers otherwise.
+so a slot may be written only when every graph that reads it has been evaluated. The Fence counts
+evaluations; a bank remembers, per slot, the fence epoch of the last graph built to read it (a gather
+reads only the slots its indices name); `Bank.write_buffers` refuses to hand out a slot's buffers
+otherwise, and is the only way to them.
 
 Shapes: S slots, and per piece the expert's own shape (e.g. (H, D/8) uint32 for a 4-bit weight).
 """
@@ -59,7 +60,7 @@ class Bank:
                 self._stage_at[i] = at
                 at += p.nbytes
         self.holds = np.full(slots, -1, dtype=np.int64)  # expert id (or cache key) in each slot, -1 empty
-        self.last_read = -1  # fence epoch of the last graph built to read this bank
+        self.last_read = np.full(slots, -1, dtype=np.int64)  # per slot: fence epoch of the last graph reading it
         self.nbytes = sum(a.nbytes for a in self.arrays.values()) + (self._stage.nbytes if widened else 0)
 
     @staticmethod
@@ -73,13 +74,18 @@ class Bank:
 
     @property
     def writable(self) -> bool:
-        return self.last_read <= self.fence.completed
+        """Every slot writable (no graph built on the bank is pending)."""
+        return bool(self.writable_slots().all())
+
+    def writable_slots(self) -> np.ndarray:
+        return self.last_read <= self.fence.completed  # (S,) bool
 
     def write_buffers(self, slot: int) -> list[memoryview]:
         """Writable views of one slot's pieces (stored bytes), in manifest order; only while no pending
-        graph reads the bank. Call `commit` after the read lands."""
-        if not self.writable:
-            raise BankBusy(f"bank read by graph epoch {self.last_read}, evaluated only up to {self.fence.completed}")
+        graph reads the slot. Call `commit` after the read lands."""
+        if self.last_read[slot] > self.fence.completed:
+            raise BankBusy(f"slot {slot} is read by graph epoch {self.last_read[slot]}, evaluated only up to "
+                           f"{self.fence.completed}")
         out = []
         for i, (f, p) in enumerate(zip(self._flat, self.pieces)):
             if self.widen[i]:
@@ -101,9 +107,13 @@ class Bank:
                 dst = np.frombuffer(self._flat[i], dtype=np.uint32).reshape(self.slots, -1)
                 dst[slots] = bf16.astype(np.uint32) << 16  # bf16 -> f32 is exact: the high half of the word
 
-    def read(self) -> dict[str, mx.array]:
-        """The bank's arrays for a graph about to be built; marks the bank as read in this epoch."""
-        self.last_read = self.fence.epoch
+    def read(self, slots=None) -> dict[str, mx.array]:
+        """The bank's arrays for a graph about to be built that reads `slots` (default all): marks them read
+        in this epoch."""
+        if slots is None:
+            self.last_read[:] = self.fence.epoch
+        else:
+            self.last_read[slots] = self.fence.epoch
         return self.arrays
 
     def address(self, name: str) -> int:

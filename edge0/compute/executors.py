@@ -33,36 +33,42 @@ class SlotStats:
 
 class SlotCache:
     """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared),
-    replaced least recently used first."""
+    replaced least recently used first, never a slot a pending graph reads or a read is filling."""
 
     def __init__(self, bank: Bank, stats: SlotStats, num_keys: int):
         self.bank, self.stats = bank, stats
         self.slot_of = np.full(num_keys, -1, dtype=np.int64)  # key -> slot, -1 when not held
         self.used = np.zeros(bank.slots, dtype=np.int64)  # clock of each slot's last use
+        self.filling = np.zeros(bank.slots, dtype=bool)  # a read into the slot is in flight (scheduler's)
         self.clock = 0
 
     def overlap(self, keys: np.ndarray) -> int:
         return int((self.slot_of[keys] >= 0).sum())
 
-    def assign(self, keys: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """Slots for unique `keys` (len <= S), and the (slot, key) fills that make them hold those keys."""
-        self.clock += 1
+    def assign(self, keys: np.ndarray, *, count: bool = True) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+        """Slots for unique `keys`, and the (slot, key) fills that make them hold those keys; None when
+        too few slots can be written now."""
         slots = self.slot_of[keys]  # (U,)
         miss = slots < 0
-        self.stats.lookups += len(keys)
-        self.stats.hits += int(len(keys) - miss.sum())
+        n_miss = int(miss.sum())
         fills: list[tuple[int, int]] = []
-        if miss.any():
-            keep = np.zeros(self.bank.slots, dtype=bool)
-            keep[slots[~miss]] = True
-            free = np.flatnonzero(~keep)
-            victims = free[np.argsort(self.used[free], kind="stable")][: int(miss.sum())]
+        if n_miss:
+            free = self.bank.writable_slots() & ~self.filling
+            free[slots[~miss]] = False
+            free = np.flatnonzero(free)
+            if len(free) < n_miss:
+                return None
+            victims = free[np.argsort(self.used[free], kind="stable")][:n_miss]
             old = self.bank.holds[victims]
             self.slot_of[old[old >= 0]] = -1
             self.slot_of[keys[miss]] = victims
             self.bank.holds[victims] = keys[miss]
             slots[miss] = victims
             fills = list(zip(victims.tolist(), keys[miss].tolist()))
+        if count:
+            self.stats.lookups += len(keys)
+            self.stats.hits += len(keys) - n_miss
+        self.clock += 1
         self.used[slots] = self.clock
         return slots, fills
 
@@ -79,7 +85,8 @@ def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num
 class SlottedExperts:
     """Native routing over slot banks: the routed set is read on demand into slots not already holding it.
 
-    staged: each layer has its own two banks (double buffer) of S slots, keyed by expert id.
+    staged: each layer has its own bank of S slots (default 2K), keyed by expert id: the slots one step
+      reads are never the ones a read for the next step fills (the per-slot write rule).
     hot: every layer shares one large bank keyed by (layer, expert), LRU across layers.
     A step whose unique experts do not fit the bank falls back to exact.
     """
@@ -100,15 +107,17 @@ class SlottedExperts:
         host = np.array(inds, copy=False)
         ids = np.unique(host)
         keys = ids + self.key_base
-        usable = [c for c in self.caches if c.bank.writable and c.bank.slots >= len(ids)]
-        if not usable:
+        for cache in sorted(self.caches, key=lambda c: -c.overlap(keys)):
+            got = cache.assign(keys) if cache.bank.slots >= len(ids) else None
+            if got is not None:
+                break
+        else:
             return self.exact.compute(x, host, ids)
-        cache = max(usable, key=lambda c: c.overlap(keys))
-        slots, fills = cache.assign(keys)
+        slots, fills = got
         fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
         lut = np.zeros(self.num_experts, dtype=np.uint32)
         lut[ids] = slots
-        return switch_glu(x, mx.array(lut[host]), cache.bank.read(), self.quant)
+        return switch_glu(x, mx.array(lut[host]), cache.bank.read(slots), self.quant)
 
 
 class WholeLayer:

@@ -23,7 +23,7 @@ class Runtime:
     executor: str  # "exact" | "staged" | "hot"
     fence: Fence
     executors: dict  # layer -> executor callable (x, inds) -> (T, K, D)
-    banks: list = field(default_factory=list)  # persistent slot banks (staged: 2 per layer; hot: 1 shared)
+    banks: list = field(default_factory=list)  # persistent slot banks (staged: 1 per layer; hot: 1 shared)
     stats: SlotStats = field(default_factory=SlotStats)
     prefill: WholeLayer | None = None
     budget_bytes: int | None = None
@@ -60,7 +60,7 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
                   slots: int | None = None) -> Runtime:
     """Executors for every MoE layer of the store behind `reader`.
 
-    staged: two banks of `slots` (default K) per layer; hot: one LRU bank shared by all layers, as large
+    staged: one bank of `slots` (default 2K) per layer; hot: one LRU bank shared by all layers, as large
     as the budget allows. Whole-layer prefill (staged, hot) is used when two layers of experts fit the budget.
     """
     if executor == "auto":
@@ -90,11 +90,13 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     per_slot = Bank.slot_bytes(m.pieces, compute_dtype)  # memory per resident bundle
     prefill_bytes = 2 * m.num_experts * per_slot
     if executor == "staged":
-        s = slots or m.top_k
-        need = 2 * s * per_slot * len(layers)
+        s = slots or 2 * m.top_k
+        if s < m.top_k:
+            raise Edge0Error(f"--slots {s}: a staged bank needs at least K = {m.top_k} slots")
+        need = s * per_slot * len(layers)
         if budget is not None and need > budget:
             raise Edge0Error(f"--memory-budget {memory_budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
-                             f"(2 x {s} slots x {len(layers)} layers); raise it, or use --executor hot")
+                             f"({s} slots x {len(layers)} layers); raise it, or use --executor hot")
         room = None if budget is None else budget - need
         if room is None or prefill_bytes <= room:
             rt.prefill = WholeLayer(reader, fence, compute_dtype)
@@ -106,12 +108,10 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
 
     if executor == "staged":
         for layer in layers:
-            caches = []
-            for _ in range(2):
-                bank = Bank(m.pieces, s, fence, compute_dtype)
-                rt.banks.append(bank)
-                caches.append(SlotCache(bank, rt.stats, m.num_experts))
-            rt.executors[layer] = SlottedExperts(reader, layer, caches, fence, exact[layer], rt.prefill, shared=False)
+            bank = Bank(m.pieces, s, fence, compute_dtype)
+            rt.banks.append(bank)
+            cache = SlotCache(bank, rt.stats, m.num_experts)
+            rt.executors[layer] = SlottedExperts(reader, layer, [cache], fence, exact[layer], rt.prefill, shared=False)
         return rt
 
     capacity = min(room // per_slot, m.num_experts * len(layers))

@@ -29,11 +29,11 @@ PREDICTORS = ("repeat", "next-router", "heads")
 
 
 class PrefetchExperts:
-    """One MoE layer under the scheduler: gather from bank (step % 2), prefetched during the step before."""
+    """One MoE layer under the scheduler: gather from its bank, prefetched during the step before."""
 
-    def __init__(self, layer: int, caches: list[SlotCache], sched: Scheduler, fence: Fence, exact: ExactExperts,
+    def __init__(self, layer: int, cache: SlotCache, sched: Scheduler, fence: Fence, exact: ExactExperts,
                  prefill: WholeLayer | None, predictor: str, trace=NULL):
-        self.layer, self.caches, self.sched, self.fence = layer, caches, sched, fence
+        self.layer, self.cache, self.sched, self.fence = layer, cache, sched, fence
         self.exact, self.prefill, self.predictor, self.trace = exact, prefill, predictor, trace
         self.quant = exact.quant
         self.num_experts = exact.num_experts
@@ -73,20 +73,21 @@ class PrefetchExperts:
         ids = np.unique(host)
         plan = sched.ready(self.layer)  # the prefetch made during the step before has landed
         sched.count(plan, ids)
-        cache = self.caches[sched.step % 2]
-        if len(ids) > cache.bank.slots:
+        cache = self.cache
+        slots = sched.demand(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None  # misses read now
+        if slots is None:
             return self.exact.compute(x, host, ids)
-        slots = sched.demand(self.layer, cache, ids)  # misses, read now through the pool
+        arrays = cache.bank.read(slots)  # marked read before the next fills are planned: they avoid these slots
         if predicted is not None:
             nxt = self.next
-            sched.prefetch(nxt.layer, nxt.caches[(sched.step + 1) % 2], np.unique(np.array(predicted, copy=False)))
+            sched.prefetch(nxt.layer, nxt.cache, np.unique(np.array(predicted, copy=False)))
             if scores is not None and self.predicted_routing:
                 nxt.decided[sched.step + 1] = (predicted, scores)
         elif self.predictor == "repeat":
-            sched.prefetch(self.layer, self.caches[(sched.step + 1) % 2], ids)
+            sched.prefetch(self.layer, cache, ids)  # all held already: the reuse is the prediction
         lut = np.zeros(self.num_experts, dtype=np.uint32)
         lut[ids] = slots
-        return switch_glu(x, mx.array(lut[host]), cache.bank.read(), self.quant)
+        return switch_glu(x, mx.array(lut[host]), arrays, self.quant)
 
 
 class PrefetchRuntime(Runtime):
@@ -127,7 +128,7 @@ class PrefetchRuntime(Runtime):
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, workers: int = IO_WORKERS, queue_depth: int = QUEUE_DEPTH,
                            trace=NULL, heads=None, predicted_routing: bool = False) -> PrefetchRuntime:
-    """Two banks per MoE layer (as staged) filled by the scheduler's pool, whole-layer prefill.
+    """One bank per MoE layer (as staged) filled by the scheduler's pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one)."""
     if predictor not in PREDICTORS:
@@ -144,7 +145,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.heads = heads
     rt.predicted_routing = predicted_routing
     for layer, staged in base.executors.items():
-        rt.executors[layer] = PrefetchExperts(layer, staged.caches, sched, base.fence, staged.exact, base.prefill,
+        rt.executors[layer] = PrefetchExperts(layer, staged.caches[0], sched, base.fence, staged.exact, base.prefill,
                                               predictor, trace)
     return rt
 

@@ -1,13 +1,14 @@
 """The I/O scheduler: one-token-ahead reads into idle slot banks, filled by a worker pool.
 
 The rule of the pipeline, written once:
-  Layer L owns two banks; decode step s gathers from bank s % 2. During step s, as soon as a prediction
-  of layer L's experts for step s+1 exists (next-router: at layer L-1 of step s; repeat: at layer L of
-  step s), the scheduler plans the fill of bank (s+1) % 2 (only slots whose expert changed), takes its
-  write buffers on this thread (the bank's last reader, step s-1, has been evaluated: `Bank.write_buffers`
-  checks it), and submits the reads to the pool. Workers only read bytes and widen scales; they return
-  records. At layer L of step s+1 the scheduler runs the event loop until that fill has landed (a stall
-  if it has not), then reads any routed expert the prediction missed, also through the pool.
+  Layer L owns one bank of S slots (default 2K). During step s, as soon as a prediction of layer L's
+  experts for step s+1 exists (next-router or a head: at layer L-1 of step s; repeat: at layer L), the
+  scheduler plans the fill: predicted experts already held are kept, the others go into the least
+  recently used slots that no pending graph reads (`Bank.write_buffers` checks it per slot) and no read
+  is filling. It takes the write buffers on this thread and submits the reads to the pool. Workers only
+  read bytes and widen scales; they return records. At layer L of step s+1 the scheduler runs the event
+  loop until that fill has landed (a stall if it has not), then reads any routed expert the prediction
+  missed, also through the pool; a routed expert whose slot is still filling is waited for.
 
 Plans are plain dataclasses; only the scheduler, on the loop's thread, changes them.
 """
@@ -66,6 +67,7 @@ class LayerPlan:
     layer: int
     step: int  # the decode step this bank serves
     predicted: np.ndarray  # expert ids the prediction named
+    cache: object = None  # the SlotCache filled
     fills: list[Fill] = field(default_factory=list)
     future: asyncio.Future | None = None  # done when every fill has landed
     demand: bool = False  # on-demand reads of misses (not a prediction)
@@ -110,24 +112,32 @@ class Scheduler:
     # -- planning (graph-building thread) ---------------------------------------------------------
 
     def prefetch(self, layer: int, cache, ids: np.ndarray) -> None:
-        """Plan and submit the fill of `cache` (layer's bank for step + 1) with predicted `ids`."""
+        """Plan and submit the fill of layer's `cache` with the experts predicted for step + 1."""
         key = (layer, self.step + 1)
         if key in self.plans or len(ids) > cache.bank.slots:  # a multi-token step's union does not fit: skip
             return
-        plan = LayerPlan(layer, self.step + 1, ids)
-        self.plans[key] = plan
-        self._submit(plan, cache, ids)
+        plan = LayerPlan(layer, self.step + 1, ids, cache)
+        if self._submit(plan, cache, ids, count=False) is not None:
+            self.plans[key] = plan
 
-    def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray:
-        """Make `cache` hold `ids` now (misses read through the pool, waited for); returns their slots."""
-        plan = LayerPlan(layer, self.step, ids, demand=True)
+    def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray | None:
+        """Make `cache` hold `ids` now (misses read through the pool, waited for); returns their slots, or
+        None when the bank cannot take them now (the caller reads them the exact way)."""
+        plan = LayerPlan(layer, self.step, ids, cache, demand=True)
         slots = self._submit(plan, cache, ids)
-        if plan.future is not None:
-            self._wait(plan, "demand")
+        if slots is None:
+            return None
+        for other in [*self.plans.values(), plan]:  # hits on slots a read is still filling: wait for it
+            if other.cache is cache and other.future is not None and not other.future.done() \
+                    and np.isin([f.slot for f in other.fills], slots).any():
+                self._wait(other, "demand" if other is plan else "prefetch")
         return slots
 
-    def _submit(self, plan: LayerPlan, cache, ids: np.ndarray) -> np.ndarray:
-        slots, fills = cache.assign(ids)
+    def _submit(self, plan: LayerPlan, cache, ids: np.ndarray, count: bool = True) -> np.ndarray | None:
+        got = cache.assign(ids, count=count)
+        if got is None:
+            return None
+        slots, fills = got
         if not fills:
             return slots
         t = now_us()
@@ -136,6 +146,7 @@ class Scheduler:
         while self.in_flight >= self.queue_depth:
             self._drain_one()
         self.in_flight += 1
+        cache.filling[[f.slot for f in plan.fills]] = True
         plan.future = self.loop.run_in_executor(self.pool, _read_fills, self.reader, cache.bank, plan.fills, buffers)
         plan.future.add_done_callback(lambda fut, p=plan: self._collected(p, fut))
         return slots
@@ -144,6 +155,7 @@ class Scheduler:
 
     def _collected(self, plan: LayerPlan, fut: asyncio.Future) -> None:
         self.in_flight -= 1
+        plan.cache.filling[[f.slot for f in plan.fills]] = False
         if fut.cancelled() or fut.exception() is not None:
             return
         for r in fut.result():
