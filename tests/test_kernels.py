@@ -19,8 +19,9 @@ TOL = {"portable": 1e-5, "avx2": 1e-2}  # int8 activations: about 5e-3 on Gaussi
 
 @pytest.fixture(autouse=True)
 def restore():
+    before = qmm._choice
     yield
-    qmm.set_kernel("auto")
+    qmm.set_kernel(before)
     if EXT is not None:
         EXT.set_impl(IMPLS[-1])
         EXT.set_num_threads(kernels.default_threads())
