@@ -27,6 +27,13 @@ FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "fil
 
 
 def arm_flags(arm: str) -> list[str]:
+    """`ARM@KERNEL` runs ARM with --kernel KERNEL (mlx or edge0)."""
+    arm, _, kernel = arm.partition("@")
+    extra = ["--kernel", kernel] if kernel else []
+    return _arm_flags(arm) + extra
+
+
+def _arm_flags(arm: str) -> list[str]:
     if arm == "native":
         return ["--routing", "native", "--executor", "staged"]
     if arm.startswith("prefetch:"):
@@ -143,6 +150,10 @@ def bench(args) -> int:
     arms = [a for a in args.arms.split(",") if a]
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:
+        base, _, kernel = a.partition("@")
+        if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and base.startswith("mlx-lm")):
+            raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
+        a = base
         if a not in ARMS:
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)})")
         resident = a.startswith("mlx-lm")

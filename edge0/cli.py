@@ -46,6 +46,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", metavar="FILE", default=None,
                    help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")
+    p.add_argument("--kernel", choices=["auto", "mlx", "edge0"], default=None,
+                   help="quantized products: edge0 (the built CPU extension: int8 activations, AVX2), mlx (MLX's own), "
+                        "auto (edge0 on CPU when built; default, or $EDGE0_KERNEL)")
+    p.add_argument("--kernel-threads", type=int, default=None, metavar="N", help="threads of the edge0 kernels")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
     p.add_argument("--verify", action="store_true", help="check the checksum of every bundle read")
     p.add_argument("--trace", metavar="PATH", default=None,
@@ -108,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="throughput experiments (each arm in its own process)")
     from .bench import add_bench_flags
+    from .bench_kernels import add_bench_kernels_flags
 
     add_bench_flags(p)
+    p.add_argument("--kernels", action="store_true", help="the kernel micro-benchmark instead of model arms")
+    add_bench_kernels_flags(p)
 
     from .serve import add_chat_flags, add_serve_flags
 
@@ -160,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return trace_cli(args)
         if args.command == "bench":
+            if args.kernels:
+                from .bench_kernels import bench_kernels
+
+                bench_kernels(args)
+                return 0
             from .bench import bench
 
             return bench(args)

@@ -113,6 +113,14 @@ def open_store(args, trace=None):
     from .sched.trace import NULL
 
     trace = trace or NULL
+    if getattr(args, "kernel", None):
+        from .compute import qmm
+
+        qmm.set_kernel(args.kernel)
+    if getattr(args, "kernel_threads", None):
+        from .compute import kernels
+
+        kernels.set_num_threads(args.kernel_threads)
     path = Path(args.model) if args.model else demo_store()
     if args.routing is None and args.heads is None and default_heads(path, args.k) is not None:
         args.routing = "predicted"
@@ -150,6 +158,7 @@ def open_store(args, trace=None):
 def run(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
+    from .compute.qmm import kernel_in_use
     from .sched.generate import StepTimes, generate_steps
     from .sched.trace import NULL, Trace
 
@@ -224,6 +233,7 @@ def run(args) -> int:
             "whole_layer_prefill": rt.prefill is not None,
             "io": store.reader.io,
             "io_throttle_mbps": args.io_throttle,
+            "kernel": kernel_in_use(),
             "dtype": str(store.dtype or "source").removeprefix("mlx.core."),
             "load_s": load_s,
             "model": str(path),

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
+from ..compute.qmm import route_dense
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..io.manifest import Manifest, read_manifest
@@ -127,6 +128,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         except ValueError as e:
             raise Edge0Error(f"{resident}: does not match the {arch.model_type} model of config.json ({e})") from None
         cast_floats(model, cdtype)
+        route_dense(model)  # dense quantized linears through compute.qmm too (the one call site)
         mx.eval(model.parameters())
         tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
     except BaseException:
