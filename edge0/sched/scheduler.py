@@ -102,6 +102,8 @@ class Scheduler:
         self.reader = reader
         self.loop = new_loop()
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge0-io")
+        # misses the step is waiting for never queue behind reads for the next step
+        self.demand_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-io-demand")
         self.queue_depth = queue_depth
         self.trace = trace
         self.step = 0  # decode step now being built
@@ -147,7 +149,8 @@ class Scheduler:
             self._drain_one()
         self.in_flight += 1
         cache.filling[[f.slot for f in plan.fills]] = True
-        plan.future = self.loop.run_in_executor(self.pool, _read_fills, self.reader, cache.bank, plan.fills, buffers)
+        pool = self.demand_pool if plan.demand else self.pool
+        plan.future = self.loop.run_in_executor(pool, _read_fills, self.reader, cache.bank, plan.fills, buffers)
         plan.future.add_done_callback(lambda fut, p=plan: self._collected(p, fut))
         return slots
 
@@ -224,6 +227,7 @@ class Scheduler:
     def close(self) -> None:
         self.cancel()
         self.pool.shutdown(wait=True)
+        self.demand_pool.shutdown(wait=True)
         self.loop.close()
 
 
