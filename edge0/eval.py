@@ -38,6 +38,28 @@ class Loaded:
     tokenizer_dir: Path  # holds tokenizer.json
     kind: str  # "store" or "mlx-lm"
     close: object  # () -> None
+    logprobs: object = None  # window -> (L, V) log-probabilities, when not one forward pass (served routing)
+
+
+def _load_served(path, serving) -> Loaded:
+    """A store loaded with `edge0 run`'s flags; windows scored token by token through the decode loop."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.run import open_store
+    from edge0.sched.generate import generate_steps
+
+    serving.model = str(path)
+    store = open_store(serving)
+    greedy = make_sampler(0.0)
+
+    def logprobs(window: np.ndarray) -> mx.array:
+        steps = generate_steps(store.model, [int(window[0])], max_tokens=window.size - 1, sampler=greedy,
+                               runtime=store.runtime, forced=[int(t) for t in window[1:]])
+        return mx.stack([lp.astype(mx.float32) for _, lp in steps])
+
+    stepwise = serving.routing not in (None, "native")  # native at another K: one forward pass suffices
+    return Loaded(store.model, Path(path), f"store, routing {serving.routing}", store.close,
+                  logprobs if stepwise else None)
 
 
 def load_any(path: str | os.PathLike, dtype: str = "auto") -> Loaded:
@@ -92,13 +114,19 @@ def _logprobs(model, window: np.ndarray) -> mx.array:
 
 def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None, *,
              teacher: str | os.PathLike | None = None, max_tokens: int = MAX_TOKENS, seq_len: int = SEQ_LEN,
-             dtype: str = "auto", routing: bool = False) -> dict:
+             dtype: str = "auto", routing: bool = False, serving=None) -> dict:
     """Perplexity of model_dir (store or mlx-lm checkpoint) on data, and vs the teacher if given.
 
     Returns loss (nats/token), ppl, tokens; with a teacher also teacher_loss, teacher_ppl,
     top1_agreement, kl (mean KL(teacher || model) per token); with routing, routing_stats's figures.
+    serving: `edge0 run` flags (routing, predictor, heads, k, ...) to score the store exactly as served;
+    with --routing prefetch or predicted every window is decoded token by token (teacher-forced), since
+    predicted routing at t+1 depends on the heads' output at t.
     """
-    student = load_any(model_dir, dtype)
+    if serving is not None:
+        student = _load_served(model_dir, serving)
+    else:
+        student = load_any(model_dir, dtype)
     try:
         stream, desc = token_stream(student.tokenizer_dir, data)
         wins = windows_of(stream, seq_len, max_tokens)
@@ -108,7 +136,7 @@ def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None
             n = 0
             for w in wins:
                 targets = mx.array(w[1:])
-                lp = _logprobs(student.model, w)  # (L, V)
+                lp = student.logprobs(w) if student.logprobs else _logprobs(student.model, w)  # (L, V)
                 parts = [-mx.take_along_axis(lp, targets[:, None], axis=-1).sum()]
                 if tutor is not None:
                     tlp = _logprobs(tutor.model, w)
@@ -208,7 +236,12 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens scored at most")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per window")
     p.add_argument("--dtype", default="auto", help="compute dtype of non-quantized tensors: auto, source, float32, bfloat16")
-    p.add_argument("--routing", action="store_true", help="also expert usage and cross-token overlap per layer")
+    p.add_argument("--routing-stats", action="store_true", help="also expert usage and cross-token overlap per layer")
+    p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
+                   help="score the store as served with this routing (predicted: with its prerouter heads)")
+    p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None)
+    p.add_argument("--heads", metavar="FILE", default=None, help="head file (default heads-k{K} next to the store)")
+    p.add_argument("--k", type=int, default=None, help="routed experts per token (heads for that K)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -217,8 +250,21 @@ def eval_cli(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1 or args.seq_len < 1:
         raise Edge0Error("--max-tokens and --seq-len must be positive")
+    serving = None
+    if args.routing != "native" or args.k is not None:
+        import argparse as _argparse
+
+        from edge0.cli import add_run_flags
+
+        q = _argparse.ArgumentParser()
+        add_run_flags(q)
+        flags = ["--routing", args.routing, "--dtype", args.dtype]
+        flags += ["--predictor", args.predictor] if args.predictor else []
+        flags += ["--heads", args.heads] if args.heads else []
+        flags += ["--k", str(args.k)] if args.k is not None else []
+        serving = q.parse_args(flags)
     r = evaluate(args.model or DEMO_STORE, args.data, teacher=args.teacher, max_tokens=args.max_tokens,
-                 seq_len=args.seq_len, dtype=args.dtype, routing=args.routing)
+                 seq_len=args.seq_len, dtype=args.dtype, routing=args.routing_stats, serving=serving)
     if args.json:
         print(json.dumps(r))
         return 0
