@@ -20,7 +20,7 @@ from pathlib import Path
 from .errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router")
+        "prefetch:next-router", "prefetch:heads", "predicted")
 FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
            "cold_fraction", "hit_rate", "resident_expert_bytes", "stall_ms_per_token", "recall", "loads_per_step",
            "load_cold_fraction")
@@ -36,9 +36,11 @@ def arm_flags(arm: str) -> list[str]:
 def _arm_flags(arm: str) -> list[str]:
     if arm == "native":
         return ["--routing", "native", "--executor", "staged"]
+    if arm == "predicted":
+        return ["--routing", "predicted"]  # the heads next to the store, for its K
     if arm.startswith("prefetch:"):
         return ["--routing", "prefetch", "--predictor", arm.split(":", 1)[1]]
-    return ["--executor", arm]
+    return ["--routing", "native", "--executor", arm]
 
 
 def add_bench_flags(p) -> None:
@@ -88,7 +90,8 @@ def make_replay(args, out: Path) -> Path:
     path = out / "replay.json"
     path.write_text(json.dumps({"prompt": ids, "tokens": []}))
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(args.store), "--replay", str(path), "--max-tokens",
-           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--executor", "exact"]
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--routing", "native",
+           "--executor", "exact"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise Edge0Error(f"recording the replay tokens failed: {proc.stderr.strip()[-300:]}")
