@@ -46,13 +46,9 @@ class Bank:
     def __init__(self, pieces, slots: int, fence: Fence, compute_dtype: mx.Dtype | None = None):
         self.pieces, self.slots, self.fence = pieces, slots, fence
         self.widen = self.widened(pieces, compute_dtype)
-        self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=mx.float32 if w else MLX_DTYPES[p.dtype])
-                       for p, w in zip(pieces, self.widen)}
-        mx.eval(list(self.arrays.values()))
-        self._flat = [memoryview(self.arrays[p.name]).cast("B") for p in pieces]
+        self._arrays: dict[str, mx.array] | None = None  # allocated on first use (decode banks wait for decode)
         widened = [p for p, w in zip(pieces, self.widen) if w]
         self._stage_bytes = sum(p.nbytes for p in widened)
-        self._stage = np.zeros((slots, self._stage_bytes), dtype=np.uint8) if widened else None
         self._stage_at = {}  # piece index -> byte offset inside a slot's staging row
         at = 0
         for i, (p, w) in enumerate(zip(pieces, self.widen)):
@@ -61,7 +57,21 @@ class Bank:
                 at += p.nbytes
         self.holds = np.full(slots, -1, dtype=np.int64)  # expert id (or cache key) in each slot, -1 empty
         self.last_read = np.full(slots, -1, dtype=np.int64)  # per slot: fence epoch of the last graph reading it
-        self.nbytes = sum(a.nbytes for a in self.arrays.values()) + (self._stage.nbytes if widened else 0)
+        self.nbytes = slots * self.slot_bytes(pieces, compute_dtype)
+
+    @property
+    def arrays(self) -> dict[str, mx.array]:
+        if self._arrays is None:  # on the graph-building thread: write_buffers and read come first
+            self._arrays = {p.name: mx.zeros((self.slots, *p.shape), dtype=mx.float32 if w else MLX_DTYPES[p.dtype])
+                            for p, w in zip(self.pieces, self.widen)}
+            mx.eval(list(self._arrays.values()))
+            self._flat = [memoryview(self._arrays[p.name]).cast("B") for p in self.pieces]
+            self._stage = np.zeros((self.slots, self._stage_bytes), dtype=np.uint8) if self._stage_bytes else None
+        return self._arrays
+
+    @property
+    def allocated(self) -> bool:
+        return self._arrays is not None
 
     @staticmethod
     def widened(pieces, compute_dtype) -> list[bool]:
@@ -83,6 +93,7 @@ class Bank:
     def write_buffers(self, slot: int) -> list[memoryview]:
         """Writable views of one slot's pieces (stored bytes), in manifest order; only while no pending
         graph reads the slot. Call `commit` after the read lands."""
+        self.arrays  # allocate on first use
         if self.last_read[slot] > self.fence.completed:
             raise BankBusy(f"slot {slot} is read by graph epoch {self.last_read[slot]}, evaluated only up to "
                            f"{self.fence.completed}")
@@ -97,7 +108,7 @@ class Bank:
 
     def commit(self, slots) -> None:
         """Widen the staged bf16 pieces of `slots` into the float32 bank (numpy on the bank's memory, no MLX op)."""
-        if self._stage is None:
+        if not self._stage_bytes:
             return
         slots = np.asarray(slots, dtype=np.int64)
         for i, p in enumerate(self.pieces):
@@ -110,12 +121,14 @@ class Bank:
     def read(self, slots=None) -> dict[str, mx.array]:
         """The bank's arrays for a graph about to be built that reads `slots` (default all): marks them read
         in this epoch."""
+        arrays = self.arrays
         if slots is None:
             self.last_read[:] = self.fence.epoch
         else:
             self.last_read[slots] = self.fence.epoch
-        return self.arrays
+        return arrays
 
     def address(self, name: str) -> int:
         """Base address of a piece's buffer (tests check fills happen in place)."""
+        self.arrays
         return np.frombuffer(self._flat[[p.name for p in self.pieces].index(name)], dtype=np.uint8).ctypes.data

@@ -30,10 +30,10 @@ class Runtime:
 
     @property
     def resident_expert_bytes(self) -> int:
-        """Expert bytes held in persistent banks now, prefill banks included."""
-        held = sum(b.nbytes for b in self.banks)
+        """Expert bytes held in banks now (decode banks are allocated at their first use), prefill banks included."""
+        held = sum(b.nbytes for b in self.banks if b.allocated)
         if self.prefill is not None:
-            held += sum(b.nbytes for b in self.prefill.banks)
+            held += sum(b.nbytes for b in self.prefill.banks if b.allocated)
         return held
 
     trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
