@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -16,29 +15,17 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import Edge0Error
+from .model.demo import DEMO_PROMPT, DEMO_STORE
 
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
-DEMO = ("qwen3_moe", "tiny")  # until the project's trained demo model exists
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGE0_CACHE", Path.home() / ".cache" / "edge0"))
+DEFAULT_PROMPT = DEMO_PROMPT
 
 
 def demo_store() -> Path:
-    """The built-in model: made and converted into the cache on first use."""
-    store = cache_dir() / f"demo-{DEMO[0]}-{DEMO[1]}"
-    if (store / "edge0.json").exists():
-        return store
-    from .model.convert import convert
-    from .model.make import make_model
-
-    print(f"edge0: first use: making the built-in demo model (random-weight {DEMO[0]} {DEMO[1]}) in {store}",
-          file=sys.stderr)
-    src = cache_dir() / f"src-{DEMO[0]}-{DEMO[1]}"
-    make_model(DEMO[0], DEMO[1], src, force=True, progress=False)
-    convert(src, store, force=True, progress=False)
-    return store
+    """The built-in model: the project's own trained demo MoE (edge0/model/demo/MODEL_CARD.md)."""
+    if not (DEMO_STORE / "edge0.json").exists():
+        raise Edge0Error(f"{DEMO_STORE}: the built-in model is missing from this installation; reinstall edge0 "
+                         "or pass --model")
+    return DEMO_STORE
 
 
 def memory_figures() -> dict:
@@ -189,6 +176,8 @@ def run(args) -> int:
         times = StepTimes()
         detok = tok.detokenizer
         detok.reset()
+        if not args.json and replay is None and not args.chat:
+            print(text, end="", flush=True)  # the prompt, then its continuation as it comes
         eos = set(tok.eos_token_ids)
         forced = (replay.get("tokens") or None) if replay is not None else None  # no tokens: generate freely
         for t, _ in generate_steps(store.model, prompt, max_tokens=args.max_tokens, sampler=sampler, times=times,
