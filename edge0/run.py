@@ -234,7 +234,7 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"[edge0] {rt.executor}: prompt {len(prompt)} tok at {times.prefill_tok_s:.1f} tok/s, decode "
+            print(f"[edge0] {args.routing} routing, {rt.executor}: prompt {len(prompt)} tok at {times.prefill_tok_s:.1f} tok/s, decode "
                   f"{len(times.tokens)} tok at {times.decode_tok_s:.2f} tok/s, read {stats.bytes / 2**20:.1f} MiB in "
                   f"{stats.reads} reads ({100 * stats.cold_fraction:.0f}% cold), slot hit rate "
                   f"{100 * rt.stats.hit_rate:.0f}%, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
