@@ -176,6 +176,8 @@ def run(args) -> int:
         times = StepTimes()
         detok = tok.detokenizer
         detok.reset()
+        detok.add_token(prompt[-1])  # context for the first token's spacing (a streaming detokenizer trims
+        lead = detok.last_segment  # the leading space of its first token); not part of the output
         if not args.json and replay is None and not args.chat:
             print(text, end="", flush=True)  # the prompt, then its continuation as it comes
         eos = set(tok.eos_token_ids)
@@ -197,7 +199,7 @@ def run(args) -> int:
         steps = max(len(times.tokens), 1)
         result = {
             "tokens": times.tokens,
-            "text": detok.text,
+            "text": detok.text[len(lead):],
             "prompt_tokens": len(prompt),
             "decode_tok_s": times.decode_tok_s,
             "prefill_tok_s": times.prefill_tok_s,

@@ -137,6 +137,8 @@ class Engine:
         times = StepTimes()
         detok = tok.detokenizer
         detok.reset()
+        detok.add_token(req.prompt[-1])  # spacing context for the first token, as `edge0 run` does
+        _ = detok.last_segment  # consumed: not part of the answer
         stops = StopFilter(req.stop)
         fig = Figures(prompt_tokens=len(req.prompt))
         steps = generate_steps(store.model, req.prompt, max_tokens=req.max_tokens, sampler=sampler, times=times,
