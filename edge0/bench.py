@@ -181,7 +181,7 @@ def bench(args) -> int:
                       f"{res['prefill_tok_s']:.1f} tok/s prefill, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
     summary = {key: {**{f: statistics.median(x.get(f, 0.0) or 0.0 for x in rs) for f in FIGURES},
-                     "dtype": rs[0]["dtype"]} for key, rs in runs.items()}
+                     "dtype": rs[0]["dtype"], "kernel": rs[0].get("kernel", "mlx")} for key, rs in runs.items()}
     cost = read_cost(Path(args.store), args.io_throttle)
     for s in summary.values():
         s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
@@ -202,13 +202,13 @@ def bench(args) -> int:
     lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
              f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians{throttle}; "
              f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm", "",
-             "| arm | dtype | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
+             "| arm | dtype | kernel | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
              "prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold | slot hits | resident experts MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in summary.items():
         arm, cache = key.split("/")
         limit = f"{s['limit_ms_per_step']:.0f}" if "limit_ms_per_step" in s else "-"
-        lines.append(f"| {arm} | {s['dtype']} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
+        lines.append(f"| {arm} | {s['dtype']} | {s['kernel']} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
                      f"{s['stall_ms_per_token']:.1f} | {s['recall']:.2f} | {s['loads_per_step']:.1f} | "
                      f"{s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | {s['peak_rss_gib']:.3f} | "
                      f"{s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | "
