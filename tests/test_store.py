@@ -5,7 +5,6 @@ import os
 import shutil
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from safetensors import safe_open
 

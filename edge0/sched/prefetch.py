@@ -136,7 +136,6 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     if (predictor == "heads" or predicted_routing) and heads is None:
         raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
-    m = reader.manifest
     sched = Scheduler(reader, workers=workers, queue_depth=queue_depth, trace=trace)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill,
                          budget_bytes=base.budget_bytes)

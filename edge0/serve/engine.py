@@ -9,9 +9,7 @@ its own thread. Figures are per generation (differences of the store's cumulativ
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
@@ -85,11 +83,9 @@ class Engine:
     @classmethod
     def open(cls, args) -> "Engine":
         """Load the store named by the flags shared with `edge0 run`, checked and built the same way."""
-        from .. import run
+        from ..run import open_store
 
-        opener = getattr(run, "open_store", None)  # run's own loader, where it has one
-        store = opener(args) if opener is not None else _open_store(args)
-        return cls(store, model_id=getattr(args, "model_id", None))
+        return cls(open_store(args), model_id=getattr(args, "model_id", None))
 
     def close(self, end_thread: bool = False) -> None:
         """Close the store. end_thread: also clear the calling thread's MLX streams, as a thread that used MLX
@@ -176,32 +172,6 @@ class Engine:
         fig.reads = stats.reads - before[2]
         fig.stall_s = (sched.stats.stall_s if sched else 0.0) - before[3]
         return fig
-
-
-def _open_store(args):
-    """`edge0 run`'s loading steps (until it exposes them as edge0.run.open_store)."""
-    from ..io.pagecache import evict
-    from ..model.load import load_store
-    from ..run import check_flags, demo_store
-    from ..sched.prefetch import build_prefetch_runtime
-
-    check_flags(args)
-    path = Path(args.model) if args.model else demo_store()
-    if args.cold and path.is_dir():
-        for f in path.rglob("*.safetensors"):
-            evict(f)
-    build = None
-    if args.routing == "prefetch":
-        def build(reader, cdtype):
-            return build_prefetch_runtime(reader, cdtype, predictor=args.predictor or "next-router",
-                                          memory_budget_gib=args.memory_budget, workers=args.io_workers)
-    elif args.routing != "native":
-        raise Edge0Error(f"--routing {args.routing}: not available in `edge0 serve` yet")
-    for flag in ("heads", "k", "io_throttle"):
-        if getattr(args, flag, None) is not None:
-            raise Edge0Error(f"--{flag.replace('_', '-')}: not available in `edge0 serve` yet")
-    return load_store(path, dtype=args.dtype, verify=args.verify, executor=args.executor,
-                      memory_budget=args.memory_budget, io=args.io, build=build)
 
 
 class StopFilter:

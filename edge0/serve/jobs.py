@@ -1,0 +1,170 @@
+"""The request queue of `edge0 serve`: first come, first served, one generation at a time, and the
+counters behind /metrics. Errors are OpenAI-shaped."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from .engine import Engine, Figures, GenRequest
+
+DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_response(status: int, message: str, code: str | None = None, type: str | None = None) -> web.Response:
+    e = ApiError(status, message, code, type)
+    return web.json_response({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}},
+                             status=status)
+
+
+# -- the queue: FIFO, one generation at a time ------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One queued generation; its events come back to the loop through `events`."""
+
+    req: GenRequest
+    seq: int = 0  # arrival order (1, 2, ...)
+    turn: int = 0  # generation order: equal to seq's order, since the queue is FIFO
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when the worker took it
+    cancel: threading.Event = field(default_factory=threading.Event)  # set by the loop; read by the worker per token
+    # ("text", str) ..., then ("done", Figures) or ("error", exception)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[str, object]:
+        kind, value = await self.events.get()
+        if kind == "end":
+            raise StopAsyncIteration
+        if kind == "done":
+            self.events.put_nowait(("end", None))
+        return kind, value
+
+
+@dataclass
+class Metrics:
+    """Counters since start, summed over requests (GET /metrics)."""
+
+    requests: dict = field(default_factory=dict)  # status -> count
+    generations: int = 0
+    cancelled: int = 0
+    rejected: int = 0  # queue full
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    bytes_read: int = 0
+    cold_bytes: float = 0.0
+    reads: int = 0
+    stall_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def add(self, f: Figures) -> None:
+        self.generations += 1
+        self.cancelled += f.finish_reason == "cancelled"
+        self.prompt_tokens += f.prompt_tokens
+        self.completion_tokens += f.completion_tokens
+        self.bytes_read += f.bytes_read
+        self.cold_bytes += f.cold_bytes
+        self.reads += f.reads
+        self.stall_s += f.stall_s
+        self.prefill_s += f.prefill_s
+        self.decode_s += f.decode_s
+
+    def prometheus(self, waiting: int, generating: int) -> str:
+        out = ["# HELP edge0_requests_total HTTP requests answered, by status", "# TYPE edge0_requests_total counter"]
+        out += [f'edge0_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
+        for name, kind, text, value in [
+            ("generations_total", "counter", "generations run", self.generations),
+            ("cancelled_total", "counter", "generations stopped because the client went away", self.cancelled),
+            ("rejected_total", "counter", "requests refused with 503 because the queue was full", self.rejected),
+            ("prompt_tokens_total", "counter", "prompt tokens processed", self.prompt_tokens),
+            ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
+            ("bytes_read_total", "counter", "expert bytes read from the store", self.bytes_read),
+            ("cold_bytes_total", "counter", "expert bytes read that were not in the page cache", int(self.cold_bytes)),
+            ("reads_total", "counter", "expert read calls", self.reads),
+            ("stall_seconds_total", "counter", "time compute waited on prefetch reads", self.stall_s),
+            ("prefill_seconds_total", "counter", "time spent processing prompts", self.prefill_s),
+            ("decode_seconds_total", "counter", "time spent decoding", self.decode_s),
+            ("queue_waiting", "gauge", "requests waiting for the generation slot", waiting),
+            ("generating", "gauge", "generations running (0 or 1)", generating),
+        ]:
+            out += [f"# HELP edge0_{name} {text}", f"# TYPE edge0_{name} {kind}", f"edge0_{name} {value}"]
+        return "\n".join(out) + "\n"
+
+
+class JobQueue:
+    """Bounded FIFO in front of the one worker thread. Only the loop touches the queue and the metrics."""
+
+    def __init__(self, engine: Engine, worker: ThreadPoolExecutor, *, max_queue: int = DEFAULT_MAX_QUEUE):
+        self.engine, self.worker = engine, worker
+        self.max_queue = max_queue
+        self.waiting: asyncio.Queue[Job] = asyncio.Queue()  # bounded by submit (0 here would mean unbounded)
+        self.running: Job | None = None
+        self.arrivals = 0
+        self.turns = 0
+        self.metrics = Metrics()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def submit(self, req: GenRequest) -> Job:
+        if self.waiting.qsize() >= self.max_queue:
+            self.metrics.rejected += 1
+            raise ApiError(503, f"the server is busy: {self.waiting.qsize()} requests are already waiting; retry later",
+                           "queue_full")
+        self.arrivals += 1
+        job = Job(req, seq=self.arrivals)
+        self.waiting.put_nowait(job)
+        return job
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self.waiting.get()
+            if job.cancel.is_set():  # the client left while waiting
+                self.metrics.cancelled += 1
+                continue
+            self.turns += 1
+            self.running, job.started, job.turn = job, time.perf_counter(), self.turns
+
+            def emit(text: str, job=job) -> None:  # worker thread -> loop
+                loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
+
+            try:
+                fig = await loop.run_in_executor(self.worker, self.engine.generate, job.req, emit, job.cancel.is_set)
+                self.metrics.add(fig)
+                job.events.put_nowait(("done", fig))
+            except Exception as e:  # reported to the client as a 500; the worker is ready for the next job
+                print(f"edge0 serve: generation failed: {e!r}", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
+                job.events.put_nowait(("error", e))
+            finally:
+                self.running = None
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        while not self.waiting.empty():
+            self.waiting.get_nowait().events.put_nowait(("error", ApiError(503, "the server is shutting down")))
