@@ -202,3 +202,18 @@ def test_routing_flags_that_cannot_apply(models, capsys):
                            (["--k", "99"], "--k 99: must be between 1")):
         code, err = run_cli(capsys, "run", "--model", str(store), "--max-tokens", "2", *flags)
         assert code == 2 and message in err and "Traceback" not in err, flags
+
+
+def test_store_without_tokenizer(models, capsys, tmp_path):
+    store = copy_store(models, tmp_path)
+    (store / "tokenizer.json").unlink()
+    code, err = run_cli(capsys, "run", "--model", str(store), "--max-tokens", "2")
+    assert code == 2 and "no tokenizer" in err and str(store) in err
+
+
+def test_verify_reports_a_truncated_layer_without_traceback(models, capsys, tmp_path):
+    store = copy_store(models, tmp_path)
+    f = store / "experts" / "layer_000.safetensors"
+    os.truncate(f, f.stat().st_size - 4096)
+    code, err = run_cli(capsys, "verify", str(store))
+    assert code == 1 and "layer_000.safetensors" in err and "Traceback" not in err

@@ -42,9 +42,6 @@ class SlotCache:
         self.filling = np.zeros(bank.slots, dtype=bool)  # a read into the slot is in flight (scheduler's)
         self.clock = 0
 
-    def overlap(self, keys: np.ndarray) -> int:
-        return int((self.slot_of[keys] >= 0).sum())
-
     def assign(self, keys: np.ndarray, *, count: bool = True) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """Slots for unique `keys`, and the (slot, key) fills that make them hold those keys; None when
         too few slots can be written now."""
@@ -91,9 +88,9 @@ class SlottedExperts:
     A step whose unique experts do not fit the bank falls back to exact.
     """
 
-    def __init__(self, reader, layer: int, caches: list[SlotCache], fence: Fence, exact: ExactExperts,
+    def __init__(self, reader, layer: int, cache: SlotCache, fence: Fence, exact: ExactExperts,
                  prefill: "WholeLayer | None", *, shared: bool):
-        self.reader, self.layer, self.caches, self.fence = reader, layer, caches, fence
+        self.reader, self.layer, self.cache, self.fence = reader, layer, cache, fence
         self.exact, self.prefill = exact, prefill
         self.num_experts = reader.manifest.num_experts
         self.key_base = layer * self.num_experts if shared else 0
@@ -107,11 +104,9 @@ class SlottedExperts:
         host = np.array(inds, copy=False)
         ids = np.unique(host)
         keys = ids + self.key_base
-        for cache in sorted(self.caches, key=lambda c: -c.overlap(keys)):
-            got = cache.assign(keys) if cache.bank.slots >= len(ids) else None
-            if got is not None:
-                break
-        else:
+        cache = self.cache
+        got = cache.assign(keys) if cache.bank.slots >= len(ids) else None
+        if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
         fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..errors import Edge0Error
 from .banks import Bank, Fence
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
-from .experts import ExactExperts, switch_glu
+from .experts import ExactExperts, ResidentExperts
 
 EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
@@ -84,7 +84,7 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
             reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
             bank.commit(range(m.num_experts))
             rt.banks.append(bank)
-            rt.executors[layer] = _Resident(bank, exact[layer].quant)
+            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant)  # never written again
         return rt
 
     per_slot = Bank.slot_bytes(m.pieces, compute_dtype)  # memory per resident bundle
@@ -111,7 +111,7 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
             bank = Bank(m.pieces, s, fence, compute_dtype)
             rt.banks.append(bank)
             cache = SlotCache(bank, rt.stats, m.num_experts)
-            rt.executors[layer] = SlottedExperts(reader, layer, [cache], fence, exact[layer], rt.prefill, shared=False)
+            rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=False)
         return rt
 
     capacity = min(room // per_slot, m.num_experts * len(layers))
@@ -122,18 +122,8 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     rt.banks.append(bank)
     cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1))
     for layer in layers:
-        rt.executors[layer] = SlottedExperts(reader, layer, [cache], fence, exact[layer], rt.prefill, shared=True)
+        rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=True)
     return rt
-
-
-class _Resident:
-    """Every expert of the layer in memory; routed ids never leave the graph (no sync): the compute floor."""
-
-    def __init__(self, bank: Bank, quant):
-        self.bank, self.quant = bank, quant
-
-    def __call__(self, x, inds):
-        return switch_glu(x, inds, self.bank.read(), self.quant)
 
 
 class _Streaming:

@@ -103,12 +103,12 @@ class BundleReader:
         m = self.manifest
         n, cold = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}")
         if self.verify:
-            crc = 0
-            for b in buffers:
-                crc = zlib.crc32(b, crc)
-            if f"{crc:08x}" != self._entries[layer].checksums[expert]:
-                raise Edge0Error(f"{self.path(layer)}: checksum mismatch in the bundle of expert {expert} (file damaged)")
+            self._check(layer, expert, buffers)
         return n, cold / n
+
+    def _check(self, layer: int, expert: int, buffers: list) -> None:
+        if crc32_of(buffers) != self._entries[layer].checksums[expert]:
+            raise Edge0Error(f"{self.path(layer)}: checksum mismatch in the bundle of expert {expert} (file damaged)")
 
     def read_layer_into(self, layer: int, buffers: list[list]) -> int:
         """Read every bundle of a layer (buffers[e] for expert e) in as few large reads as IOV_MAX allows."""
@@ -128,11 +128,7 @@ class BundleReader:
             total += self._read(layer, self.offset(layer, first), length, iov, f"experts {first}-{last - 1}")[0]
         if self.verify:
             for e in range(m.num_experts):
-                crc = 0
-                for b in buffers[e]:
-                    crc = zlib.crc32(b, crc)
-                if f"{crc:08x}" != self._entries[layer].checksums[e]:
-                    raise Edge0Error(f"{self.path(layer)}: checksum mismatch in the bundle of expert {e} (file damaged)")
+                self._check(layer, e, buffers[e])
         return total
 
     def _read(self, layer: int, offset: int, length: int, iov: list, what: str) -> tuple[int, float]:
@@ -198,24 +194,31 @@ def _scatter(src: memoryview, iov: list) -> int:
     return pos
 
 
+def crc32_of(buffers: list) -> str:
+    """The manifest's checksum of a bundle held in consecutive buffers (8 hex digits)."""
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return f"{crc:08x}"
+
+
 def verify_store(root: str | os.PathLike, progress=None) -> list[str]:
     """Check every bundle checksum of a store; returns the problems found (empty when sound)."""
     manifest = read_manifest(root)
-    problems: list[str] = []
-    reader = None
     try:
         reader = BundleReader(root, manifest, probe=False)
     except Edge0Error as e:
         return [str(e)]
+    problems: list[str] = []
+    reader.verify = True
+    buf = bytearray(manifest.bundle_bytes)
     try:
-        buf = bytearray(manifest.bundle_bytes)
         for entry in manifest.layers:
-            fd = reader._fds[entry.layer]
-            for e, want in enumerate(entry.checksums):
-                n = os.preadv(fd, [buf], reader.offset(entry.layer, e))
-                got = f"{zlib.crc32(buf[:n]):08x}"
-                if n != manifest.bundle_bytes or got != want:
-                    problems.append(f"{reader.path(entry.layer)}: checksum mismatch in the bundle of expert {e}")
+            for e in range(manifest.num_experts):
+                try:
+                    reader.read_into(entry.layer, e, [buf])
+                except Edge0Error as err:  # a mismatch, a short read or an I/O error: report it and go on
+                    problems.append(str(err))
                 if progress is not None:
                     progress.update(1)
     finally:

@@ -119,11 +119,13 @@ class HeadSet:
         if meta.get("fingerprint") != want:
             raise Edge0Error(f"{path}: heads were trained for another model (fingerprint {meta.get('fingerprint')}, "
                              f"this store is {want})")
-        k = int(meta["top_k"])
+        try:
+            k, hidden = int(meta["top_k"]), int(meta["hidden"])
+            owners = {int(c): int(o) for c, o in json.loads(meta["owners"]).items()}
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise Edge0Error(f"{path}: damaged head metadata ({e!r})") from None
         if top_k is not None and k != top_k:
             raise Edge0Error(f"{path}: heads for K={k}, but --k {top_k} was asked; use the head file trained for K={top_k}")
-        owners = {int(c): int(o) for c, o in json.loads(meta["owners"]).items()}
-        hidden = int(meta["hidden"])
         dim = _hidden_size(config)
         hs = cls({c: Head(dim, manifest.num_experts, manifest.num_experts, hidden) for c in owners}, owners, k, hidden,
                  want, meta.get("data_hash", ""))

@@ -130,7 +130,12 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         cast_floats(model, cdtype)
         route_dense(model)  # dense quantized linears through compute.qmm too (the one call site)
         mx.eval(model.parameters())
-        tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
+        if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")
+        try:
+            tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
+        except (OSError, ValueError, KeyError) as e:
+            raise Edge0Error(f"{root}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
     except BaseException:
         reader.close()
         raise

@@ -144,7 +144,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.heads = heads
     rt.predicted_routing = predicted_routing
     for layer, staged in base.executors.items():
-        rt.executors[layer] = PrefetchExperts(layer, staged.caches[0], sched, base.fence, staged.exact, base.prefill,
+        rt.executors[layer] = PrefetchExperts(layer, staged.cache, sched, base.fence, staged.exact, base.prefill,
                                               predictor, trace)
     return rt
 

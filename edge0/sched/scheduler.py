@@ -129,10 +129,12 @@ class Scheduler:
         slots = self._submit(plan, cache, ids)
         if slots is None:
             return None
-        for other in [*self.plans.values(), plan]:  # hits on slots a read is still filling: wait for it
-            if other.cache is cache and other.future is not None and not other.future.done() \
-                    and np.isin([f.slot for f in other.fills], slots).any():
-                self._wait(other, "demand" if other is plan else "prefetch")
+        if plan.future is not None:
+            self._wait(plan, "demand")
+        ahead = self.plans.get((layer, self.step + 1))  # the only other plan that fills this layer's bank
+        if ahead is not None and ahead.future is not None and not ahead.future.done() \
+                and cache.filling[slots].any():  # a routed expert's slot is still being filled: wait for it
+            self._wait(ahead, "prefetch")
         return slots
 
     def _submit(self, plan: LayerPlan, cache, ids: np.ndarray, count: bool = True) -> np.ndarray | None:
