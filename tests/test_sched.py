@@ -134,7 +134,6 @@ def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
     sched.prefetch(1, cache, np.array([1, 2]))  # for step 1: 1 is held; 2 may only go to the third slot
     sched.cancel()
     assert cache.bank.holds[slots].tolist() == [0, 1] and sorted(cache.bank.holds.tolist()) == [0, 1, 2]
-    sched.prefetch(2, caches[0], np.array([5]))
     sched.plans.clear()
     sched.step += 1
     sched.prefetch(1, cache, np.array([3, 4]))  # needs two slots, only one can be written: not planned
@@ -143,5 +142,5 @@ def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
     fence.sync()
     sched.prefetch(1, cache, np.array([3, 4]))  # evaluated: every slot is writable again
     sched.cancel()
-    assert sorted(cache.bank.holds.tolist())[1:] == [3, 4] or 3 in cache.bank.holds and 4 in cache.bank.holds
+    assert {3, 4} <= set(cache.bank.holds.tolist())
     sched.close()
