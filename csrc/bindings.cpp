@@ -5,15 +5,19 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <optional>
 #include <sstream>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "dense.h"
 #include "qmv.h"
 
 namespace nb = nanobind;
@@ -25,28 +29,79 @@ namespace mx = mlx::core;
 
 namespace edge0 {
 
+// Inputs are taken as MLX hands them to eval_cpu, views included: no Contiguous node is added to the
+// graph (a node costs microseconds of dispatch, more than these copies); a strided input is copied here.
+template <typename T>
+static const T* dense_data(const mx::array& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  tmp.resize(a.size());
+  const T* src = a.data<T>();
+  std::vector<int64_t> idx(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t off = 0;
+    for (int d = 0; d < a.ndim(); d++) off += idx[d] * a.strides()[d];
+    tmp[i] = src[off];
+    for (int d = a.ndim() - 1; d >= 0 && ++idx[d] == a.shape(d); d--) idx[d] = 0;
+  }
+  return tmp.data();
+}
+
+static View4 view4(const mx::array& a) {
+  View4 v{a.data<float>(), {}, {}};
+  for (int d = 0; d < 4; d++) {
+    v.shape[d] = a.shape(d);
+    v.strides[d] = a.strides()[d];
+  }
+  return v;
+}
+
+static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int gs, std::vector<uint32_t>& wt,
+                         std::vector<float>& st, std::vector<float>& bt) {
+  return {(const uint8_t*)dense_data<uint32_t>(w, wt), dense_data<float>(s, st), dense_data<float>(b, bt),
+          w.ndim() == 3 ? w.shape(0) : 1, w.shape(-2), w.shape(-1) * 8, gs};
+}
+
 // Output row o reads x row o / ratio (ratio = rows per x row) and expert idx[o] (or 0 without idx).
+// Inputs: x (..., D), w, scales, biases[, idx (any shape, R entries)]; output R x N, in any shape.
+// With glu, the weights are those of gate, up and down (9 arrays) and row o is
+// down[idx[o]] @ (silu(gate[idx[o]] @ x) * (up[idx[o]] @ x)): a routed expert's whole product.
 class QMV : public mx::UnaryPrimitive {
  public:
-  QMV(mx::Stream stream, int group_size, int64_t ratio, bool has_idx)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), ratio_(ratio), has_idx_(has_idx) {}
+  QMV(mx::Stream stream, int group_size, int64_t ratio, bool has_idx, bool glu)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), ratio_(ratio), has_idx_(has_idx), glu_(glu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out, gs = group_size_, ratio = ratio_, has_idx = has_idx_]() mutable {
+    enc.dispatch([inputs, out, gs = group_size_, ratio = ratio_, has_idx = has_idx_, glu = glu_]() mutable {
       const auto& x = inputs[0];
-      const auto& w = inputs[1];
-      const int64_t D = x.shape(-1), N = w.shape(-2);
-      const int64_t E = w.ndim() == 3 ? w.shape(0) : 1;
-      const int64_t R = out.shape(0);
-      QWeights q{w.data<uint8_t>(), inputs[2].data<float>(), inputs[3].data<float>(), E, N, D, gs};
+      const int64_t D = x.shape(-1), Rx = x.size() / D;
+      const size_t nw = glu ? 9 : 3;
+      std::vector<float> xt;
+      std::vector<uint32_t> it;
+      std::vector<std::vector<uint32_t>> wt(3);
+      std::vector<std::vector<float>> st(3), bt(3);
+      std::vector<QWeights> q;
+      for (size_t j = 0; j < nw; j += 3)
+        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], gs, wt[j / 3], st[j / 3], bt[j / 3]));
+      const int64_t N = q.back().N, R = out.size() / N;
+      const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
       std::vector<Pair> pairs(R);
-      const uint32_t* idx = has_idx ? inputs[4].data<uint32_t>() : nullptr;
       for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
-      qmv(q, x.data<float>(), x.shape(0), pairs, out.data<float>());
+      const float* xd = dense_data<float>(x, xt);
+      if (!glu) {
+        qmv(q[0], xd, Rx, pairs, out.data<float>());
+        return;
+      }
+      const int64_t H = q[0].N;
+      std::vector<float> g(R * H), u(R * H);
+      qmv(q[0], xd, Rx, pairs, g.data());
+      qmv(q[1], xd, Rx, pairs, u.data());
+      for (int64_t i = 0; i < R * H; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];  // swiglu
+      for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
+      qmv(q[2], g.data(), R, pairs, out.data<float>());
     });
   }
 
@@ -54,43 +109,192 @@ class QMV : public mx::UnaryPrimitive {
     throw std::runtime_error("edge0 kernels: CPU only");
   }
 
-  const char* name() const override { return "Edge0QMV"; }
+  const char* name() const override { return glu_ ? "Edge0GLU" : "Edge0QMV"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMV&>(other);
-    return group_size_ == o.group_size_ && ratio_ == o.ratio_ && has_idx_ == o.has_idx_;
+    return group_size_ == o.group_size_ && ratio_ == o.ratio_ && has_idx_ == o.has_idx_ && glu_ == o.glu_;
   }
 
  private:
   int group_size_;
   int64_t ratio_;
-  bool has_idx_;
+  bool has_idx_, glu_;
 };
 
-// x (Rx, D) float32; w (E, N, D/8) or (N, D/8) uint32; scales, biases (..., N, D/gs) float32;
-// idx (R,) expert per output row, or none (R = Rx, expert 0). -> (R, N) float32.
-static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                        std::optional<mx::array> idx, int group_size) {
-  auto fail = [](const std::string& m) { throw std::invalid_argument("edge0 qmv: " + m); };
-  if (x.ndim() != 2 || x.dtype() != mx::float32) fail("x must be (rows, D) float32");
+[[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv: " + m); }
+
+// w (E, N, D/8) or (N, D/8) uint32, scales and biases (..., N, D/gs) float32 -> N
+static int64_t check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t D,
+                             int group_size) {
   if ((w.ndim() != 2 && w.ndim() != 3) || w.dtype() != mx::uint32) fail("w must be (E, N, D/8) uint32");
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) fail("scales and biases must be float32");
-  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
-  const int64_t D = x.shape(1), N = w.shape(-2), G = D / group_size;
+  const int64_t N = w.shape(-2), G = D / group_size;
   if (D % 64 != 0 || w.shape(-1) * 8 != D) fail("D must be a multiple of 64 matching w");
   if (G > 4096) fail("too many groups");
   if (scales.shape() != biases.shape() || scales.shape(-1) != G || scales.shape(-2) != N ||
       scales.ndim() != w.ndim() || (w.ndim() == 3 && scales.shape(0) != w.shape(0)))
     fail("scales/biases shape does not match w");
-  const int64_t rx = x.shape(0);
+  return N;
+}
+
+// The output shape: `shape` when given (its size must be R * N), else (R, N).
+static mx::Shape out_shape(std::optional<std::vector<int>> shape, int64_t R, int64_t N) {
+  if (!shape) return {(int)R, (int)N};
+  int64_t n = 1;
+  for (int d : *shape) n *= d;
+  if (n != R * N || shape->empty() || shape->back() != N) fail("shape must hold R x N outputs, N last");
+  return mx::Shape(shape->begin(), shape->end());
+}
+
+static std::vector<mx::array> with_idx(std::vector<mx::array> inputs, const std::optional<mx::array>& idx,
+                                       mx::Stream s) {
+  if (idx) inputs.push_back(idx->dtype() == mx::uint32 ? *idx : mx::astype(*idx, mx::uint32, s));
+  return inputs;
+}
+
+// x (..., D) float32 with Rx rows; idx (R entries) expert per output row, or none (R = Rx, expert 0).
+static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        std::optional<mx::array> idx, int group_size, std::optional<std::vector<int>> shape) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be (..., D) float32");
+  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
+  const int64_t rx = D ? x.size() / D : 0;
   const int64_t R = idx ? idx->size() : rx;
   if (rx == 0 || R % rx != 0) fail("index rows must be a multiple of x rows");
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
-                                   mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
-  if (idx) inputs.push_back(mx::contiguous(mx::astype(mx::flatten(*idx, s), mx::uint32, s), false, s));
-  return mx::array({(int)R, (int)N}, mx::float32, std::make_shared<QMV>(s, group_size, R / rx, (bool)idx),
-                   std::move(inputs));
+  return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, (bool)idx, false),
+                   with_idx({x, w, scales, biases}, idx, s));
+}
+
+// Routed experts' whole products, one node: row o = down(swiglu(gate(x), up(x))) of expert idx[o].
+static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vector<mx::array>& gate,
+                        const std::vector<mx::array>& up, const std::vector<mx::array>& down, int group_size,
+                        std::optional<std::vector<int>> shape) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be (..., D) float32");
+  if (gate.size() != 3 || up.size() != 3 || down.size() != 3) fail("gate, up, down are (w, scales, biases)");
+  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  const int64_t D = x.shape(-1), H = check_weights(gate[0], gate[1], gate[2], D, group_size);
+  if (check_weights(up[0], up[1], up[2], D, group_size) != H) fail("gate and up differ in width");
+  const int64_t N = check_weights(down[0], down[1], down[2], H, group_size);
+  if (gate[0].ndim() != 3 || up[0].shape() != gate[0].shape() || down[0].shape(0) != gate[0].shape(0))
+    fail("gate, up, down must hold the same experts (E, ., .)");
+  const int64_t rx = D ? x.size() / D : 0, R = idx.size();
+  if (rx == 0 || R % rx != 0) fail("index rows must be a multiple of x rows");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, true, true),
+                   with_idx({x, gate[0], gate[1], gate[2], up[0], up[1], up[2], down[0], down[1], down[2]}, idx, s));
+}
+
+// The dense per-token ops of dense.h as primitives, one graph node each (float32 on the CPU).
+class DenseOp : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+
+ protected:
+  template <typename F>
+  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, F&& fn) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, fn = std::forward<F>(fn)]() mutable { fn(inputs, out); });
+  }
+};
+
+class RMSNormOp : public DenseOp {
+ public:
+  RMSNormOp(mx::Stream s, float eps) : DenseOp(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [eps = eps_](const std::vector<mx::array>& in, mx::array& o) {
+      std::vector<float> xt, wt;
+      const int64_t D = in[0].shape(-1);
+      rms_norm(dense_data<float>(in[0], xt), dense_data<float>(in[1], wt), eps, in[0].size() / D, D,
+               o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0RMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNormOp&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class RoPEOp : public DenseOp {
+ public:
+  RoPEOp(mx::Stream s, int dims, bool traditional, float base, float scale, int64_t offset)
+      : DenseOp(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [dims = dims_, trad = traditional_, base = base_, scale = scale_, offset = offset_](
+                              const std::vector<mx::array>& in, mx::array& o) {
+      rope(view4(in[0]), dims, trad, base, scale, offset, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0RoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RoPEOp&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ &&
+           offset_ == o.offset_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int64_t offset_;
+};
+
+class AttentionOp : public DenseOp {
+ public:
+  AttentionOp(mx::Stream s, float scale) : DenseOp(s), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [scale = scale_](const std::vector<mx::array>& in, mx::array& o) {
+      attention_one_query(view4(in[0]), view4(in[1]), view4(in[2]), scale, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0Attention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const AttentionOp&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+static void need_f32(const mx::array& a, const char* op, const char* what) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be float32");
+}
+
+static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) {
+  need_f32(x, "rms_norm", "x");
+  need_f32(w, "rms_norm", "weight");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D)");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
+}
+
+static mx::array rope_op(const mx::array& x, int dims, bool traditional, float base, float scale, int64_t offset) {
+  need_f32(x, "rope", "x");
+  if (x.ndim() != 4 || dims <= 0 || dims % 2 || dims > x.shape(3))
+    throw std::invalid_argument("edge0 rope: x must be (B, H, L, Dh) and dims even, at most Dh");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RoPEOp>(s, dims, traditional, base, scale, offset), {x});
+}
+
+static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale) {
+  for (auto* a : {&q, &k, &v}) need_f32(*a, "attention", "q, k and v");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1 || k.shape() != v.shape() ||
+      q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
+      k.shape(2) == 0)
+    throw std::invalid_argument("edge0 attention: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale), {q, k, v});
 }
 
 }  // namespace edge0
@@ -98,10 +302,21 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
 NB_MODULE(_kernels, m) {
   m.doc() = "Edge0's CPU kernels for MLX's affine 4-bit layout (see csrc/qmv.cpp).";
   m.def("qmv", &edge0::qmv_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "idx"_a = nb::none(), "group_size"_a = 64,
-        "out[o] = W[idx[o]] @ x[o // (R / Rx)] for x (Rx, D), idx (R,), 4-bit affine W; (R, N) float32.");
+        "shape"_a = nb::none(),
+        "out[o] = W[idx[o]] @ x[o // (R / Rx)] for x (..., D) of Rx rows, idx of R entries, 4-bit affine W;\n"
+        "R x N float32, shaped `shape` (default (R, N)).");
+  m.def("glu", &edge0::glu_op, "x"_a, "idx"_a, "gate"_a, "up"_a, "down"_a, "group_size"_a = 64, "shape"_a = nb::none(),
+        "out[o] = down[e] @ (silu(gate[e] @ xr) * (up[e] @ xr)), e = idx[o], xr = x[o // (R / Rx)]: a routed\n"
+        "expert's SwiGLU in one node; gate, up, down are (w, scales, biases) of 4-bit affine (E, ., .) weights.");
+  m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
+        "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
+  m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math).");
+  m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a,
+        "softmax(scale * q k^T) v for one query per head: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh).");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");
-  m.def("impl", [] { return std::string(edge0::impl()); }, "avx2 or portable: the path qmv takes.");
+  m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");
   m.def("set_impl", [](const std::string& n) { return edge0::set_impl(n.c_str()); }, "name"_a);
   m.def("set_num_threads", &edge0::set_num_threads, "n"_a, "Compute threads, the caller included.");
   m.def("num_threads", &edge0::num_threads);

@@ -1,5 +1,6 @@
-// 4-bit affine quantized matrix-vector products: an AVX2 path (int8 activations per group, nibble
-// dot products with vpmaddubsw/vpmaddwd, as llama.cpp does) and a plain C++ path for other CPUs.
+// 4-bit affine quantized matrix-vector products: an AVX-512 VNNI path (int8 activations per group,
+// nibble dot products with vpdpbusd, 128 weights per instruction pair), an AVX2 path (the same with
+// vpmaddubsw/vpmaddwd, as llama.cpp does) and a plain C++ path for other CPUs.
 // Shapes: E experts, N outputs, D inputs, G = D/gs groups, P (x row, expert, out row) pairs.
 
 #include "qmv.h"
@@ -16,6 +17,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define EDGE0_AVX2 1
+#endif
+#if defined(EDGE0_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define EDGE0_VNNI 1
 #endif
 
 namespace edge0 {
@@ -128,32 +133,37 @@ static Pool& pool() {
 void set_num_threads(int n) { pool().resize(n); }
 int num_threads() { return pool().threads(); }
 
-#if defined(EDGE0_AVX2)
-static std::atomic<bool> use_avx2{true};
-bool has_avx2() { return true; }
+// The code path: 0 portable, 1 AVX2, 2 AVX-512 VNNI; the best one built is the default.
+enum Impl { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
+#if defined(EDGE0_VNNI)
+static constexpr int BEST = VNNI;
+#elif defined(EDGE0_AVX2)
+static constexpr int BEST = AVX2;
 #else
-static std::atomic<bool> use_avx2{false};
-bool has_avx2() { return false; }
+static constexpr int BEST = PORTABLE;
 #endif
+static std::atomic<int> use_impl{BEST};
+static const char* const IMPL_NAMES[] = {"portable", "avx2", "avx512"};
 
-const char* impl() { return use_avx2 ? "avx2" : "portable"; }
+bool has_avx2() { return BEST >= AVX2; }
+
+const char* impl() { return IMPL_NAMES[use_impl.load()]; }
 
 bool set_impl(const char* name) {
-  if (std::strcmp(name, "portable") == 0) {
-    use_avx2 = false;
-    return true;
-  }
-  if (std::strcmp(name, "avx2") == 0 && has_avx2()) {
-    use_avx2 = true;
-    return true;
+  for (int i = 0; i <= BEST; i++) {
+    if (std::strcmp(name, IMPL_NAMES[i]) == 0) {
+      use_impl = i;
+      return true;
+    }
   }
   return false;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activations of one call: float group sums (both paths), int8 values and their scale (AVX2).
-// Within each 64-element chunk the int8 values are stored evens first, odds after: lane j of the
-// low-nibble register of a 32-byte weight load is element 2j, of the high-nibble register 2j+1.
+// Activations of one call: float group sums (every path), int8 values and their scale (AVX2, VNNI).
+// Byte j of a weight row holds elements 2j (low nibble) and 2j+1 (high), so the int8 values are stored
+// evens first, odds after, within each chunk a weight load covers: 64 elements for AVX2 (32-byte
+// loads); 128 for VNNI (64-byte loads), whose last chunk is 64 elements when D is not a multiple of 128.
 
 struct Acts {
   std::vector<float> sums;  // (rows, G) sum of x over each group (of its int8 values, times scale, on AVX2)
@@ -161,7 +171,7 @@ struct Acts {
   std::vector<int8_t> q;  // (rows, D) permuted int8
 };
 
-static void prepare_row(const float* x, int64_t D, int gs, bool quant, float* sums, float* scale, int8_t* q) {
+static void prepare_row(const float* x, int64_t D, int gs, int impl, float* sums, float* scale, int8_t* q) {
   const int64_t G = D / gs;
   float inv[MAX_GROUPS];
   for (int64_t g = 0; g < G; g++) {
@@ -175,17 +185,19 @@ static void prepare_row(const float* x, int64_t D, int gs, bool quant, float* su
     scale[g] = amax / 127.f;
     inv[g] = amax > 0.f ? 127.f / amax : 0.f;
   }
-  if (!quant) return;
+  if (impl == PORTABLE) return;
   int32_t qsum[MAX_GROUPS] = {0};
-  for (int64_t c = 0; c < D; c += 64) {
-    for (int j = 0; j < 32; j++) {
+  for (int64_t c = 0; c < D;) {
+    const int64_t half = impl == VNNI && c + 128 <= D ? 64 : 32;  // elements per half of this chunk
+    for (int64_t j = 0; j < half; j++) {
       int64_t e = c + 2 * j, o = e + 1;
       int8_t qe = (int8_t)std::lrintf(x[e] * inv[e / gs]), qo = (int8_t)std::lrintf(x[o] * inv[o / gs]);
       q[c + j] = qe;
-      q[c + 32 + j] = qo;
+      q[c + half + j] = qo;
       qsum[e / gs] += qe;
       qsum[o / gs] += qo;
     }
+    c += 2 * half;
   }
   // The bias term takes the sum of the int8 values too: the product is then exactly that of the
   // dequantized weights with the rounded x, and b * sum(x) does not amplify the rounding error.
@@ -296,12 +308,65 @@ static float dot_avx2(const uint8_t* w, const float* s, const float* b, const in
 }
 #endif
 
+#if defined(EDGE0_VNNI)
+// 128 weights (64 bytes) per step: vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l
+// covering elements 8l..8l+7 of the step, so a lane lies in one group: GS/8 lanes per group. The lane
+// sums are scaled in float by their group's s * xs and accumulated; no horizontal sums until the end.
+template <int GS>
+static float dot_vnni(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+                      const float* xsum, int64_t D) {
+  const int64_t G = D / GS;
+  alignas(64) float d[MAX_GROUPS + 16];
+  __m512 bias = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {  // d = s * xs; bias = sum b * xsum
+    const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+    _mm512_store_ps(d + g, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g), _mm512_maskz_loadu_ps(k, xs + g)));
+    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g), _mm512_maskz_loadu_ps(k, xsum + g), bias);
+  }
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  const __m512i lane_group = GS == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
+  const int64_t steps = D / 128;
+  for (int64_t i = 0; i < steps; i++) {
+    const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
+    const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq + i * 128)));
+    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq + i * 128 + 64)));
+    __m512 dl;
+    if constexpr (GS == 128)
+      dl = _mm512_set1_ps(d[i]);
+    else
+      dl = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(d + i * (128 / GS)));
+    if (i & 1)
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1);
+    else
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0);
+  }
+  float r = _mm512_reduce_add_ps(_mm512_add_ps(f0, f1)) + _mm512_reduce_add_ps(bias);
+  if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
+    const int64_t c = steps * 128, g = c / GS;
+    const __m256i m8 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + c / 2));
+    const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
+    __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq + c)));
+    acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq + c + 32)));
+    const __m256 dl = GS == 32 ? _mm256_setr_m128(_mm_set1_ps(d[g]), _mm_set1_ps(d[g + 1])) : _mm256_set1_ps(d[g]);
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
+    for (float v8 : t) r += v8;
+  }
+  return r;
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 
 void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out) {
   const int64_t N = q.N, D = q.D, G = D / q.group_size;
   const int gs = q.group_size;
-  const bool avx2 = use_avx2.load();
+  const int impl = use_impl.load();
+  const bool quant = impl != PORTABLE;
   Pool& p = pool();
 
   // activations: one task per block of rows
@@ -309,12 +374,12 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   Acts& acts = tl_acts;  // a reference: the lambdas below run on other threads
   acts.sums.resize(x_rows * G);
   acts.scale.resize(x_rows * G);
-  acts.q.resize(avx2 ? x_rows * D : 0);
+  acts.q.resize(quant ? x_rows * D : 0);
   const int64_t RB = 64;
   p.run((x_rows + RB - 1) / RB, [&](int64_t t) {
     for (int64_t r = t * RB; r < std::min(x_rows, (t + 1) * RB); r++)
-      prepare_row(x + r * D, D, gs, avx2, acts.sums.data() + r * G, acts.scale.data() + r * G,
-                  avx2 ? acts.q.data() + r * D : nullptr);
+      prepare_row(x + r * D, D, gs, impl, acts.sums.data() + r * G, acts.scale.data() + r * G,
+                  quant ? acts.q.data() + r * D : nullptr);
   });
 
   // pairs grouped by expert, so that rows sharing an expert read its weights once (prefill)
@@ -359,10 +424,19 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
             const uint8_t* w = q.w + row * row_bytes;
             const float* s = q.scales + row * G;
             const float* b = q.biases + row * G;
+            const int8_t* xq = quant ? acts.q.data() + pr.xrow * D : nullptr;
+            const float* xs = acts.scale.data() + pr.xrow * G;
             float v;
+#if defined(EDGE0_VNNI)
+            if (impl == VNNI)
+              v = gs == 32   ? dot_vnni<32>(w, s, b, xq, xs, xsum, D)
+                  : gs == 64 ? dot_vnni<64>(w, s, b, xq, xs, xsum, D)
+                             : dot_vnni<128>(w, s, b, xq, xs, xsum, D);
+            else
+#endif
 #if defined(EDGE0_AVX2)
-            if (avx2)
-              v = dot_avx2(w, s, b, acts.q.data() + pr.xrow * D, acts.scale.data() + pr.xrow * G, xsum, D, gs);
+            if (impl == AVX2)
+              v = dot_avx2(w, s, b, xq, xs, xsum, D, gs);
             else
 #endif
               v = dot_portable(w, s, b, x + pr.xrow * D, xsum, D, gs);

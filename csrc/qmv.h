@@ -28,7 +28,8 @@ struct QWeights {
 // out[p.out, :N] = W[p.expert] @ x[p.xrow] for every pair; x (rows, D) float32, out (*, N) float32.
 void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out);
 
-// "avx2" or "portable": the code path qmv takes; set_impl("portable") forces the plain C++ path (tests).
+// "avx512" (VNNI), "avx2" or "portable": the code path qmv takes (the best built by default);
+// set_impl names another one built here (tests, benchmarks), false when it is not.
 const char* impl();
 bool set_impl(const char* name);
 bool has_avx2();

@@ -29,6 +29,8 @@ DENSE_BYTES = 256 << 20  # dense matrices cycled through, so that they do not si
 
 def add_bench_kernels_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-threads", default="1,2", help="compute thread counts of the edge0 kernels to measure")
+    p.add_argument("--kernel-impls", default=None,
+                   help="code paths of the edge0 kernels to measure: avx512, avx2, portable (default: the SIMD ones built)")
     p.add_argument("--kernel-seconds", type=float, default=0.3, help="time per measurement")
     p.add_argument("--kernel-prefill-rows", type=int, default=256, help="rows of the prefill measurement (0: skip)")
     p.add_argument("--kernel-json", action="store_true", help="print one JSON object at the end")
@@ -106,14 +108,27 @@ def _dense_case(d, n, seconds, rows=1):
     return _rate(call, seconds) * rows * n * d / 1e9
 
 
+def _impls(ext, asked: str | None) -> list[str]:
+    """The edge0 code paths to measure, best first; the extension's default path is restored after."""
+    if ext is None:
+        return []
+    default = ext.impl()
+    names = asked.split(",") if asked else ["avx512", "avx2"]
+    built = [n for n in names if ext.set_impl(n)] or [default]
+    ext.set_impl(default)
+    return built
+
+
 def bench_kernels(args) -> dict:
-    """Print and return G weights/s of each kernel (edge0 at each thread count, mlx) per shape."""
+    """Print and return G weights/s of each kernel (edge0 per code path and thread count, mlx) per shape."""
     threads = [int(t) for t in str(args.kernel_threads).split(",") if t]
+    ext = kernels.load()
+    impls = _impls(ext, getattr(args, "kernel_impls", None))
     seconds = args.kernel_seconds
     out = {"bytes_per_weight": BYTES_PER_WEIGHT, "group_size": GROUP, "experts": EXPERTS, "rows": {},
            "blas": "not used by quantized kernels" + (f" (LD_PRELOAD={os.environ['LD_PRELOAD']})"
                                                      if os.environ.get("LD_PRELOAD") else ""),
-           "edge0_kernels": kernels.available() and kernels.load().impl(), "edge0_reason": kernels.reason(),
+           "edge0_kernels": impls, "edge0_reason": kernels.reason(),
            "memory_read_gbs": {t: memory_read_gbs(t) for t in sorted(set(threads + [1]))}}
     say = (lambda *a: None) if args.kernel_json else print
     for t, gbs in out["memory_read_gbs"].items():
@@ -121,7 +136,7 @@ def bench_kernels(args) -> dict:
     if not kernels.available():
         say(f"edge0 kernels {kernels.reason()}: measuring MLX's only")
         threads = []
-    say(f"G weights/s (gs {GROUP}, float32 activations and scales; edge0 path {out['edge0_kernels']})")
+    say(f"G weights/s (gs {GROUP}, float32 activations and scales; edge0 paths {', '.join(impls) or 'none'})")
     cases = [(f"gather D{d} H{h} K{k}", lambda d=d, h=h, k=k: _gather_case(d, h, k, seconds))
              for d in (1024, 2048) for h in (512, 768) for k in (4, 8)]
     cases += [(f"dense {4 * d}x{d}", lambda d=d: _dense_case(d, 4 * d, seconds)) for d in (1024, 2048)]
@@ -129,21 +144,25 @@ def bench_kernels(args) -> dict:
         r = args.kernel_prefill_rows
         cases += [(f"prefill gather R{r} D2048 H768 K8", lambda: _gather_case(2048, 768, 8, seconds, prefill_rows=r)),
                   (f"prefill dense R{r} 4096x1024", lambda: _dense_case(1024, 4096, seconds, rows=r))]
-    previous = qmm._choice
+    previous, default_impl = qmm._choice, ext.impl() if ext is not None else None
     try:
         for name, fn in cases:
             row = {}
             qmm.set_kernel("mlx")
             row["mlx"] = fn()
-            for t in threads:
-                qmm.set_kernel("edge0")
-                kernels.set_num_threads(t)
-                row[f"edge0 x{t}"] = fn()
+            for impl in impls:
+                ext.set_impl(impl)
+                for t in threads:
+                    qmm.set_kernel("edge0")
+                    kernels.set_num_threads(t)
+                    row[f"{impl} x{t}"] = fn()
             out["rows"][name] = row
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
-                + (f"  ({row[f'edge0 x{threads[0]}'] / row['mlx']:.1f}x)" if threads else ""))
+                + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))
     finally:
         qmm.set_kernel(previous)
+        if ext is not None:
+            ext.set_impl(default_impl)
         kernels.set_num_threads(kernels.default_threads())
     if args.kernel_json:
         print(json.dumps(out))

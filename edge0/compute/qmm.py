@@ -10,7 +10,6 @@ Shapes: R output rows, D inputs, N outputs, K routed, E experts.
 
 from __future__ import annotations
 
-import math
 import os
 
 import mlx.core as mx
@@ -52,11 +51,11 @@ def kernel_in_use() -> str:
     return _resolved
 
 
-def _fits(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+def _fits(d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
           mode: str) -> bool:
-    d = x.shape[-1]
+    """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
     return (bits == 4 and mode == "affine" and biases is not None and group_size in GROUP_SIZES
-            and x.dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
+            and x_dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
             and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 8 == d and d // group_size <= 4096)
 
 
@@ -67,36 +66,54 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     The same product as mlx-lm's SwitchLinear (mx.gather_qmm with rhs_indices, transpose=True).
     """
     if (kernel_in_use() == "edge0" and x.ndim >= 2 and x.shape[-2] == 1 and w.ndim == 3
-            and _fits(x, w, scales, biases, group_size, bits, mode)):
+            and _fits(x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode)):
         return _edge0_gather(x, w, scales, biases, indices, group_size)
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                          bits=bits, mode=mode, sorted_indices=sorted_indices)
 
 
 def _edge0_gather(x, w, scales, biases, indices, group_size):
-    d, n = x.shape[-1], w.shape[-2]
     bx, bi = tuple(x.shape[:-2]), tuple(indices.shape)
     bs = tuple(mx.broadcast_shapes(bx, bi)) if bx != bi else bi  # batch shape of the output
-    rows = math.prod(bs)
+    return _ext.qmv(_x_rows(x, bx, bs), w, scales, biases, indices if bi == bs else mx.broadcast_to(indices, bs),
+                    group_size, (*bs, 1, w.shape[-2]))
+
+
+def _x_rows(x, bx, bs):
+    """x (*bx, 1, D) as the kernel reads it for output rows bs: as is when each output row has its x row
+    or when the K experts of a token share one (bx == bs[:-1] + (1,)), else broadcast (a view)."""
     bx = (1,) * (len(bs) - len(bx)) + bx
-    if bx == bs:  # one x row per output row (down_proj: x (..., K, 1, H))
-        xr = x.reshape(rows, d)
-    elif bs and bx == bs[:-1] + (1,):  # one x row shared by the K experts of its token (gate, up)
-        xr = x.reshape(rows // bs[-1], d)
-    else:
-        xr = mx.broadcast_to(x, (*bs, 1, d)).reshape(rows, d)
-    idx = indices if bi == bs else mx.broadcast_to(indices, bs)
-    y = _ext.qmv(xr, w, scales, biases, idx.reshape(rows), group_size)  # (R, N)
-    return y.reshape(*bs, 1, n)
+    if bx == bs or (bs and bx == bs[:-1] + (1,)):
+        return x
+    return mx.broadcast_to(x.reshape(*bx, 1, x.shape[-1]), (*bs, 1, x.shape[-1]))
+
+
+def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, group_size: int, bits: int,
+               mode: str) -> mx.array | None:
+    """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., 1, 1, D)
+    and indices (..., K) -> (..., K, 1, D); None where that kernel does not cover it (the caller then
+    runs the three gather_qmm)."""
+    if kernel_in_use() != "edge0" or x.ndim < 3 or x.shape[-2] != 1:
+        return None
+    names = ("gate_proj", "up_proj", "down_proj")
+    parts = [(bank[f"{n}.weight"], bank[f"{n}.scales"], bank.get(f"{n}.biases")) for n in names]
+    h = parts[0][0].shape[-2]
+    d = x.shape[-1]
+    if not (all(w.ndim == 3 for w, _, _ in parts) and _fits(d, x.dtype, *parts[0], group_size, bits, mode)
+            and _fits(d, x.dtype, *parts[1], group_size, bits, mode)
+            and _fits(h, x.dtype, *parts[2], group_size, bits, mode)):
+        return None
+    bx, bi = tuple(x.shape[:-2]), tuple(indices.shape)
+    bs = tuple(mx.broadcast_shapes(bx, bi)) if bx != bi else bi
+    return _ext.glu(_x_rows(x, bx, bs), indices if bi == bs else mx.broadcast_to(indices, bs), list(parts[0]),
+                    list(parts[1]), list(parts[2]), group_size, (*bs, 1, parts[2][0].shape[-2]))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
                      bits: int, mode: str) -> mx.array:
     """x @ W.T for packed W (N, D*bits/32); x (..., D) -> (..., N). As nn.QuantizedLinear computes it."""
-    if kernel_in_use() == "edge0" and w.ndim == 2 and _fits(x, w, scales, biases, group_size, bits, mode):
-        lead = x.shape[:-1]
-        y = _ext.qmv(x.reshape(-1, x.shape[-1]), w, scales, biases, None, group_size)  # (R, N)
-        return y.reshape(*lead, w.shape[0])
+    if kernel_in_use() == "edge0" and w.ndim == 2 and _fits(x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode):
+        return _ext.qmv(x, w, scales, biases, None, group_size, (*x.shape[:-1], w.shape[0]))
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=bits, mode=mode)
 

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
+from ..compute.dense import route_dense_ops
 from ..compute.qmm import route_dense
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
@@ -129,6 +130,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             raise Edge0Error(f"{resident}: does not match the {arch.model_type} model of config.json ({e})") from None
         cast_floats(model, cdtype)
         route_dense(model)  # dense quantized linears through compute.qmm too (the one call site)
+        route_dense_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())
         if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")

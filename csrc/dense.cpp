@@ -1,0 +1,104 @@
+// See dense.h. Plain loops the compiler vectorizes (-O3 -march=native, -fopenmp-simd for the sums); the work is tiny next to the
+// quantized products, what they save is MLX's per-node dispatch.
+
+#include "dense.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace edge0 {
+
+void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* out) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * D;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / (float)D + eps);
+    float* o = out + r * D;
+    for (int64_t i = 0; i < D; i++) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out) {
+  const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], Dh = x.shape[3];
+  const int half = dims / 2;
+  std::vector<float> cosv(L * half), sinv(L * half);
+  const float lb = std::log(base) / (float)half;
+  for (int64_t l = 0; l < L; l++) {
+    const float pos = (float)(offset + l) * scale;
+    for (int i = 0; i < half; i++) {
+      const float theta = pos * std::exp(-(float)i * lb);
+      cosv[l * half + i] = std::cos(theta);
+      sinv[l * half + i] = std::sin(theta);
+    }
+  }
+  const int64_t* s = x.strides;
+  float* o = out;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t l = 0; l < L; l++, o += Dh) {
+        const float* xr = x.data + b * s[0] + h * s[1] + l * s[2];
+        const float* c = cosv.data() + l * half;
+        const float* sn = sinv.data() + l * half;
+        const int64_t sd = s[3];
+        if (traditional) {
+          for (int i = 0; i < half; i++) {
+            const float x1 = xr[2 * i * sd], x2 = xr[(2 * i + 1) * sd];
+            o[2 * i] = x1 * c[i] - x2 * sn[i];
+            o[2 * i + 1] = x1 * sn[i] + x2 * c[i];
+          }
+        } else {
+          for (int i = 0; i < half; i++) {
+            const float x1 = xr[i * sd], x2 = xr[(i + half) * sd];
+            o[i] = x1 * c[i] - x2 * sn[i];
+            o[i + half] = x1 * sn[i] + x2 * c[i];
+          }
+        }
+        for (int64_t d = dims; d < Dh; d++) o[d] = xr[d * sd];
+      }
+}
+
+void attention_one_query(const View4& q, const View4& k, const View4& v, float scale, float* out) {
+  const int64_t B = q.shape[0], Hq = q.shape[1], Dh = q.shape[3];
+  const int64_t Hkv = k.shape[1], S = k.shape[2], group = Hq / Hkv;
+  std::vector<float> p(S), qv(Dh), acc(Dh);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < Hq; h++) {
+      const float* qr = q.data + b * q.strides[0] + h * q.strides[1];
+      for (int64_t d = 0; d < Dh; d++) qv[d] = qr[d * q.strides[3]] * scale;
+      const float* kb = k.data + b * k.strides[0] + (h / group) * k.strides[1];
+      const float* vb = v.data + b * v.strides[0] + (h / group) * v.strides[1];
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < S; t++) {
+        const float* kr = kb + t * k.strides[2];
+        float dot = 0.f;
+        if (k.strides[3] == 1) {
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d];
+        } else
+          for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d * k.strides[3]];
+        p[t] = dot;
+        mx = std::max(mx, dot);
+      }
+      float sum = 0.f;
+      for (int64_t t = 0; t < S; t++) p[t] = std::exp(p[t] - mx);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < S; t++) sum += p[t];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < S; t++) {
+        const float* vr = vb + t * v.strides[2];
+        const float pt = p[t];
+        if (v.strides[3] == 1)
+          for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d];
+        else
+          for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d * v.strides[3]];
+      }
+      float* o = out + (b * Hq + h) * Dh;
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < Dh; d++) o[d] = acc[d] * inv;
+    }
+}
+
+}  // namespace edge0

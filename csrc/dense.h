@@ -1,0 +1,29 @@
+// The per-token dense ops of a decoder layer that MLX's CPU backend runs as a dozen small graph nodes
+// each (its fast:: ops fall back to composed ops on the CPU): RMS norm, rotary embedding and one-query
+// attention, each as one loop here. float32, no MLX types; strides in elements.
+#pragma once
+
+#include <cstdint>
+
+namespace edge0 {
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, for rows r of D contiguous floats.
+void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* out);
+
+// A (B, H, L, Dh) view: element (b, h, l, d) at data[b*s[0] + h*s[1] + l*s[2] + d*s[3]].
+struct View4 {
+  const float* data;
+  int64_t shape[4];
+  int64_t strides[4];
+};
+
+// Rotary embedding of the first `dims` features at positions (offset + l) * scale, as mx.fast.rope:
+// traditional rotates pairs (2i, 2i+1), otherwise (i, i + dims/2); features past dims are copied.
+// out is (B, H, L, Dh) contiguous.
+void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out);
+
+// Attention of one query per head: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv
+// (grouped queries); softmax(scale * q k^T) v, every key visible. out is (B, Hq, 1, Dh) contiguous.
+void attention_one_query(const View4& q, const View4& k, const View4& v, float scale, float* out);
+
+}  // namespace edge0

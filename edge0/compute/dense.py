@@ -1,0 +1,73 @@
+"""The per-token dense ops of a decoder layer (RMS norm, rotary embedding, one-query attention) on
+Edge0's CPU kernels when the `edge0` kernel is in use.
+
+On the CPU, MLX runs its fast ops (mx.fast.rms_norm, rope, scaled_dot_product_attention) as their
+composed fallbacks: 10-20 graph nodes each, at a few microseconds of dispatch per node, about a third
+of a decode step on a small model. The extension runs each as one node, with the same math in
+float32. Anything it does not cover (other dtypes, an array offset, masks, attention sinks, several
+queries, a quantized KV cache) runs on MLX's ops, as it does under `--kernel mlx`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base
+
+from . import qmm
+
+_mlx_attention = base.scaled_dot_product_attention  # mlx-lm's own, for everything else
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    if qmm.kernel_in_use() == "edge0" and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 1:
+        return qmm._ext.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset) -> mx.array:
+    if (qmm.kernel_in_use() == "edge0" and x.dtype == mx.float32 and x.ndim == 4 and isinstance(offset, int)
+            and base is not None and dims % 2 == 0 and dims <= x.shape[-1]):
+        return qmm._ext.rope(x, dims, traditional, float(base), float(scale), offset)
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """mlx-lm's models.base.scaled_dot_product_attention, one node for a decode step's single query."""
+    if (qmm.kernel_in_use() == "edge0" and queries.ndim == 4 and queries.shape[2] == 1 and sinks is None
+            and (mask is None or isinstance(mask, str)) and not hasattr(cache, "bits")
+            and queries.dtype == keys.dtype == values.dtype == mx.float32):
+        return qmm._ext.attention(queries, keys, values, float(scale))
+    return _mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+class RoutedRMSNorm(nn.RMSNorm):
+    def __call__(self, x):
+        return rms_norm(x, self["weight"], self.eps)
+
+
+class RoutedRoPE(nn.RoPE):
+    def __call__(self, x, offset: int = 0):
+        return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+
+
+def route_dense_ops(model: nn.Module) -> int:
+    """Make the model's RMS norms and plain RoPEs call this module (parameters untouched), and the
+    attention of its model modules call scaled_dot_product_attention above. Returns how many modules
+    were rerouted. The attention is swapped in the mlx-lm model module's namespace, so other models of
+    the same architecture in this process take this path too; under `--kernel mlx` it is mlx-lm's own.
+    """
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.RMSNorm:
+            m.__class__ = RoutedRMSNorm
+            n += 1
+        elif type(m) is nn.RoPE:
+            m.__class__ = RoutedRoPE
+            n += 1
+        module = sys.modules.get(type(m).__module__)
+        if getattr(module, "scaled_dot_product_attention", None) is _mlx_attention:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+    return n
