@@ -112,7 +112,9 @@ class SlottedExperts:
         fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
         lut = np.zeros(self.num_experts, dtype=np.uint32)
         lut[ids] = slots
-        return switch_glu(x, mx.array(lut[host]), cache.bank.read(slots), self.quant)
+        y = switch_glu(x, mx.array(lut[host]), cache.bank.read(slots), self.quant)
+        mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
+        return y
 
 
 class WholeLayer:
