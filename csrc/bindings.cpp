@@ -55,10 +55,13 @@ static View4 view4(const mx::array& a) {
   return v;
 }
 
-static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int gs, std::vector<uint32_t>& wt,
-                         std::vector<float>& st, std::vector<float>& bt) {
+// The packed width tells the bits: D/8 words at 4 bits, D/4 at 8.
+static int bits_of(const mx::array& w, int64_t D) { return w.shape(-1) * 8 == D ? 4 : 8; }
+
+static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int64_t D, int gs,
+                         std::vector<uint32_t>& wt, std::vector<float>& st, std::vector<float>& bt) {
   return {(const uint8_t*)dense_data<uint32_t>(w, wt), dense_data<float>(s, st), dense_data<float>(b, bt),
-          w.ndim() == 3 ? w.shape(0) : 1, w.shape(-2), w.shape(-1) * 8, gs};
+          w.ndim() == 3 ? w.shape(0) : 1, w.shape(-2), D, gs, bits_of(w, D)};
 }
 
 // Output row o reads x row o / ratio (ratio = rows per x row) and expert idx[o] (or 0 without idx).
@@ -84,8 +87,10 @@ class QMV : public mx::UnaryPrimitive {
       std::vector<std::vector<uint32_t>> wt(3);
       std::vector<std::vector<float>> st(3), bt(3);
       std::vector<QWeights> q;
-      for (size_t j = 0; j < nw; j += 3)
-        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], gs, wt[j / 3], st[j / 3], bt[j / 3]));
+      for (size_t j = 0; j < nw; j += 3) {
+        const int64_t Dj = j < 6 ? D : inputs[1].shape(-2);  // down reads the gate/up width
+        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, wt[j / 3], st[j / 3], bt[j / 3]));
+      }
       const int64_t N = q.back().N, R = out.size() / N;
       const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
       std::vector<Pair> pairs(R);
@@ -124,13 +129,13 @@ class QMV : public mx::UnaryPrimitive {
 
 [[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv: " + m); }
 
-// w (E, N, D/8) or (N, D/8) uint32, scales and biases (..., N, D/gs) float32 -> N
+// w (E, N, D*bits/32) or (N, D*bits/32) uint32 (4 or 8 bits), scales and biases (..., N, D/gs) float32 -> N
 static int64_t check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t D,
                              int group_size) {
-  if ((w.ndim() != 2 && w.ndim() != 3) || w.dtype() != mx::uint32) fail("w must be (E, N, D/8) uint32");
+  if ((w.ndim() != 2 && w.ndim() != 3) || w.dtype() != mx::uint32) fail("w must be (E, N, D*bits/32) uint32");
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) fail("scales and biases must be float32");
   const int64_t N = w.shape(-2), G = D / group_size;
-  if (D % 64 != 0 || w.shape(-1) * 8 != D) fail("D must be a multiple of 64 matching w");
+  if (D % 64 != 0 || (w.shape(-1) * 8 != D && w.shape(-1) * 4 != D)) fail("D must be a multiple of 64 matching w (4 or 8 bits)");
   if (G > 4096) fail("too many groups");
   if (scales.shape() != biases.shape() || scales.shape(-1) != G || scales.shape(-2) != N ||
       scales.ndim() != w.ndim() || (w.ndim() == 3 && scales.shape(0) != w.shape(0)))
@@ -304,7 +309,7 @@ NB_MODULE(_kernels, m) {
   m.def("qmv", &edge0::qmv_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "idx"_a = nb::none(), "group_size"_a = 64,
         "shape"_a = nb::none(),
         "out[o] = W[idx[o]] @ x[o // (R / Rx)] for x (..., D) of Rx rows, idx of R entries, 4-bit affine W;\n"
-        "R x N float32, shaped `shape` (default (R, N)).");
+        "R x N float32, shaped `shape` (default (R, N)); W of 4 or 8 bits (told by its packed width).");
   m.def("glu", &edge0::glu_op, "x"_a, "idx"_a, "gate"_a, "up"_a, "down"_a, "group_size"_a = 64, "shape"_a = nb::none(),
         "out[o] = down[e] @ (silu(gate[e] @ xr) * (up[e] @ xr)), e = idx[o], xr = x[o // (R / Rx)]: a routed\n"
         "expert's SwiGLU in one node; gate, up, down are (w, scales, biases) of 4-bit affine (E, ., .) weights.");

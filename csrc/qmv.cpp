@@ -171,7 +171,7 @@ struct Acts {
   std::vector<int8_t> q;  // (rows, D) permuted int8
 };
 
-static void prepare_row(const float* x, int64_t D, int gs, int impl, float* sums, float* scale, int8_t* q) {
+static void prepare_row(const float* x, int64_t D, int gs, int impl, int bits, float* sums, float* scale, int8_t* q) {
   const int64_t G = D / gs;
   float inv[MAX_GROUPS];
   for (int64_t g = 0; g < G; g++) {
@@ -187,7 +187,13 @@ static void prepare_row(const float* x, int64_t D, int gs, int impl, float* sums
   }
   if (impl == PORTABLE) return;
   int32_t qsum[MAX_GROUPS] = {0};
-  for (int64_t c = 0; c < D;) {
+  if (bits == 8) {  // a byte per weight: int8 values in their natural order
+    for (int64_t i = 0; i < D; i++) {
+      q[i] = (int8_t)std::lrintf(x[i] * inv[i / gs]);
+      qsum[i / gs] += q[i];
+    }
+  }
+  for (int64_t c = 0; bits == 4 && c < D;) {
     const int64_t half = impl == VNNI && c + 128 <= D ? 64 : 32;  // elements per half of this chunk
     for (int64_t j = 0; j < half; j++) {
       int64_t e = c + 2 * j, o = e + 1;
@@ -218,6 +224,18 @@ static float dot_portable(const uint8_t* w, const float* s, const float* b, cons
     for (int j = 0; j < gs / 2; j++) {
       sq += xg[2 * j] * (float)(wg[j] & 15) + xg[2 * j + 1] * (float)(wg[j] >> 4);
     }
+    acc += s[g] * sq + b[g] * xsum[g];
+  }
+  return acc;
+}
+
+static float dot_portable8(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
+                           int64_t D, int gs) {
+  const int64_t G = D / gs;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    float sq = 0.f;
+    for (int j = 0; j < gs; j++) sq += x[g * gs + j] * (float)w[g * gs + j];
     acc += s[g] * sq + b[g] * xsum[g];
   }
   return acc;
@@ -358,6 +376,36 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
   }
   return r;
 }
+
+// 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
+template <int GS>
+static float dot_vnni8(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+                       const float* xsum, int64_t D) {
+  const int64_t G = D / GS;
+  alignas(64) float d[MAX_GROUPS + 16];
+  __m512 bias = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+    _mm512_store_ps(d + g, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g), _mm512_maskz_loadu_ps(k, xs + g)));
+    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g), _mm512_maskz_loadu_ps(k, xsum + g), bias);
+  }
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 64; i++) {
+    const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void*)(w + i * 64)),
+                                            _mm512_loadu_si512((const void*)(xq + i * 64)));
+    __m512 dl;
+    if constexpr (GS == 32)
+      dl = _mm512_permutexvar_ps(halves, _mm512_loadu_ps(d + 2 * i));
+    else
+      dl = _mm512_set1_ps(d[i * 64 / GS]);
+    if (i & 1)
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1);
+    else
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(f0, f1)) + _mm512_reduce_add_ps(bias);
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -365,7 +413,8 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
 void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out) {
   const int64_t N = q.N, D = q.D, G = D / q.group_size;
   const int gs = q.group_size;
-  const int impl = use_impl.load();
+  // 8-bit weights: the VNNI path, else the plain one (int8 x uint8 pairs overflow vpmaddubsw)
+  const int impl = q.bits == 8 && use_impl.load() != VNNI ? PORTABLE : use_impl.load();
   const bool quant = impl != PORTABLE;
   Pool& p = pool();
 
@@ -378,7 +427,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   const int64_t RB = 64;
   p.run((x_rows + RB - 1) / RB, [&](int64_t t) {
     for (int64_t r = t * RB; r < std::min(x_rows, (t + 1) * RB); r++)
-      prepare_row(x + r * D, D, gs, impl, acts.sums.data() + r * G, acts.scale.data() + r * G,
+      prepare_row(x + r * D, D, gs, impl, q.bits, acts.sums.data() + r * G, acts.scale.data() + r * G,
                   quant ? acts.q.data() + r * D : nullptr);
   });
 
@@ -401,7 +450,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   while (nb > 8 && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * p.threads()) nb /= 2;
   const int64_t blocks = (N + nb - 1) / nb;
   const int64_t ntask = (int64_t)runs.size() * blocks;
-  const int64_t row_bytes = D / 2;
+  const int64_t row_bytes = D * q.bits / 8;
 
   p.run(ntask, [&](int64_t t) {
     const Run& run = runs[t / blocks];
@@ -428,7 +477,11 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
             const float* xs = acts.scale.data() + pr.xrow * G;
             float v;
 #if defined(EDGE0_VNNI)
-            if (impl == VNNI)
+            if (impl == VNNI && q.bits == 8)
+              v = gs == 32   ? dot_vnni8<32>(w, s, b, xq, xs, xsum, D)
+                  : gs == 64 ? dot_vnni8<64>(w, s, b, xq, xs, xsum, D)
+                             : dot_vnni8<128>(w, s, b, xq, xs, xsum, D);
+            else if (impl == VNNI)
               v = gs == 32   ? dot_vnni<32>(w, s, b, xq, xs, xsum, D)
                   : gs == 64 ? dot_vnni<64>(w, s, b, xq, xs, xsum, D)
                              : dot_vnni<128>(w, s, b, xq, xs, xsum, D);
@@ -439,7 +492,8 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
               v = dot_avx2(w, s, b, xq, xs, xsum, D, gs);
             else
 #endif
-              v = dot_portable(w, s, b, x + pr.xrow * D, xsum, D, gs);
+              v = q.bits == 8 ? dot_portable8(w, s, b, x + pr.xrow * D, xsum, D, gs)
+                              : dot_portable(w, s, b, x + pr.xrow * D, xsum, D, gs);
             out[pr.out * N + n] = v;
           }
         }

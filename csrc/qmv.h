@@ -1,7 +1,8 @@
 // 4-bit affine quantized matrix-vector products over MLX's packed layout, no MLX types here.
 //
-// Layout (as MLX stores it, no repacking): W (E, N, D/8) uint32, 8 nibbles per word, element j of a
-// word in bits 4j..4j+3; scales and biases (E, N, D/gs) float32; w = s * q + b per group.
+// Layout (as MLX stores it, no repacking): W (E, N, D*bits/32) uint32; 4-bit: 8 nibbles per word,
+// element j of a word in bits 4j..4j+3; 8-bit: a byte per element. Scales and biases (E, N, D/gs)
+// float32; w = s * q + b per group.
 // So per group: sum_i x_i w_i = s * sum_i x_i q_i + b * sum_i x_i.
 #pragma once
 
@@ -23,6 +24,7 @@ struct QWeights {
   const float* biases;  // (E, N, D/gs)
   int64_t E, N, D;
   int group_size;
+  int bits;  // 4 or 8
 };
 
 // out[p.out, :N] = W[p.expert] @ x[p.xrow] for every pair; x (rows, D) float32, out (*, N) float32.

@@ -27,17 +27,18 @@ def restore():
         EXT.set_num_threads(kernels.default_threads())
 
 
-def quantized(shape, gs, seed):
+def quantized(shape, gs, seed, bits=4):
     rng = np.random.default_rng(seed)
     w = mx.array(rng.standard_normal(shape).astype(np.float32) * 0.05)
-    w, s, b = mx.quantize(w, group_size=gs, bits=4)
+    w, s, b = mx.quantize(w, group_size=gs, bits=bits)
     return w, s, b
 
 
-def dequantized(w, s, b, gs) -> np.ndarray:
-    """float64 W from MLX's layout, unpacked by numpy: 8 nibbles per uint32, element j in bits 4j."""
+def dequantized(w, s, b, gs, bits=4) -> np.ndarray:
+    """float64 W from MLX's layout, unpacked by numpy: 32/bits values per uint32, element j in bits j*bits."""
     words = np.array(w)
-    q = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+    per = 32 // bits
+    q = (words[..., None] >> (bits * np.arange(per, dtype=np.uint32))) & ((1 << bits) - 1)
     q = q.reshape(*words.shape[:-1], -1).astype(np.float64)
     s64 = np.repeat(np.array(s).astype(np.float64), gs, axis=-1)
     b64 = np.repeat(np.array(b).astype(np.float64), gs, axis=-1)
@@ -162,6 +163,27 @@ def test_dense_ops_match_mlx():
 
 
 @needs_ext
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_8bit_matches_reference(impl, gs):
+    """8-bit weights (the routers): dense and gathered, against float64."""
+    assert EXT.set_impl(impl)
+    qmm.set_kernel("edge0")
+    rng = np.random.default_rng(gs)
+    w, s, b = quantized((64, 1024), gs, seed=gs, bits=8)
+    x = mx.array(rng.standard_normal((3, 1024)).astype(np.float32))
+    y = qmm.quantized_matmul(x, w, s, b, group_size=gs, bits=8, mode="affine")
+    assert rel(y, np.array(x).astype(np.float64) @ dequantized(w, s, b, gs, bits=8).T) < TOL[impl]
+    we, se, be = quantized((5, 96, 256), gs, seed=1, bits=8)
+    inds = mx.array([[0, 4, 2], [3, 3, 1]], dtype=mx.uint32)
+    xe = mx.array(rng.standard_normal((2, 1, 1, 256)).astype(np.float32))
+    y = qmm.gather_qmm(xe, we, se, be, inds, group_size=gs, bits=8, mode="affine")
+    want = np.einsum("tknd,td->tkn", dequantized(we, se, be, gs, bits=8)[np.array(inds)],
+                     np.array(xe)[:, 0, 0].astype(np.float64))[:, :, None, :]
+    assert rel(y, want) < TOL[impl]
+
+
+@needs_ext
 def test_threads_give_identical_results():
     qmm.set_kernel("edge0")
     w, s, b = quantized((16, 256, 1024), 64, seed=3)
@@ -176,13 +198,13 @@ def test_threads_give_identical_results():
 
 @needs_ext
 def test_products_it_does_not_cover_run_on_mlx():
-    """8-bit, bf16 activations, D not a multiple of 64: MLX's kernels, bitwise."""
+    """2-bit, bf16 activations, D not a multiple of 64: MLX's kernels, bitwise."""
     qmm.set_kernel("edge0")
-    w8, s8, b8 = mx.quantize(mx.random.normal((4, 64, 256), key=mx.random.key(1)), group_size=64, bits=8)
+    w2, s2, b2 = mx.quantize(mx.random.normal((4, 64, 256), key=mx.random.key(1)), group_size=64, bits=2)
     x = mx.random.normal((1, 1, 1, 256), key=mx.random.key(2))
     inds = mx.array([[0, 3]], dtype=mx.uint32)
-    assert mx.array_equal(qmm.gather_qmm(x, w8, s8, b8, inds, group_size=64, bits=8, mode="affine"),
-                          mx.gather_qmm(x, w8, s8, b8, rhs_indices=inds, transpose=True, group_size=64, bits=8))
+    assert mx.array_equal(qmm.gather_qmm(x, w2, s2, b2, inds, group_size=64, bits=2, mode="affine"),
+                          mx.gather_qmm(x, w2, s2, b2, rhs_indices=inds, transpose=True, group_size=64, bits=2))
     w, s, b = mx.quantize(mx.random.normal((64, 96), key=mx.random.key(3)), group_size=32, bits=4)
     xo = mx.random.normal((2, 96), key=mx.random.key(4))
     assert mx.array_equal(qmm.quantized_matmul(xo, w, s, b, group_size=32, bits=4, mode="affine"),

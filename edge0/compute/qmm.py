@@ -1,10 +1,11 @@
 """The one call site of every quantized product (routed experts and dense quantized linears), so a
 faster kernel replaces MLX's in one place.
 
-Kernels: `mlx` (MLX's own), `edge0` (the CPU extension of csrc/: int8 activations, AVX2 nibble dot
-products, for MLX's affine 4-bit layout with float32 activations, scales and biases), `auto` (edge0
-on CPU when it is built, MLX's elsewhere). Products the extension does not cover (other bits or
-modes, bf16 activations, several rows per expert in one x row) run on MLX's kernels in either case.
+Kernels: `mlx` (MLX's own), `edge0` (the CPU extension of csrc/: int8 activations, AVX-512 VNNI or
+AVX2 nibble dot products, for MLX's affine 4-bit layout, and 8-bit (the routers), with float32
+activations, scales and biases), `auto` (edge0 on CPU when it is built, MLX's elsewhere). Products
+the extension does not cover (other bits or modes, bf16 activations, several rows per expert in one
+x row) run on MLX's kernels in either case.
 Shapes: R output rows, D inputs, N outputs, K routed, E experts.
 """
 
@@ -54,9 +55,9 @@ def kernel_in_use() -> str:
 def _fits(d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
           mode: str) -> bool:
     """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
-    return (bits == 4 and mode == "affine" and biases is not None and group_size in GROUP_SIZES
+    return (bits in (4, 8) and mode == "affine" and biases is not None and group_size in GROUP_SIZES
             and x_dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
-            and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 8 == d and d // group_size <= 4096)
+            and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 32 == d * bits and d // group_size <= 4096)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, *,
