@@ -333,33 +333,34 @@ static float dot_avx2(const uint8_t* w, const float* s, const float* b, const in
 template <int GS>
 static float dot_vnni(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
                       const float* xsum, int64_t D) {
-  const int64_t G = D / GS;
-  alignas(64) float d[MAX_GROUPS + 16];
-  __m512 bias = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g += 16) {  // d = s * xs; bias = sum b * xsum
-    const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-    _mm512_store_ps(d + g, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g), _mm512_maskz_loadu_ps(k, xs + g)));
-    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g), _mm512_maskz_loadu_ps(k, xsum + g), bias);
-  }
+  // The groups' factors s * xs stay in a register, 16 groups at a time, and reach the lanes by a
+  // permute: no store and reload per step.
+  const int64_t G = D / GS, steps = D / 128;
+  constexpr int STEP_GROUPS = 128 / GS;  // groups per step: 4, 2, 1
+  const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                        : GS == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                   : _mm512_setzero_si512();
+  const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
   const __m512i m = _mm512_set1_epi8(0x0F);
-  const __m512i lane_group = GS == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-  const int64_t steps = D / 128;
-  for (int64_t i = 0; i < steps; i++) {
-    const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
-    const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
-    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq + i * 128)));
-    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq + i * 128 + 64)));
-    __m512 dl;
-    if constexpr (GS == 128)
-      dl = _mm512_set1_ps(d[i]);
-    else
-      dl = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(d + i * (128 / GS)));
-    if (i & 1)
-      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1);
-    else
-      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0);
+  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
+    const __m512 d = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g0), _mm512_maskz_loadu_ps(k, xs + g0));
+    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g0), _mm512_maskz_loadu_ps(k, xsum + g0), bias);
+    __m512i lane_group = first;
+    for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
+      const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq + i * 128)));
+      acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq + i * 128 + 64)));
+      const __m512 dl = _mm512_permutexvar_ps(lane_group, d);
+      lane_group = _mm512_add_epi32(lane_group, advance);
+      if (i & 1)
+        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1);
+      else
+        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0);
+    }
   }
   float r = _mm512_reduce_add_ps(_mm512_add_ps(f0, f1)) + _mm512_reduce_add_ps(bias);
   if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
@@ -369,7 +370,8 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
     const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
     __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq + c)));
     acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq + c + 32)));
-    const __m256 dl = GS == 32 ? _mm256_setr_m128(_mm_set1_ps(d[g]), _mm_set1_ps(d[g + 1])) : _mm256_set1_ps(d[g]);
+    const float d0 = s[g] * xs[g], d1 = GS == 32 ? s[g + 1] * xs[g + 1] : d0;
+    const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
     alignas(32) float t[8];
     _mm256_store_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
     for (float v8 : t) r += v8;
