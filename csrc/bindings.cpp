@@ -256,19 +256,21 @@ class RoPEOp : public DenseOp {
 
 class AttentionOp : public DenseOp {
  public:
-  AttentionOp(mx::Stream s, float scale) : DenseOp(s), scale_(scale) {}
+  AttentionOp(mx::Stream s, float scale, bool causal) : DenseOp(s), scale_(scale), causal_(causal) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [scale = scale_](const std::vector<mx::array>& in, mx::array& o) {
-      attention_one_query(view4(in[0]), view4(in[1]), view4(in[2]), scale, o.data<float>());
+    dispatch(inputs, out, [scale = scale_, causal = causal_](const std::vector<mx::array>& in, mx::array& o) {
+      attention(view4(in[0]), view4(in[1]), view4(in[2]), scale, causal, o.data<float>());
     });
   }
   const char* name() const override { return "Edge0Attention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const AttentionOp&>(other).scale_;
+    auto& o = static_cast<const AttentionOp&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
   }
 
  private:
   float scale_;
+  bool causal_;
 };
 
 static void need_f32(const mx::array& a, const char* op, const char* what) {
@@ -292,14 +294,15 @@ static mx::array rope_op(const mx::array& x, int dims, bool traditional, float b
   return mx::array(x.shape(), mx::float32, std::make_shared<RoPEOp>(s, dims, traditional, base, scale, offset), {x});
 }
 
-static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale) {
+static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
   for (auto* a : {&q, &k, &v}) need_f32(*a, "attention", "q, k and v");
-  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1 || k.shape() != v.shape() ||
-      q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
-      k.shape(2) == 0)
-    throw std::invalid_argument("edge0 attention: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape() != v.shape() || q.shape(0) != k.shape(0) ||
+      q.shape(3) != k.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) || k.shape(2) == 0 ||
+      q.shape(2) > k.shape(2))
+    throw std::invalid_argument(
+        "edge0 attention: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh), S >= L, Hq a multiple of Hkv");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale), {q, k, v});
+  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale, causal), {q, k, v});
 }
 
 }  // namespace edge0
@@ -317,8 +320,9 @@ NB_MODULE(_kernels, m) {
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
   m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math).");
-  m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a,
-        "softmax(scale * q k^T) v for one query per head: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh).");
+  m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
+        "softmax(scale * q k^T) v: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh); causal: query l sees keys\n"
+        "up to S - L + l.");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");

@@ -1,6 +1,6 @@
 // The per-token dense ops of a decoder layer that MLX's CPU backend runs as a dozen small graph nodes
-// each (its fast:: ops fall back to composed ops on the CPU): RMS norm, rotary embedding and one-query
-// attention, each as one loop here. float32, no MLX types; strides in elements.
+// each (its fast:: ops fall back to composed ops on the CPU, attention on the reference BLAS): RMS norm,
+// rotary embedding and attention, each as one loop here. float32, no MLX types; strides in elements.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +22,9 @@ struct View4 {
 // out is (B, H, L, Dh) contiguous.
 void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out);
 
-// Attention of one query per head: q (B, Hq, 1, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv
-// (grouped queries); softmax(scale * q k^T) v, every key visible. out is (B, Hq, 1, Dh) contiguous.
-void attention_one_query(const View4& q, const View4& k, const View4& v, float scale, float* out);
+// Attention: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv (grouped queries);
+// softmax(scale * q k^T) v. causal: query l sees keys up to S - L + l (the queries are the last L
+// positions), else every key. out is (B, Hq, L, Dh) contiguous.
+void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out);
 
 }  // namespace edge0

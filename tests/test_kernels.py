@@ -137,7 +137,7 @@ def test_glu_matches_reference(impl, d, h, e, k, t, gs):
 
 @needs_ext
 def test_dense_ops_match_mlx():
-    """RMS norm, RoPE and one-query attention against MLX's fast ops, views as inputs."""
+    """RMS norm, RoPE and attention (one query, and causal prompts) against MLX's fast ops, views as inputs."""
     from edge0.compute import dense
 
     qmm.set_kernel("edge0")
@@ -158,6 +158,12 @@ def test_dense_ops_match_mlx():
         got = dense.scaled_dot_product_attention(qd, k, v, cache=None, scale=0.125, mask=None)
         want = mx.fast.scaled_dot_product_attention(qd, k, v, scale=0.125)
         assert rel(got, np.array(want).astype(np.float64)) < 1e-5, s
+    for l, s, mask in ((9, 9, "causal"), (5, 40, "causal"), (6, 11, None)):  # a prompt, a chunk after a cache, no mask
+        qd = mx.random.normal((2, 8, l, 64), key=next(key))
+        k, v = buf_k[..., :s, :], buf_v[..., :s, :]
+        got = dense.scaled_dot_product_attention(qd, k, v, cache=None, scale=0.125, mask=mask)
+        want = mx.fast.scaled_dot_product_attention(qd, k, v, scale=0.125, mask=mask)
+        assert rel(got, np.array(want).astype(np.float64)) < 1e-5, (l, s, mask)
     qmm.set_kernel("mlx")  # MLX's own ops, bitwise, under --kernel mlx
     assert mx.array_equal(dense.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
 

@@ -1,11 +1,12 @@
-"""The per-token dense ops of a decoder layer (RMS norm, rotary embedding, one-query attention) on
+"""The per-token dense ops of a decoder layer (RMS norm, rotary embedding, attention) on
 Edge0's CPU kernels when the `edge0` kernel is in use.
 
 On the CPU, MLX runs its fast ops (mx.fast.rms_norm, rope, scaled_dot_product_attention) as their
 composed fallbacks: 10-20 graph nodes each, at a few microseconds of dispatch per node, about a third
-of a decode step on a small model. The extension runs each as one node, with the same math in
-float32. Anything it does not cover (other dtypes, an array offset, masks, attention sinks, several
-queries, a quantized KV cache) runs on MLX's ops, as it does under `--kernel mlx`.
+of a decode step on a small model, and prefill attention on the wheel's reference BLAS. The extension
+runs each as one node, with the same math in float32. Anything it does not cover (other dtypes, an
+array offset, mask arrays, attention sinks, a quantized KV cache) runs on MLX's ops, as it does under
+`--kernel mlx`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx-lm's models.base.scaled_dot_product_attention, one node for a decode step's single query."""
-    if (qmm.kernel_in_use() == "edge0" and queries.ndim == 4 and queries.shape[2] == 1 and sinks is None
-            and (mask is None or isinstance(mask, str)) and not hasattr(cache, "bits")
-            and queries.dtype == keys.dtype == values.dtype == mx.float32):
-        return qmm._ext.attention(queries, keys, values, float(scale))
+    """mlx-lm's models.base.scaled_dot_product_attention in one node, without mask or causal."""
+    causal = isinstance(mask, str) and mask == "causal"
+    if (qmm.kernel_in_use() == "edge0" and queries.ndim == 4 and sinks is None and (mask is None or causal)
+            and not hasattr(cache, "bits") and queries.dtype == keys.dtype == values.dtype == mx.float32
+            and queries.shape[2] <= keys.shape[2]):
+        return qmm._ext.attention(queries, keys, values, float(scale), causal)
     return _mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
