@@ -5,6 +5,10 @@
 Arms: `mlx-lm` (mlx_lm's model fully resident, loaded from --source, in its stored dtype, as users run
 it), `mlx-lm:f32` (the same in float32, like with like on CPU) and `exact` (Edge0's exact path on --store). Every arm decodes the same prompt greedily for the same number of tokens, EOS ignored.
 Cache `cold` evicts the checkpoint's files before each run; `warm` reads them once first.
+
+`llama.cpp` (optional) runs the same replay on a GGUF of the same model (--gguf) with llama-cpp-python, in
+the interpreter --llama-python names (a separate venv: tools/llama_cpp_setup.py builds it; Edge0 never
+depends on llama_cpp). Its n_threads is --threads, the edge0 kernels' thread count in the other arms.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from pathlib import Path
 from .errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted")
+        "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp")
+LLAMA_ARM = "llama.cpp"
+LLAMA_SETUP = "tools/llama_cpp_setup.py"
 FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
            "cold_fraction", "hit_rate", "resident_expert_bytes", "stall_ms_per_token", "recall", "loads_per_step",
            "load_cold_fraction")
@@ -54,6 +60,13 @@ def add_bench_flags(p) -> None:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="compute threads: --kernel-threads of the Edge0 arms and n_threads of llama.cpp "
+                        "(default: the edge0 kernels' default, 1 on 2 cores, or $EDGE0_KERNEL_THREADS)")
+    p.add_argument("--gguf", metavar="FILE", default=None,
+                   help=f"the llama.cpp arm's GGUF of the same model (made by {LLAMA_SETUP})")
+    p.add_argument("--llama-python", metavar="PYTHON", default=None,
+                   help="interpreter with llama_cpp importable, for the llama.cpp arm (default: this one)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
 
 
@@ -63,15 +76,19 @@ def blas_in_use() -> str:
     return f"preloaded {pre}" if "blas" in pre.lower() else "netlib reference BLAS (mlx[cpu] wheel)"
 
 
+def _files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.rglob("*.safetensors"))
+
+
 def _evict_tree(path: Path) -> None:
     from .io.pagecache import evict
 
-    for f in path.rglob("*.safetensors"):
+    for f in _files(path):
         evict(f)
 
 
 def _warm_tree(path: Path) -> None:
-    for f in path.rglob("*.safetensors"):
+    for f in _files(path):
         with open(f, "rb") as fh:
             while fh.read(1 << 24):
                 pass
@@ -100,16 +117,102 @@ def make_replay(args, out: Path) -> Path:
     return path
 
 
+def threads(args) -> int:
+    """The compute threads of the kernel arms: --threads, else the edge0 kernels' default."""
+    from .compute.kernels import default_threads
+
+    return args.threads or default_threads()
+
+
+def llama_python(args) -> str:
+    return args.llama_python or sys.executable
+
+
+def check_llama_arm(args) -> str:
+    """Refuse the llama.cpp arm without a GGUF or without llama_cpp; its llama_cpp version otherwise."""
+    how = f"build it in its own venv with `python3 {LLAMA_SETUP}` and pass --llama-python VENV/bin/python"
+    if not args.gguf:
+        raise Edge0Error(f"--arms {LLAMA_ARM}: needs --gguf FILE, a GGUF of the same model ({LLAMA_SETUP} makes one)")
+    if not Path(args.gguf).is_file():
+        raise Edge0Error(f"--gguf {args.gguf}: no such file")
+    py = llama_python(args)
+    try:
+        proc = subprocess.run([py, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                              text=True, timeout=120)
+    except OSError as e:
+        raise Edge0Error(f"--llama-python {py}: cannot run it ({e.strerror}); {how}") from None
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["import failed"])[-1]
+        raise Edge0Error(f"--arms {LLAMA_ARM}: {py} cannot import llama_cpp ({why}); {how}")
+    return proc.stdout.strip()
+
+
+# The llama.cpp arm, run as `LLAMA_PYTHON -c LLAMA_ARM_SOURCE GGUF REPLAY THREADS`: it needs only llama_cpp
+# (and numpy, its dependency), never Edge0. Prefill evaluates the prompt ids in one batch until the last
+# position's logits; decode evaluates the forced tokens one at a time, as generate_steps times them.
+LLAMA_ARM_SOURCE = r"""
+import json, resource, sys, time
+import numpy as np
+import llama_cpp
+
+gguf, replay_path, n_threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+replay = json.load(open(replay_path))
+prompt, tokens = replay["prompt"], replay["tokens"]
+t_load = time.perf_counter()
+llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + len(tokens) + 8, n_batch=max(len(prompt), 8),
+                      n_ubatch=max(len(prompt), 8), n_threads=n_threads, n_threads_batch=n_threads,
+                      use_mmap=True, logits_all=False, verbose=False)
+load_s = time.perf_counter() - t_load
+if max(prompt + tokens) >= llm.n_vocab():
+    sys.exit(f"{gguf}: vocabulary of {llm.n_vocab()} tokens, the replay uses id {max(prompt + tokens)}")
+ftype = int(llm.metadata.get("general.file_type", -1))
+names = {getattr(llama_cpp, n): n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama_cpp)
+         if n.startswith("LLAMA_FTYPE_MOSTLY_")}
+quant = names.get(ftype, f"ftype {ftype}")
+
+
+def top1():  # the last position's greedy token, as the other arms compute it before forcing the replayed one
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+
+agree = []
+t0 = time.perf_counter()
+llm.eval(prompt)
+agree.append(top1() == tokens[0])
+t1 = time.perf_counter()
+for n, t in enumerate(tokens[:-1]):
+    llm.eval([t])
+    agree.append(top1() == tokens[n + 1])
+t2 = time.perf_counter()
+rss_file = 0
+for line in open("/proc/self/status"):
+    if line.startswith("RssFile:"):
+        rss_file = int(line.split()[1]) * 1024
+gib = 2 ** 30
+print(json.dumps({"tokens": tokens, "dtype": "float32", "kernel": f"llama.cpp {quant}", "quant": quant,
+                  "threads": n_threads, "llama_cpp": llama_cpp.__version__, "load_s": load_s,
+                  "prompt_tokens": len(prompt), "prefill_tok_s": len(prompt) / (t1 - t0),
+                  "decode_tok_s": (len(tokens) - 1) / (t2 - t1) if len(tokens) > 1 else 0.0,
+                  "top1_agree_with_replay": sum(agree) / len(agree), "peak_mlx_gib": 0.0,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib,
+                  "file_rss_gib": rss_file / gib, "bytes_read": 0, "cold_fraction": 0.0, "hit_rate": 0.0,
+                  "resident_expert_bytes": 0}))
+"""
+
+
 def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
     resident = arm.startswith("mlx-lm")
-    path = Path(args.source if resident else args.store)
+    path = Path(args.gguf if arm == LLAMA_ARM else args.source if resident else args.store)
     (_evict_tree if cache == "cold" else _warm_tree)(path)
-    if resident:
+    if arm == LLAMA_ARM:
+        cmd = [llama_python(args), "-c", LLAMA_ARM_SOURCE, str(path), str(replay), str(threads(args))]
+    elif resident:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     else:
         cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm)]
+               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm),
+               "--kernel-threads", str(threads(args))]
         if args.memory_budget is not None:
             cmd += ["--memory-budget", str(args.memory_budget)]
         if args.io_throttle is not None:
@@ -118,6 +221,8 @@ def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
     if proc.returncode != 0:
         raise Edge0Error(f"arm {arm} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if arm != LLAMA_ARM:  # the edge0 kernels run on --threads threads; MLX's own kernels on MLX's pool
+        res["threads"] = threads(args) if res.get("kernel") == "edge0" else None
     steps = max(len(res.get("tokens", [])), 1)
     res["loads_per_step"] = res.get("loads", 0) / steps
     res["recall"] = res.get("recall") or 0.0
@@ -154,22 +259,26 @@ def bench(args) -> int:
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:
         base, _, kernel = a.partition("@")
-        if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and base.startswith("mlx-lm")):
+        if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
+                                                                                   or base == LLAMA_ARM)):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
         a = base
         if a not in ARMS:
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)})")
+        if a == LLAMA_ARM:
+            continue
         resident = a.startswith("mlx-lm")
         if not (args.source if resident else args.store):
             raise Edge0Error(f"--arms {a}: needs --{'source' if resident else 'store'}")
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
+    if not args.store:
+        raise Edge0Error("--store: needed to record the replayed tokens")
+    llama_version = check_llama_arm(args) if LLAMA_ARM in arms else None
     out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    replay = make_replay(args, out) if args.store else None
-    if replay is None:
-        raise Edge0Error("--store: needed to record the replayed tokens")
+    replay = make_replay(args, out)
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
@@ -181,7 +290,8 @@ def bench(args) -> int:
                       f"{res['prefill_tok_s']:.1f} tok/s prefill, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
     summary = {key: {**{f: statistics.median(x.get(f, 0.0) or 0.0 for x in rs) for f in FIGURES},
-                     "dtype": rs[0]["dtype"], "kernel": rs[0].get("kernel", "mlx")} for key, rs in runs.items()}
+                     "dtype": rs[0]["dtype"], "kernel": rs[0].get("kernel", "mlx"), "threads": rs[0].get("threads")}
+               for key, rs in runs.items()}
     cost = read_cost(Path(args.store), args.io_throttle)
     for s in summary.values():
         s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
@@ -190,25 +300,27 @@ def bench(args) -> int:
         cf = s["load_cold_fraction"]
         s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost["cold_ms"] + (1 - cf) * cost["warm_ms"])
         floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
-        if floor:
+        if floor and arm != LLAMA_ARM:  # llama.cpp's limit is not Edge0's pipeline
             s["compute_ms_per_step"] = floor["step_ms"]
             s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
-            "io_throttle_mbps": args.io_throttle, "read_cost": cost}
+            "io_throttle_mbps": args.io_throttle, "read_cost": cost, "threads": threads(args),
+            "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version}
     (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
     throttle = f", read throttle {args.io_throttle} MB/s" if args.io_throttle else ""
     lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
              f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians{throttle}; "
-             f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm", "",
-             "| arm | dtype | kernel | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
+             f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm; "
+             f"threads: the edge0 kernels' and llama.cpp's (- : MLX's own kernels)", "",
+             "| arm | dtype | kernel | threads | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
              "prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold | slot hits | resident experts MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in summary.items():
         arm, cache = key.split("/")
         limit = f"{s['limit_ms_per_step']:.0f}" if "limit_ms_per_step" in s else "-"
-        lines.append(f"| {arm} | {s['dtype']} | {s['kernel']} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
+        lines.append(f"| {arm} | {s['dtype']} | {s['kernel']} | {s['threads'] or '-'} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
                      f"{s['stall_ms_per_token']:.1f} | {s['recall']:.2f} | {s['loads_per_step']:.1f} | "
                      f"{s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | {s['peak_rss_gib']:.3f} | "
                      f"{s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | "
