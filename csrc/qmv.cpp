@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -26,7 +28,15 @@
 namespace edge0 {
 
 constexpr int MAX_GROUPS = 4096;  // D / gs at most; the Python side checks it
-constexpr int SPIN = 2000;  // pause loops (tens of microseconds) a worker spins before it sleeps
+// How long a worker spins for the next job before it sleeps: a decode step's products come every few
+// tens of microseconds, and a sleeping worker costs a wake-up (tens of microseconds on a VM) each.
+static int64_t spin_ns() {
+  static const int64_t ns = [] {
+    const char* e = std::getenv("EDGE0_KERNEL_SPIN_US");
+    return (e ? std::atoll(e) : 1000) * 1000;
+  }();
+  return ns;
+}
 
 // ---------------------------------------------------------------------------------------------
 // A persistent pool: the caller and n-1 workers claim tasks from one counter. The job generation
@@ -94,7 +104,9 @@ class Pool {
     uint64_t seen = gen_.load();
     for (;;) {
       // spin briefly: decode calls come back to back, and a sleeping worker costs a wake-up each
-      for (int i = 0; i < SPIN && gen_.load(std::memory_order_acquire) == seen; i++) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns());
+      for (int i = 0; gen_.load(std::memory_order_acquire) == seen; i++) {
+        if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) break;
 #if defined(EDGE0_AVX2)
         _mm_pause();
 #endif
