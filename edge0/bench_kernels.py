@@ -1,5 +1,6 @@
 """Micro-benchmark of the quantized kernels: G weights/s of edge0's CPU kernels and MLX's at decode
-shapes (and a prefill batch), against this machine's memory read bandwidth measured in the same run.
+shapes (8 products per mx.eval, as a decode step has several per sync) and a prefill batch, against
+this machine's memory read bandwidth measured in the same run.
 
     edge0 bench --kernels            (or: python -m edge0.bench_kernels)
 
@@ -25,6 +26,7 @@ GROUP = 64
 BYTES_PER_WEIGHT = 0.5 + 2 * 4 / GROUP
 EXPERTS = 128  # as Qwen3-30B-A3B: the routed set changes every call, weights come from memory
 DENSE_BYTES = 256 << 20  # dense matrices cycled through, so that they do not sit in cache
+PER_EVAL = 8  # products per mx.eval, as a decode step evaluates several per sync (the sync is not the kernel's)
 
 
 def add_bench_kernels_flags(p: argparse.ArgumentParser) -> None:
@@ -60,14 +62,14 @@ def _quantized(shape, seed=0):
 
 
 def _rate(fn, seconds: float) -> float:
-    """Calls per second of fn() (each builds and evaluates its graph), best of a few rounds."""
+    """Products per second of fn() (each builds and evaluates a graph, returns how many products it
+    held), best of a few rounds."""
     fn()
     best, end = 0.0, time.perf_counter() + seconds
     while True:
         n, t = 0, time.perf_counter()
         while n < 8 or time.perf_counter() - t < seconds / 4:
-            fn()
-            n += 1
+            n += fn()
         best = max(best, n / (time.perf_counter() - t))
         if time.perf_counter() > end:
             return best
@@ -87,12 +89,16 @@ def _gather_case(d, h, k, seconds, prefill_rows=0):
         mx.eval(flat, xs)
 
     def call():
-        i = next(it) % len(steps)
-        if prefill_rows:
-            y = qmm.gather_qmm(xs, w, s, b, flat[i], group_size=GROUP, bits=4, mode="affine", sorted_indices=True)
-        else:
-            y = qmm.gather_qmm(x, w, s, b, steps[i], group_size=GROUP, bits=4, mode="affine")
-        mx.eval(y)
+        ys = []
+        for _ in range(1 if prefill_rows else PER_EVAL):
+            i = next(it) % len(steps)
+            if prefill_rows:
+                ys.append(qmm.gather_qmm(xs, w, s, b, flat[i], group_size=GROUP, bits=4, mode="affine",
+                                         sorted_indices=True))
+            else:
+                ys.append(qmm.gather_qmm(x, w, s, b, steps[i], group_size=GROUP, bits=4, mode="affine"))
+        mx.eval(ys)
+        return len(ys)
     return _rate(call, seconds) * rows * k * h * d / 1e9
 
 
@@ -103,8 +109,10 @@ def _dense_case(d, n, seconds, rows=1):
     it = iter(range(1 << 62))
 
     def call():
-        w, s, b = mats[next(it) % copies]
-        mx.eval(qmm.quantized_matmul(x, w, s, b, group_size=GROUP, bits=4, mode="affine"))
+        ys = [qmm.quantized_matmul(x, *mats[next(it) % copies], group_size=GROUP, bits=4, mode="affine")
+              for _ in range(1 if rows > 1 else PER_EVAL)]
+        mx.eval(ys)
+        return len(ys)
     return _rate(call, seconds) * rows * n * d / 1e9
 
 
