@@ -273,6 +273,36 @@ class AttentionOp : public DenseOp {
   bool causal_;
 };
 
+// Routing as one node with two outputs: (inds uint32, scores float32), each (..., k).
+class RouterOp : public mx::Primitive {
+ public:
+  RouterOp(mx::Stream s, int k, bool norm) : mx::Primitive(s), k_(k), norm_(norm) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    for (auto& o : outputs) enc.set_output_array(o);
+    enc.dispatch([in = inputs[0], inds = outputs[0], scores = outputs[1], k = k_, norm = norm_]() mutable {
+      std::vector<float> lt;
+      const int64_t E = in.shape(-1);
+      softmax_topk(dense_data<float>(in, lt), in.size() / E, E, k, norm, inds.data<uint32_t>(),
+                   scores.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0SoftmaxTopK"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RouterOp&>(other);
+    return k_ == o.k_ && norm_ == o.norm_;
+  }
+
+ private:
+  int k_;
+  bool norm_;
+};
+
 static void need_f32(const mx::array& a, const char* op, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be float32");
 }
@@ -284,6 +314,17 @@ static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) 
     throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D)");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
+}
+
+static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm) {
+  need_f32(logits, "softmax_topk", "logits");
+  if (logits.ndim() < 1 || k < 1 || k > logits.shape(-1))
+    throw std::invalid_argument("edge0 softmax_topk: logits (..., E) and 1 <= k <= E");
+  auto shape = logits.shape();
+  shape.back() = k;
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({shape, shape}, {mx::uint32, mx::float32}, std::make_shared<RouterOp>(s, k, norm),
+                                {logits});
 }
 
 static mx::array rope_op(const mx::array& x, int dims, bool traditional, float base, float scale, int64_t offset) {
@@ -318,6 +359,8 @@ NB_MODULE(_kernels, m) {
         "expert's SwiGLU in one node; gate, up, down are (w, scales, biases) of 4-bit affine (E, ., .) weights.");
   m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
+  m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
+        "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
   m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math).");
   m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,

@@ -103,4 +103,24 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
       }
 }
 
+void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores) {
+  std::vector<float> p(E);
+  std::vector<uint32_t> order(E);
+  for (int64_t t = 0; t < T; t++) {
+    const float* l = logits + t * E;
+    const float mx = *std::max_element(l, l + E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(l[e] - mx));
+    for (int64_t e = 0; e < E; e++) order[e] = (uint32_t)e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](uint32_t a, uint32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float picked = 0.f;
+    for (int j = 0; j < k; j++) picked += (scores[t * k + j] = p[order[j]] / sum);
+    for (int j = 0; j < k; j++) {
+      inds[t * k + j] = order[j];
+      if (norm) scores[t * k + j] /= picked;
+    }
+  }
+}
+
 }  // namespace edge0

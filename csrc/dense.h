@@ -27,4 +27,8 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
 // positions), else every key. out is (B, Hq, L, Dh) contiguous.
 void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out);
 
+// Routing of T tokens over E experts: softmax, the k largest (by descending probability, ties to the
+// lower id), their probabilities renormalised to sum 1 when norm. inds and scores are (T, k).
+void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores);
+
 }  // namespace edge0

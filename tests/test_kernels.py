@@ -190,6 +190,26 @@ def test_8bit_matches_reference(impl, gs):
 
 
 @needs_ext
+@pytest.mark.parametrize("shape,k,norm", [((5, 64), 4, True), ((2, 3, 60), 8, False), ((1, 128), 1, True)])
+def test_softmax_topk_matches_mlx(shape, k, norm):
+    """The routing node: the same experts as MLX's softmax/argpartition (as sets; its order is by
+    probability), their scores within 1e-6."""
+    from edge0.compute.routing import softmax_topk
+
+    logits = mx.random.normal(shape, key=mx.random.key(k)) * 3
+    qmm.set_kernel("mlx")
+    want_i, want_s = softmax_topk(logits, k, norm)
+    qmm.set_kernel("edge0")
+    got_i, got_s = softmax_topk(logits, k, norm)
+    assert got_i.shape == want_i.shape and got_i.dtype == mx.uint32 and got_s.dtype == mx.float32
+    gi, gs_, wi, ws = (np.array(a).reshape(-1, k) for a in (got_i, got_s, want_i, want_s))
+    for row in range(gi.shape[0]):
+        assert set(gi[row]) == set(wi[row])
+        np.testing.assert_allclose(gs_[row][np.argsort(gi[row])], ws[row][np.argsort(wi[row])], rtol=1e-6, atol=1e-7)
+        assert list(gs_[row]) == sorted(gs_[row], reverse=True)
+
+
+@needs_ext
 def test_threads_give_identical_results():
     qmm.set_kernel("edge0")
     w, s, b = quantized((16, 256, 1024), 64, seed=3)

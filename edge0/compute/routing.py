@@ -1,4 +1,5 @@
-"""Routing math, op for op as mlx-lm's blocks compute it (tests pin it bit for bit).
+"""Routing math, op for op as mlx-lm's blocks compute it (tests pin it bit for bit under `--kernel mlx`;
+with the edge0 kernel the softmax top-k is one node of the CPU extension, the same math in float32).
 
 Shapes: T tokens (any leading dims), E experts, K routed.
 """
@@ -9,9 +10,13 @@ from functools import partial
 
 import mlx.core as mx
 
+from . import qmm
+
 
 def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
     """Qwen3-MoE / Qwen3-Next / Qwen3.5-MoE: softmax, top-k, optional renormalisation."""
+    if qmm.kernel_in_use() == "edge0" and logits.dtype == mx.float32:
+        return tuple(qmm._ext.softmax_topk(logits, k, norm_topk_prob))
     gates = mx.softmax(logits, axis=-1, precise=True)  # (T, E)
     inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])  # (T, K)
     scores = mx.take_along_axis(gates, inds, axis=-1)  # (T, K)
