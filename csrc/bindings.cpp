@@ -273,6 +273,21 @@ class AttentionOp : public DenseOp {
   bool causal_;
 };
 
+class CombineOp : public DenseOp {
+ public:
+  using DenseOp::DenseOp;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [](const std::vector<mx::array>& in, mx::array& o) {
+      std::vector<float> yt, st;
+      const int k = in[1].shape(-1);
+      const int64_t D = in[0].shape(-1);
+      combine(dense_data<float>(in[0], yt), dense_data<float>(in[1], st), in[1].size() / k, k, D, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0Combine"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 // Routing as one node with two outputs: (inds uint32, scores float32), each (..., k).
 class RouterOp : public mx::Primitive {
  public:
@@ -327,6 +342,17 @@ static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bo
                                 {logits});
 }
 
+static mx::array combine_op(const mx::array& y, const mx::array& scores) {
+  need_f32(y, "combine", "y");
+  need_f32(scores, "combine", "scores");
+  if (y.ndim() < 2 || scores.ndim() != y.ndim() - 1 || scores.shape() != mx::Shape(y.shape().begin(), y.shape().end() - 1))
+    throw std::invalid_argument("edge0 combine: y (..., K, D) and scores (..., K)");
+  auto shape = scores.shape();
+  shape.back() = y.shape(-1);
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<CombineOp>(s), {y, scores});
+}
+
 static mx::array rope_op(const mx::array& x, int dims, bool traditional, float base, float scale, int64_t offset) {
   need_f32(x, "rope", "x");
   if (x.ndim() != 4 || dims <= 0 || dims % 2 || dims > x.shape(3))
@@ -361,6 +387,8 @@ NB_MODULE(_kernels, m) {
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
   m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
         "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
+  m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,
+        "sum over K of scores[..., K, None] * y[..., K, :]: the routed experts' weighted sum, (..., D).");
   m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math).");
   m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,

@@ -123,4 +123,16 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
   }
 }
 
+void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out) {
+  for (int64_t t = 0; t < T; t++) {
+    float* o = out + t * D;
+    std::fill(o, o + D, 0.f);
+    for (int j = 0; j < k; j++) {
+      const float sc = scores[t * k + j];
+      const float* yr = y + (t * k + j) * D;
+      for (int64_t d = 0; d < D; d++) o[d] += sc * yr[d];
+    }
+  }
+}
+
 }  // namespace edge0

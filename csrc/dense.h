@@ -31,4 +31,7 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
 // lower id), their probabilities renormalised to sum 1 when norm. inds and scores are (T, k).
 void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores);
 
+// out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
+void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
+
 }  // namespace edge0

@@ -27,10 +27,10 @@ class Quant:
 
 def switch_glu(x: mx.array, inds: mx.array, bank: dict[str, mx.array], q: Quant) -> mx.array:
     """x (..., D), inds (..., K) indexing the bank's first axis -> (..., K, D)."""
-    x = mx.expand_dims(x, (-2, -3))
     y = gather_glu(x, inds, bank, group_size=q.group_size, bits=q.bits, mode=q.mode)
     if y is not None:  # the edge0 kernel: the three products and the SwiGLU in one node
-        return y.squeeze(-2)
+        return y
+    x = mx.expand_dims(x, (-2, -3))
     do_sort = inds.size >= 64  # mlx-lm sorts many rows by expert; keep its choice so outputs match
     idx, inv_order = inds, None
     if do_sort:

@@ -91,23 +91,20 @@ def _x_rows(x, bx, bs):
 
 def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, group_size: int, bits: int,
                mode: str) -> mx.array | None:
-    """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., 1, 1, D)
-    and indices (..., K) -> (..., K, 1, D); None where that kernel does not cover it (the caller then
-    runs the three gather_qmm)."""
-    if kernel_in_use() != "edge0" or x.ndim < 3 or x.shape[-2] != 1:
+    """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., D) and
+    indices (..., K) -> (..., K, D); None where that kernel does not cover it (the caller then runs the
+    three gather_qmm)."""
+    if kernel_in_use() != "edge0" or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
         return None
     names = ("gate_proj", "up_proj", "down_proj")
     parts = [(bank[f"{n}.weight"], bank[f"{n}.scales"], bank.get(f"{n}.biases")) for n in names]
-    h = parts[0][0].shape[-2]
-    d = x.shape[-1]
+    d, h = x.shape[-1], parts[0][0].shape[-2]
     if not (all(w.ndim == 3 for w, _, _ in parts) and _fits(d, x.dtype, *parts[0], group_size, bits, mode)
             and _fits(d, x.dtype, *parts[1], group_size, bits, mode)
             and _fits(h, x.dtype, *parts[2], group_size, bits, mode)):
         return None
-    bx, bi = tuple(x.shape[:-2]), tuple(indices.shape)
-    bs = tuple(mx.broadcast_shapes(bx, bi)) if bx != bi else bi
-    return _ext.glu(_x_rows(x, bx, bs), indices if bi == bs else mx.broadcast_to(indices, bs), list(parts[0]),
-                    list(parts[1]), list(parts[2]), group_size, (*bs, 1, parts[2][0].shape[-2]))
+    return _ext.glu(x, indices, list(parts[0]), list(parts[1]), list(parts[2]), group_size,
+                    (*indices.shape, parts[2][0].shape[-2]))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,

@@ -1,5 +1,6 @@
 """Routing math, op for op as mlx-lm's blocks compute it (tests pin it bit for bit under `--kernel mlx`;
-with the edge0 kernel the softmax top-k is one node of the CPU extension, the same math in float32).
+with the edge0 kernel the softmax top-k and the combine are one node each of the CPU extension, the same
+math in float32).
 
 Shapes: T tokens (any leading dims), E experts, K routed.
 """
@@ -53,6 +54,8 @@ def sigmoid_group_topk(logits, expert_bias, top_k, n_group, topk_group, routed_s
 
 def combine(y: mx.array, scores: mx.array, *, cast_back: bool) -> mx.array:
     """Weighted sum of the K expert outputs (T, K, D) -> (T, D)."""
+    if qmm.kernel_in_use() == "edge0" and y.dtype == scores.dtype == mx.float32:
+        return qmm._ext.combine(y, scores)
     out = (y * scores[..., None]).sum(axis=-2)
     return out.astype(y.dtype) if cast_back else out
 
