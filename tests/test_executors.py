@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from edge0.compute import kernels, qmm
 from edge0.compute.banks import Bank, BankBusy, Fence
 from edge0.compute.executors import SlotCache, SlotStats, fill_slots
 from edge0.compute.experts import switch_glu
@@ -47,9 +48,16 @@ def dequantized_reference(store, layer, x, inds, scores, combine):
     return combine(mx.array(out.reshape(*inds.shape, -1)), scores)
 
 
+KERNELS = ["mlx"] + (["edge0"] if kernels.available() else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tokens", [1, 40])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_paths_bitwise_equal_and_within_1pct_of_dequantized(models, arch, tokens):
+def test_paths_bitwise_equal_and_within_1pct_of_dequantized(models, arch, tokens, kernel):
+    """Every executor gives the same bits under one kernel; MLX's within 1% of a float32 dequantized
+    reference, edge0's within 3% (int8 activations at two products in a row)."""
+    qmm.set_kernel(kernel)
     outputs = {}
     for path in PATHS:
         store = load_store(models(arch), dtype="float32", executor=path)
@@ -67,7 +75,7 @@ def test_paths_bitwise_equal_and_within_1pct_of_dequantized(models, arch, tokens
             ref = dequantized_reference(store, layer, x, inds, scores, lambda y, s: combine(y, s, cast_back=False))
             got = combine(mx.array(outputs[path]), scores, cast_back=False)
             err = np.linalg.norm(np.array(got) - np.array(ref)) / np.linalg.norm(np.array(ref))
-            assert err < 0.01
+            assert err < (0.01 if kernel == "mlx" else 0.03)
         store.close()
     for path in PATHS:
         assert np.array_equal(outputs[path], outputs["exact"]), path
