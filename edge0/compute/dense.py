@@ -61,15 +61,7 @@ def route_dense_ops(model: nn.Module) -> int:
     were rerouted. The attention is swapped in the mlx-lm model module's namespace, so other models of
     the same architecture in this process take this path too; under `--kernel mlx` it is mlx-lm's own.
     """
-    n = 0
-    for _, m in model.named_modules():
-        if type(m) is nn.RMSNorm:
-            m.__class__ = RoutedRMSNorm
-            n += 1
-        elif type(m) is nn.RoPE:
-            m.__class__ = RoutedRoPE
-            n += 1
-        module = sys.modules.get(type(m).__module__)
+    for module in {sys.modules.get(type(m).__module__) for _, m in model.named_modules()}:
         if getattr(module, "scaled_dot_product_attention", None) is _mlx_attention:
             module.scaled_dot_product_attention = scaled_dot_product_attention
-    return n
+    return qmm.reroute(model, {nn.RMSNorm: RoutedRMSNorm, nn.RoPE: RoutedRoPE})

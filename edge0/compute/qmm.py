@@ -133,15 +133,19 @@ class RoutedQuantizedEmbedding(nn.QuantizedEmbedding):
                                 bits=self.bits, mode=self.mode)
 
 
+def reroute(model: nn.Module, classes: dict[type, type]) -> int:
+    """Swap the class of every module whose class is a key of `classes` (exactly, not a subclass) for its
+    value, a subclass with the same parameters; returns how many were swapped."""
+    n = 0
+    for _, m in model.named_modules():
+        routed = classes.get(type(m))
+        if routed is not None:
+            m.__class__ = routed
+            n += 1
+    return n
+
+
 def route_dense(model: nn.Module) -> int:
     """Make the model's dense quantized linears (and a tied quantized embedding head) call
     quantized_matmul; parameters are untouched. Returns how many modules were rerouted."""
-    n = 0
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = RoutedQuantizedLinear
-            n += 1
-        elif type(m) is nn.QuantizedEmbedding:
-            m.__class__ = RoutedQuantizedEmbedding
-            n += 1
-    return n
+    return reroute(model, {nn.QuantizedLinear: RoutedQuantizedLinear, nn.QuantizedEmbedding: RoutedQuantizedEmbedding})
