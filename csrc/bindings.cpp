@@ -127,7 +127,7 @@ class QMV : public mx::UnaryPrimitive {
   bool has_idx_, glu_;
 };
 
-[[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv: " + m); }
+[[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv/glu: " + m); }
 
 // w (E, N, D*bits/32) or (N, D*bits/32) uint32 (4 or 8 bits), scales and biases (..., N, D/gs) float32 -> N
 static int64_t check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t D,
@@ -135,8 +135,10 @@ static int64_t check_weights(const mx::array& w, const mx::array& scales, const 
   if ((w.ndim() != 2 && w.ndim() != 3) || w.dtype() != mx::uint32) fail("w must be (E, N, D*bits/32) uint32");
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) fail("scales and biases must be float32");
   const int64_t N = w.shape(-2), G = D / group_size;
-  if (D % 64 != 0 || (w.shape(-1) * 8 != D && w.shape(-1) * 4 != D)) fail("D must be a multiple of 64 matching w (4 or 8 bits)");
-  if (G > 4096) fail("too many groups");
+  if (N < 1 || (w.ndim() == 3 && w.shape(0) < 1)) fail("w must hold at least one expert and one output row");
+  if (D < 64 || D % 64 != 0 || D % group_size != 0 || (w.shape(-1) * 8 != D && w.shape(-1) * 4 != D))
+    fail("D must be a positive multiple of 64 and of group_size, matching w (4 or 8 bits)");
+  if (G > MAX_GROUPS) fail("too many groups");
   if (scales.shape() != biases.shape() || scales.shape(-1) != G || scales.shape(-2) != N ||
       scales.ndim() != w.ndim() || (w.ndim() == 3 && scales.shape(0) != w.shape(0)))
     fail("scales/biases shape does not match w");
@@ -147,26 +149,37 @@ static int64_t check_weights(const mx::array& w, const mx::array& scales, const 
 static mx::Shape out_shape(std::optional<std::vector<int>> shape, int64_t R, int64_t N) {
   if (!shape) return {(int)R, (int)N};
   int64_t n = 1;
-  for (int d : *shape) n *= d;
+  for (int d : *shape) {
+    if (d < 0) fail("shape must not have negative dimensions");
+    n *= d;
+  }
   if (n != R * N || shape->empty() || shape->back() != N) fail("shape must hold R x N outputs, N last");
   return mx::Shape(shape->begin(), shape->end());
 }
 
 static std::vector<mx::array> with_idx(std::vector<mx::array> inputs, const std::optional<mx::array>& idx,
                                        mx::Stream s) {
+  if (idx && !mx::issubdtype(idx->dtype(), mx::integer)) fail("expert indices must be integers");
   if (idx) inputs.push_back(idx->dtype() == mx::uint32 ? *idx : mx::astype(*idx, mx::uint32, s));
   return inputs;
 }
 
 // x (..., D) float32 with Rx rows; idx (R entries) expert per output row, or none (R = Rx, expert 0).
-static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                        std::optional<mx::array> idx, int group_size, std::optional<std::vector<int>> shape) {
+// x (..., D) float32 of at least one row, a supported group size; returns the rows of x.
+static int64_t check_x(const mx::array& x, int group_size) {
   if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be (..., D) float32");
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  const int64_t rx = x.shape(-1) ? x.size() / x.shape(-1) : 0;
+  if (rx == 0) fail("x must have at least one row");
+  return rx;
+}
+
+static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        std::optional<mx::array> idx, int group_size, std::optional<std::vector<int>> shape) {
+  const int64_t rx = check_x(x, group_size);
   const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
-  const int64_t rx = D ? x.size() / D : 0;
   const int64_t R = idx ? idx->size() : rx;
-  if (rx == 0 || R % rx != 0) fail("index rows must be a multiple of x rows");
+  if (R % rx != 0) fail("index rows must be a multiple of x rows");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, (bool)idx, false),
                    with_idx({x, w, scales, biases}, idx, s));
@@ -176,16 +189,15 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
 static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vector<mx::array>& gate,
                         const std::vector<mx::array>& up, const std::vector<mx::array>& down, int group_size,
                         std::optional<std::vector<int>> shape) {
-  if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be (..., D) float32");
+  const int64_t rx = check_x(x, group_size);
   if (gate.size() != 3 || up.size() != 3 || down.size() != 3) fail("gate, up, down are (w, scales, biases)");
-  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
   const int64_t D = x.shape(-1), H = check_weights(gate[0], gate[1], gate[2], D, group_size);
   if (check_weights(up[0], up[1], up[2], D, group_size) != H) fail("gate and up differ in width");
   const int64_t N = check_weights(down[0], down[1], down[2], H, group_size);
   if (gate[0].ndim() != 3 || up[0].shape() != gate[0].shape() || down[0].shape(0) != gate[0].shape(0))
     fail("gate, up, down must hold the same experts (E, ., .)");
-  const int64_t rx = D ? x.size() / D : 0, R = idx.size();
-  if (rx == 0 || R % rx != 0) fail("index rows must be a multiple of x rows");
+  const int64_t R = idx.size();
+  if (R % rx != 0) fail("index rows must be a multiple of x rows");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, true, true),
                    with_idx({x, gate[0], gate[1], gate[2], up[0], up[1], up[2], down[0], down[1], down[2]}, idx, s));
@@ -325,8 +337,8 @@ static void need_f32(const mx::array& a, const char* op, const char* what) {
 static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) {
   need_f32(x, "rms_norm", "x");
   need_f32(w, "rms_norm", "weight");
-  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
-    throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D)");
+  if (x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D), D >= 1");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
 }
@@ -345,8 +357,8 @@ static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bo
 static mx::array combine_op(const mx::array& y, const mx::array& scores) {
   need_f32(y, "combine", "y");
   need_f32(scores, "combine", "scores");
-  if (y.ndim() < 2 || scores.ndim() != y.ndim() - 1 || scores.shape() != mx::Shape(y.shape().begin(), y.shape().end() - 1))
-    throw std::invalid_argument("edge0 combine: y (..., K, D) and scores (..., K)");
+  if (y.ndim() < 2 || y.shape(-2) < 1 || scores.shape() != mx::Shape(y.shape().begin(), y.shape().end() - 1))
+    throw std::invalid_argument("edge0 combine: y (..., K, D) and scores (..., K), K >= 1");
   auto shape = scores.shape();
   shape.back() = y.shape(-1);
   auto s = mx::default_stream(mx::Device::cpu);
@@ -394,6 +406,7 @@ NB_MODULE(_kernels, m) {
   m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
         "softmax(scale * q k^T) v: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh); causal: query l sees keys\n"
         "up to S - L + l.");
+  m.attr("MAX_GROUPS") = edge0::MAX_GROUPS;
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");

@@ -27,7 +27,6 @@
 
 namespace edge0 {
 
-constexpr int MAX_GROUPS = 4096;  // D / gs at most; the Python side checks it
 // How long a worker spins for the next job before it sleeps: a decode step's products come every few
 // tens of microseconds, and a sleeping worker costs a wake-up (tens of microseconds on a VM) each.
 static int64_t spin_ns() {
@@ -48,6 +47,7 @@ class Pool {
 
   void resize(int n) {
     n = std::max(1, n);
+    std::lock_guard<std::mutex> one(run_mu_);  // never while a job runs
     if (n == threads()) return;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -156,8 +156,6 @@ static constexpr int BEST = PORTABLE;
 #endif
 static std::atomic<int> use_impl{BEST};
 static const char* const IMPL_NAMES[] = {"portable", "avx2", "avx512"};
-
-bool has_avx2() { return BEST >= AVX2; }
 
 const char* impl() { return IMPL_NAMES[use_impl.load()]; }
 

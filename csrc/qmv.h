@@ -11,6 +11,8 @@
 
 namespace edge0 {
 
+constexpr int MAX_GROUPS = 4096;  // D / group_size at most (per-row scratch on the stack)
+
 // One output row o: its x row and its expert (the weight matrix it multiplies).
 struct Pair {
   int64_t expert;
@@ -34,7 +36,6 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
 // set_impl names another one built here (tests, benchmarks), false when it is not.
 const char* impl();
 bool set_impl(const char* name);
-bool has_avx2();
 
 // Compute threads of qmv, the caller included (a persistent pool of n-1 workers).
 void set_num_threads(int n);

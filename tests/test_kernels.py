@@ -225,6 +225,36 @@ def test_combine_matches_mlx():
         assert rel(got, np.array(want).astype(np.float64)) < 1e-6
 
 
+BAD_CALLS = {  # each must raise one ValueError naming the op, never crash or read out of bounds
+    "no output rows": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((0, 16), dtype=mx.uint32), mx.zeros((0, 2)),
+                                      mx.zeros((0, 2))),
+    "D not a multiple of the group": lambda: EXT.qmv(mx.zeros((1, 192)), mx.zeros((8, 24), dtype=mx.uint32),
+                                                     mx.zeros((8, 1)), mx.zeros((8, 1)), None, 128),
+    "negative output shape": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((8, 16), dtype=mx.uint32), mx.zeros((8, 2)),
+                                             mx.zeros((8, 2)), None, 64, [-1, -1, 8]),
+    "float expert ids": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((3, 8, 16), dtype=mx.uint32), mx.zeros((3, 8, 2)),
+                                        mx.zeros((3, 8, 2)), mx.array([1.7]), 64),
+    "no x rows": lambda: EXT.qmv(mx.zeros((0, 128)), mx.zeros((8, 16), dtype=mx.uint32), mx.zeros((8, 2)),
+                                 mx.zeros((8, 2))),
+    "scales of another shape": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((8, 16), dtype=mx.uint32),
+                                               mx.zeros((8, 3)), mx.zeros((8, 3))),
+    "rms_norm over nothing": lambda: EXT.rms_norm(mx.zeros((2, 0)), mx.zeros((0,)), 1e-6),
+    "rms_norm weight length": lambda: EXT.rms_norm(mx.zeros((2, 8)), mx.zeros((7,)), 1e-6),
+    "combine of no experts": lambda: EXT.combine(mx.zeros((2, 0, 8)), mx.zeros((2, 0))),
+    "top-k above E": lambda: EXT.softmax_topk(mx.zeros((2, 4)), 5, True),
+    "rope of odd dims": lambda: EXT.rope(mx.zeros((1, 2, 3, 8)), 5, False, 1e4, 1.0, 0),
+    "attention, more queries than keys": lambda: EXT.attention(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 3, 8)),
+                                                               mx.zeros((1, 2, 3, 8)), 1.0),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_inputs_raise_one_clear_error(name):
+    with pytest.raises(ValueError, match=r"^edge0 \w+"):
+        mx.eval(BAD_CALLS[name]())
+
+
 @needs_ext
 def test_threads_give_identical_results():
     qmm.set_kernel("edge0")

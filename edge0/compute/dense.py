@@ -40,7 +40,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     causal = isinstance(mask, str) and mask == "causal"
     if (qmm.kernel_in_use() == "edge0" and queries.ndim == 4 and sinks is None and (mask is None or causal)
             and not hasattr(cache, "bits") and queries.dtype == keys.dtype == values.dtype == mx.float32
-            and queries.shape[2] <= keys.shape[2]):
+            and keys.shape == values.shape and queries.shape[-1] == keys.shape[-1]
+            and queries.shape[1] % keys.shape[1] == 0 and queries.shape[2] <= keys.shape[2]):
         return qmm._ext.attention(queries, keys, values, float(scale), causal)
     return _mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

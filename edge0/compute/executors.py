@@ -124,17 +124,16 @@ class WholeLayer:
     Two E-slot banks alternate between layers; they exist only during prefill (`release`).
     """
 
-    def __init__(self, reader, fence: Fence, compute_dtype, *, min_rows: int | None = None):
+    def __init__(self, reader, fence: Fence, compute_dtype):
         m = reader.manifest
         self.reader, self.fence, self.compute_dtype = reader, fence, compute_dtype
         self.order = [e.layer for e in m.layers]
         self.next = dict(zip(self.order, self.order[1:]))
         self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
-        self.min_rows = min_rows or m.num_experts  # T*K at which a step touches about every expert
+        self.min_rows = m.num_experts  # T*K at which a step touches about every expert
         self.banks: list[Bank] = []
         self.pending: dict[int, tuple[Bank, Future]] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-prefill")
-        self.layer_bytes = m.num_experts * m.bundle_stride
 
     def wants(self, inds: mx.array) -> bool:
         return inds.size >= self.min_rows

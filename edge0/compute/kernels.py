@@ -74,6 +74,3 @@ def set_num_threads(n: int) -> None:
     if load() is not None:
         _ext.set_num_threads(max(1, int(n)))
 
-
-def num_threads() -> int:
-    return _ext.num_threads() if load() is not None else 0

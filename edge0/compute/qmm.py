@@ -57,7 +57,8 @@ def _fits(d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | Non
     """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
     return (bits in (4, 8) and mode == "affine" and biases is not None and group_size in GROUP_SIZES
             and x_dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
-            and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 32 == d * bits and d // group_size <= 4096)
+            and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 32 == d * bits and d % group_size == 0
+            and d // group_size <= _ext.MAX_GROUPS)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, *,

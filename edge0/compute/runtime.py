@@ -26,7 +26,6 @@ class Runtime:
     banks: list = field(default_factory=list)  # persistent slot banks (staged: 1 per layer; hot: 1 shared)
     stats: SlotStats = field(default_factory=SlotStats)
     prefill: WholeLayer | None = None
-    budget_bytes: int | None = None
 
     @property
     def resident_expert_bytes(self) -> int:
@@ -74,7 +73,7 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
         raise Edge0Error(f"--memory-budget {memory_budget_gib}: must not be negative")
     layers = [e.layer for e in m.layers]
     exact = {layer: ExactExperts(reader, layer, compute_dtype) for layer in layers}
-    rt = Runtime(executor, fence, {}, budget_bytes=budget)
+    rt = Runtime(executor, fence, {})
     if executor == "exact":
         rt.executors = exact
         return rt

@@ -87,7 +87,9 @@ class PrefetchExperts:
             sched.prefetch(self.layer, cache, ids)  # all held already: the reuse is the prediction
         lut = np.zeros(self.num_experts, dtype=np.uint32)
         lut[ids] = slots
-        return switch_glu(x, mx.array(lut[host]), arrays, self.quant)
+        y = switch_glu(x, mx.array(lut[host]), arrays, self.quant)
+        mx.async_eval(y)  # as SlottedExperts: the experts compute while the next layer's graph is built
+        return y
 
 
 class PrefetchRuntime(Runtime):
@@ -137,8 +139,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
         raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
     sched = Scheduler(reader, workers=workers, queue_depth=queue_depth, trace=trace)
-    rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill,
-                         budget_bytes=base.budget_bytes)
+    rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
     rt.sched = sched
     rt.trace = trace
     rt.heads = heads

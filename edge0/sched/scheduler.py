@@ -77,7 +77,6 @@ class LayerPlan:
 class SchedStats:
     """Counters of one generation, reported in --json and reproduced by `trace summarize`."""
 
-    steps: int = 0
     loads: int = 0  # bundles read by the scheduler (prefetch and on-demand)
     demand_loads: int = 0  # of those, read on demand after a misprediction
     bytes: int = 0
@@ -213,7 +212,6 @@ class Scheduler:
         """Called after a decode step has been evaluated."""
         self.loop.run_until_complete(_done())  # run completions that arrived meanwhile
         self.step += 1
-        self.stats.steps += 1
 
     def cancel(self) -> None:
         """Abandon planned fills (a generation ended early); wait for reads in flight so no worker writes later."""
