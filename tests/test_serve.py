@@ -171,7 +171,66 @@ def test_concurrent_clients_fifo(setup):
     assert [r[2]["turn"] for r in order] == sorted(r[2]["turn"] for r in order)  # served in arrival order
 
 
-def test_bad_requests(setup, monkeypatch):
+def test_bad_values_are_400_and_the_server_lives(setup):
+    srv, client, refs, _ = setup
+    model = srv.server.engine.model_id
+    vocab = srv.server.engine.vocab
+    assert vocab
+    ok = {"model": model, "prompt": "x", "max_tokens": 2}
+    cases = [
+        ({"prompt": [5000000, 2]}, "prompt"),  # used to read the embedding out of range: a segfault
+        ({"prompt": [-5]}, "prompt"),
+        ({"prompt": [vocab]}, "prompt"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1e23}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"model": ["x"]}, "model"),
+        ({"top_k": 999999}, "top_k"),
+        ({"top_k": 10**400}, "top_k"),
+    ]
+    for extra, field in cases:
+        got, err = http(srv, "POST", "/v1/completions", json.dumps({**ok, **extra}).encode())
+        assert got == 400 and f"'{field}'" in err["error"]["message"], (extra, err)
+    for raw in (b"NaN", b"Infinity", b"-Infinity"):  # Python's json reads these; they are not numbers to sample with
+        body = json.dumps(ok)[:-1].encode() + b', "temperature": ' + raw + b"}"
+        got, err = http(srv, "POST", "/v1/completions", body)
+        assert got == 400 and "'temperature'" in err["error"]["message"], (raw, err)
+    assert http(srv, "GET", "/health")[0] == 200
+    got, r = http(srv, "POST", "/v1/completions", json.dumps({**ok, "prompt": [vocab - 1, 0], "seed": 2**64 - 1}).encode())
+    assert got == 200, r
+    # max_completion_tokens: null is as absent, so max_tokens holds
+    got, r = http(srv, "POST", "/v1/completions",
+                  json.dumps({**ok, "max_tokens": 3, "max_completion_tokens": None, "prompt": PROMPTS[0]}).encode())
+    assert got == 200 and r["usage"]["completion_tokens"] == 3, r
+
+
+def test_sampling_is_reseeded_only_when_asked(setup):
+    srv, client, refs, _ = setup
+    assert srv.server.args.seed is None  # `edge0 serve` without --seed
+
+    def sample(**kw):
+        return client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[0], max_tokens=N,
+                                         temperature=1.0, **kw).choices[0].text
+
+    assert sample() != sample()  # the engine's random state goes on between requests
+    assert sample(seed=7) == sample(seed=7)
+
+
+def test_serve_port_out_of_range_is_refused_before_loading(tmp_path):
+    import argparse
+
+    from edge0.errors import Edge0Error
+    from edge0.serve import serve_cli
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    for port in ("99999", "-1"):
+        args = p.parse_args(["--model", str(tmp_path / "no-store"), "--port", port])
+        with pytest.raises(Edge0Error, match="--port"):
+            serve_cli(args)
+
+
+def test_bad_requests(setup, monkeypatch, capfd):
     srv, client, refs, _ = setup
     model = srv.server.engine.model_id
     chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
@@ -200,8 +259,11 @@ def test_bad_requests(setup, monkeypatch):
         raise RuntimeError("secret detail")
 
     monkeypatch.setattr(srv.server.engine, "generate", boom)
+    capfd.readouterr()
     got, err = http(srv, "POST", "/v1/chat/completions", chat)
     assert got == 500 and "Traceback" not in json.dumps(err) and "secret" not in json.dumps(err)
+    log = capfd.readouterr().err
+    assert log.count("Traceback") == 1 and log.count("secret detail") >= 1  # logged once, not by queue and route both
     with pytest.raises(openai.APIError):
         list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True))
     monkeypatch.undo()

@@ -33,6 +33,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     from .server import DEFAULT_MAX_QUEUE
 
     _add_shared_flags(p, max_tokens=512)
+    for action in p._actions:
+        if action.dest == "seed":  # reseeding every request would make every sampled answer the same
+            action.default = None
+            action.help = ("random seed applied to requests that give no 'seed' (default: none; sampling continues "
+                           "the server's random state)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
@@ -50,6 +55,8 @@ def serve_cli(args) -> int:
     from ..sched.scheduler import new_loop
     from .server import Server
 
+    if not 0 <= args.port <= 65535:
+        raise Edge0Error(f"--port {args.port}: must be between 0 and 65535 (0: any free port)")
     if args.max_queue < 0:
         raise Edge0Error(f"--max-queue {args.max_queue}: must not be negative")
     loop = new_loop()

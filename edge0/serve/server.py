@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import threading
 import time
@@ -36,7 +37,9 @@ def _number(body: dict, name: str, kind, default, lo=None, hi=None):
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))
+            or (kind is int and isinstance(value, float) and not value.is_integer())):
         raise ApiError(400, f"'{name}': expected {'an integer' if kind is int else 'a number'}, got {value!r}",
                        "invalid_value")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -136,6 +139,11 @@ class Api:
         if isinstance(prompt, str):
             ids = self.engine.encode_text(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.engine.vocab
+            bad = next((t for t in prompt if t < 0 or (vocab and t >= vocab)), None)
+            if bad is not None:
+                raise ApiError(400, f"'prompt': token id {bad} is out of range [0, {vocab - 1 if vocab else 'inf'}]"
+                               " (the model's vocabulary)", "invalid_value")
             ids = prompt  # token ids
         elif prompt is None:
             raise ApiError(400, "'prompt': required", "missing_field")
@@ -152,6 +160,8 @@ class Api:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", "invalid_json")
         name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, f"'model': expected a string, got {name!r}", "invalid_value")
         if name not in (None, "") and name not in self.names:
             raise ApiError(404, f"the model '{name}' does not exist; this server has '{self.engine.model_id}'",
                            "model_not_found")
@@ -161,8 +171,8 @@ class Api:
         d = self.defaults
         context = self.engine.context
         room = max(context - len(prompt), 0) if context else d["max_tokens"]
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(name)  # null is as absent
         max_tokens = _number({name: max_tokens}, name, int, min(d["max_tokens"], room) or 1, 1)
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
@@ -171,8 +181,8 @@ class Api:
         req = GenRequest(prompt=list(prompt), max_tokens=max_tokens,
                          temp=_number(body, "temperature", float, d["temp"], 0, 100),
                          top_p=_number(body, "top_p", float, d["top_p"], 0, 1),
-                         top_k=_number(body, "top_k", int, 0, 0),
-                         seed=_number(body, "seed", int, d["seed"]), stop=stop)
+                         top_k=_number(body, "top_k", int, 0, 0, (self.engine.vocab - 1) if self.engine.vocab else None),
+                         seed=_number(body, "seed", int, d["seed"], 0, 2**64 - 1), stop=stop)
         if body.get("n", 1) != 1:
             raise ApiError(400, "'n': only 1 is supported", "invalid_value")
         try:
@@ -198,8 +208,11 @@ class Api:
                 if kind == "text":
                     out.first(value)
                     text.append(value)
-                elif kind == "error":
-                    raise value
+                elif kind == "error":  # logged by the queue: answered here without a second traceback
+                    if isinstance(value, (ApiError, Edge0Error)):
+                        raise value
+                    raise ApiError(500, f"internal error ({type(value).__name__}); see the server's log",
+                                   "internal_error")
                 else:
                     return web.json_response(out.whole("".join(text), value))
         finally:
