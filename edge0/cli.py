@@ -31,11 +31,13 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                         "for benchmarks). staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None,
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
-                        "router on layer N's input; default)")
+                        "router on layer N's input; default), heads (the trained prerouter heads, --heads)")
     p.add_argument("--io-workers", type=int, default=2, metavar="N", help="I/O pool threads for prefetch (default 2)")
     p.add_argument("--slots", type=int, default=None, metavar="S",
-                   help="slots per staged bank (default K); more slots keep more experts between steps")
-    p.add_argument("--heads", metavar="FILE", default=None)
+                   help="slots per staged bank (default 2K); more slots keep more experts between steps")
+    p.add_argument("--heads", metavar="FILE", default=None,
+                   help="prerouter heads (default: heads-k{K}.safetensors next to the store); implies --predictor heads "
+                        "with --routing prefetch")
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
@@ -47,7 +49,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU), source, float32, bfloat16, float16")
     p.add_argument("--kernel", choices=["auto", "mlx", "edge0"], default=None,
-                   help="quantized products: edge0 (the built CPU extension: int8 activations, AVX2), mlx (MLX's own), "
+                   help="quantized products and per-token dense ops: edge0 (the built CPU extension: int8 activations, "
+                        "AVX-512 VNNI or AVX2), mlx (MLX's own), "
                         "auto (edge0 on CPU when built; default, or $EDGE0_KERNEL)")
     p.add_argument("--kernel-threads", type=int, default=None, metavar="N", help="threads of the edge0 kernels")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -42,7 +43,26 @@ def memory_figures() -> dict:
     return {"peak_mlx_gib": mx.get_peak_memory() / gib, "peak_rss_gib": peak_rss / gib, "file_rss_gib": rss_file / gib}
 
 
+def check_values(args) -> None:
+    """Flag values, before anything is loaded."""
+    for flag, value, ok, want in (
+            ("--io-workers", args.io_workers, args.io_workers >= 1, "at least 1"),
+            ("--kernel-threads", args.kernel_threads, args.kernel_threads is None or args.kernel_threads >= 1,
+             "at least 1"),
+            ("--slots", args.slots, args.slots is None or args.slots >= 1, "at least 1"),
+            ("--seed", args.seed, 0 <= args.seed < 2**64, "between 0 and 2**64 - 1"),
+            ("--temp", args.temp, args.temp >= 0, "0 (greedy) or more"),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
+        if not ok:
+            raise Edge0Error(f"{flag} {value}: must be {want}")
+
+
 def check_flags(args) -> None:
+    """Flag combinations, once the default routing is known."""
+    if args.heads is not None and args.routing == "prefetch" and args.predictor is None:
+        args.predictor = "heads"  # --heads names what to read ahead with
+    if args.heads is not None and args.routing == "prefetch" and args.predictor != "heads":
+        raise Edge0Error(f"--heads: --predictor {args.predictor} does not read heads (use --predictor heads)")
     if args.routing is None:
         args.routing = "native"
     if args.predictor is not None and args.routing == "native":
@@ -80,12 +100,28 @@ def read_replay(path: str) -> dict:
     """--replay FILE: {"prompt": [ids], "tokens": [ids]}: a fixed prompt and forced decode tokens (benchmarks)."""
     from .io.manifest import read_json
 
+    if not Path(path).is_file():
+        raise Edge0Error(f"--replay {path}: no such file")
     data = read_json(Path(path))
-    ok = isinstance(data, dict) and all(isinstance(data.get(k, []), list) and all(isinstance(t, int) for t in data.get(k, []))
-                                        for k in ("prompt", "tokens"))
+    ok = isinstance(data, dict) and not set(data) - {"prompt", "tokens"} and all(
+        isinstance(data.get(k, []), list) and all(type(t) is int and t >= 0 for t in data.get(k, []))
+        for k in ("prompt", "tokens"))
     if not ok or not data.get("prompt"):
-        raise Edge0Error(f"{path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}}")
+        raise Edge0Error(f"{path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}} and nothing else")
     return data
+
+
+def vocab_size(config: dict) -> int | None:
+    from .model.arch import text_config
+
+    return text_config(config).get("vocab_size")
+
+
+def check_token_ids(ids: list[int], vocab: int | None, where: str) -> None:
+    """Token ids given by hand (a replay, a request) must exist in the model's vocabulary."""
+    bad = [t for t in ids if not 0 <= t < (vocab or float("inf"))]
+    if bad:
+        raise Edge0Error(f"{where}: token id {bad[0]} is outside the model's vocabulary of {vocab}")
 
 
 def open_store(args, trace=None):
@@ -100,6 +136,7 @@ def open_store(args, trace=None):
     from .sched.trace import NULL
 
     trace = trace or NULL
+    check_values(args)
     if getattr(args, "kernel", None):
         from .compute import qmm
 
@@ -151,9 +188,12 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     replay = read_replay(args.replay) if args.replay else None
-    trace = Trace({"model": str(args.model or "demo"), "routing": args.routing, "predictor": args.predictor}) \
-        if args.trace else NULL
+    if args.trace and (Path(args.trace).is_dir() or not os.access(Path(args.trace).resolve().parent, os.W_OK)):
+        raise Edge0Error(f"--trace {args.trace}: not a writable file path")
+    trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
     store = open_store(args, trace)
+    if trace.on:
+        trace.meta.update(routing=args.routing, predictor=args.predictor)  # as open_store resolved them
     path = store.path
     load_s = time.perf_counter() - t0
     try:
@@ -161,13 +201,16 @@ def run(args) -> int:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if replay is not None:
             prompt = replay["prompt"]
+            check_token_ids(prompt + replay.get("tokens", []), vocab_size(store.config), args.replay)
         elif args.chat and getattr(tok, "chat_template", None):
             prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         else:
             prompt = tok.encode(text)
         if not prompt:
             raise Edge0Error("--prompt: encodes to no tokens")
-        limit = store.config.get("max_position_embeddings") or store.config.get("text_config", {}).get("max_position_embeddings")
+        from .model.arch import text_config
+
+        limit = text_config(store.config).get("max_position_embeddings")
         if limit and len(prompt) + args.max_tokens > limit:
             raise Edge0Error(f"--prompt: {len(prompt)} tokens + --max-tokens {args.max_tokens} exceed the model's context of {limit}")
         mx.random.seed(args.seed)

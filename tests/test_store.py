@@ -217,3 +217,25 @@ def test_verify_reports_a_truncated_layer_without_traceback(models, capsys, tmp_
     os.truncate(f, f.stat().st_size - 4096)
     code, err = run_cli(capsys, "verify", str(store))
     assert code == 1 and "layer_000.safetensors" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seed", "-1"], "--seed -1: must be between 0 and 2**64 - 1"),
+    (["--kernel-threads", "0"], "--kernel-threads 0: must be at least 1"),
+    (["--io-workers", "0", "--routing", "prefetch"], "--io-workers 0: must be at least 1"),
+    (["--top-p", "5"], "--top-p 5.0: must be in (0, 1]"),
+    (["--temp", "-1"], "--temp -1.0: must be 0 (greedy) or more"),
+    (["--routing", "prefetch", "--predictor", "repeat", "--heads", "h.safetensors"], "does not read heads"),
+    (["--replay", "REPLAY_OOV"], "token id 99999999 is outside the model's vocabulary of"),
+    (["--replay", "REPLAY_KEYS"], "and nothing else"),
+    (["--replay", "missing.json"], "no such file"),
+    (["--trace", "TMP"], "not a writable file path"),
+])
+def test_bad_run_flags_are_one_clear_error(models, capsys, tmp_path, flags, message):
+    (tmp_path / "oov.json").write_text('{"prompt": [1, 99999999], "tokens": []}')  # once a segfault
+    (tmp_path / "keys.json").write_text('{"prompt": [1, 2], "toks": [3]}')  # once silently free-running
+    subst = {"REPLAY_OOV": str(tmp_path / "oov.json"), "REPLAY_KEYS": str(tmp_path / "keys.json"),
+             "TMP": str(tmp_path), "missing.json": str(tmp_path / "missing.json")}
+    code, err = run_cli(capsys, "run", "--model", str(models("qwen3_moe")), "--max-tokens", "2",
+                        *[subst.get(f, f) for f in flags])
+    assert code == 2 and message in err and "Traceback" not in err, err
