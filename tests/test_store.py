@@ -239,3 +239,36 @@ def test_bad_run_flags_are_one_clear_error(models, capsys, tmp_path, flags, mess
     code, err = run_cli(capsys, "run", "--model", str(models("qwen3_moe")), "--max-tokens", "2",
                         *[subst.get(f, f) for f in flags])
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage,message", [  # each gave a traceback before
+    (lambda s: _edit_json(s / "config.json", lambda c: c.pop("hidden_size")), "config.json: does not describe"),
+    (lambda s: _edit_json(s / "edge0.json", lambda m: m["layers"][0].update(checksums=None)), "malformed manifest"),
+    (lambda s: _edit_json(s / "edge0.json", lambda m: m["layers"][0].update(file_size="1")), "malformed manifest"),
+    (lambda s: _edit_json(s / "edge0.json", lambda m: m.update(quantization={"mode": "affine"})), "malformed manifest"),
+    (lambda s: _edit_json(s / "edge0.json", lambda m: m["layers"].append(m["layers"][0])), "a layer is listed twice"),
+])
+def test_damaged_store_is_one_clear_error(models, capsys, tmp_path, damage, message):
+    store = copy_store(models, tmp_path)
+    damage(store)
+    cmds = [["run", "--model", str(store), "--max-tokens", "2"]] + ([["verify", str(store)]] if "manifest" in message
+                                                                    or "twice" in message else [])
+    for cmd in cmds:
+        code, err = run_cli(capsys, *cmd)
+        assert code == 2 and message in err and "Traceback" not in err, (cmd, err)
+
+
+def test_damaged_source_or_unwritable_out_is_one_clear_error(models, capsys, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(models("qwen3_moe", "mlx", "src"), src)
+    (src / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:5000])  # a cut download
+    code, err = run_cli(capsys, "convert", str(src), str(tmp_path / "out"))
+    assert code == 2 and "cannot load as a qwen3_moe checkpoint" in err and not (tmp_path / "out").exists()
+    code, err = run_cli(capsys, "convert", str(models("qwen3_moe", "mlx", "src")), str(src / "config.json" / "out"))
+    assert code == 2 and "cannot be written" in err

@@ -95,8 +95,12 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raw["pieces"] = [Piece(**p) for p in raw["pieces"]]
         raw["layers"] = [LayerEntry(**entry) for entry in raw["layers"]]
         manifest = Manifest(**raw)
+        _check_types(manifest)
     except (KeyError, TypeError) as e:
         raise Edge0Error(f"{path}: malformed manifest ({e})") from None
+    layers = [entry.layer for entry in manifest.layers]
+    if len(set(layers)) != len(layers):
+        raise Edge0Error(f"{path}: a layer is listed twice ({layers})")
     for entry in manifest.layers:
         if len(entry.checksums) != manifest.num_experts:
             raise Edge0Error(
@@ -107,11 +111,29 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
     return manifest
 
 
+def _check_types(m: "Manifest") -> None:
+    """The integer fields are integers and the quantization names its bits and group size (TypeError if not)."""
+    ints = [m.num_experts, m.top_k, m.bundle_bytes, m.bundle_stride]
+    ints += [v for p in m.pieces for v in (p.nbytes, p.offset)]
+    ints += [v for e in m.layers for v in (e.layer, e.data_offset, e.file_size)]
+    if not all(type(v) is int for v in ints):
+        raise TypeError("a size, offset, count or layer index is not an integer")
+    if not isinstance(m.layers, list) or not all(isinstance(e.checksums, list) for e in m.layers):
+        raise TypeError("layers and their checksums must be lists")
+    q = m.quantization
+    if not isinstance(q, dict) or type(q.get("bits")) is not int or type(q.get("group_size")) is not int:
+        raise TypeError("quantization must give integer bits and group_size")
+
+
 def read_json(path: Path):
-    """Parse a JSON file; a broken one is an Edge0Error naming it."""
+    """Parse a JSON file; a broken one is an Edge0Error naming it (an unreadable one says so)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = path.read_text()
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Edge0Error(f"{path}: not valid JSON ({e})") from None
 
 

@@ -68,6 +68,8 @@ class BundleReader:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
                     raise Edge0Error(f"{path}: missing layer file of the store") from None
+                except OSError as e:
+                    raise Edge0Error(f"{path}: cannot open ({e.strerror})") from None
                 self._fds[entry.layer] = fd
                 size = os.fstat(fd).st_size
                 if size != entry.file_size:
@@ -77,7 +79,7 @@ class BundleReader:
                     self._residency[entry.layer] = Residency(fd, size)
                 if io == "mmap":
                     self._maps[entry.layer] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-                elif io == "direct":
+                elif self.io == "direct":  # once refused, not asked again for every layer
                     try:
                         self._direct[entry.layer] = os.open(path, os.O_RDONLY | os.O_DIRECT)
                     except OSError as e:

@@ -41,7 +41,10 @@ def prepare_out(out: Path, force: bool) -> Path:
         raise Edge0Error(f"{out}: exists and is not empty; pass --force to replace it")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise Edge0Error(f"{out}: cannot be written ({e.strerror})") from None
     return tmp
 
 
@@ -60,7 +63,7 @@ def _load_source(src: Path, bits: int, group_size: int, mode: str):
     """mlx-lm's model for SRC with lazy weights, quantized as mlx_lm.convert -q would if SRC is not."""
     try:
         model, config = load_model(src, lazy=True, strict=True)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:  # damaged file, missing field
         raise Edge0Error(f"{src}: cannot load as a {read_config(src)['model_type']} checkpoint ({e})") from None
     if "quantization" in config:
         return model, config, False

@@ -105,10 +105,15 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     except (RuntimeError, ValueError) as e:
         raise Edge0Error(f"{resident}: cannot be read as safetensors ({e})") from None
 
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
     cdtype = compute_dtype(dtype)
+    model_class, args_class = _get_classes(config)
+    try:
+        model = model_class(args_class.from_dict(config))
+        quantize_like_config(model, config, weights)
+    except (TypeError, ValueError, KeyError) as e:
+        raise Edge0Error(f"{root / 'config.json'}: does not describe a {arch.model_type} model ({e})") from None
+    reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
+    runtime = None
     try:
         if build is not None:
             runtime = build(reader, cdtype)
@@ -122,7 +127,6 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             elif is_moe_block(layer.mlp):
                 raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
         runtime.link({i: model.layers[i].mlp for i in runtime.executors})
-        quantize_like_config(model, config, weights)
         model.eval()
         try:
             model.load_weights(list(weights.items()), strict=True)
@@ -136,9 +140,11 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")
         try:
             tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise Edge0Error(f"{root}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
     except BaseException:
+        if runtime is not None:
+            runtime.close()
         reader.close()
         raise
     return Store(root, model, tokenizer, config, manifest, reader, cdtype, runtime)
