@@ -263,8 +263,6 @@ def bench(args) -> int:
                                                                                    or base == LLAMA_ARM)):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
         a = base
-        if a not in ARMS:
-            raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)})")
         if a == LLAMA_ARM:
             continue
         resident = a.startswith("mlx-lm")
@@ -273,11 +271,26 @@ def bench(args) -> int:
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
+    if not arms or not caches:
+        raise Edge0Error("--arms and --cache: name at least one each")
+    for flag, value in (("--rounds", args.rounds), ("--max-tokens", args.max_tokens),
+                        ("--prompt-tokens", args.prompt_tokens)):
+        if value < 1:
+            raise Edge0Error(f"{flag} {value}: must be at least 1")
     if not args.store:
         raise Edge0Error("--store: needed to record the replayed tokens")
     llama_version = check_llama_arm(args) if LLAMA_ARM in arms else None
+    from .io.manifest import read_manifest
+
+    read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
     out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:  # two benches in one second: do not mix their files
+        out = out.with_name(f"{out.name}-{os.getpid()}")
+        out.mkdir(parents=True)
+    except OSError as e:
+        raise Edge0Error(f"--out {args.out}: cannot be written ({e.strerror})") from None
     replay = make_replay(args, out)
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):

@@ -35,6 +35,20 @@ def test_bench_refuses_unknown_arms(capsys, tmp_path):
     assert "unknown arm 'warp-drive'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--arms", ","], "name at least one each"),  # was a ZeroDivisionError after the replay was recorded
+    (["--prompt-tokens", "0"], "--prompt-tokens 0: must be at least 1"),
+    (["--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["--store", "NOSTORE"], "no such model directory"),  # was a tokenizer traceback and an empty results dir
+])
+def test_bench_refuses_bad_flags_before_writing(capsys, tmp_path, models, flags, message):
+    argv = ["bench", "--store", str(models("qwen3_moe")), "--arms", "exact", "--out", str(tmp_path / "out"), *flags]
+    assert main([str(tmp_path / "none") if a == "NOSTORE" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_refuses_the_llama_arm_without_a_gguf(capsys, tmp_path):
     assert main(["bench", "--store", str(tmp_path), "--arms", "staged,llama.cpp", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
