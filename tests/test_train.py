@@ -24,7 +24,46 @@ def test_corpus_split_is_deterministic_and_excludes_tests(tmp_path):
     a = prepare_corpus(tmp_path / "d", vocab_size=512, max_files=8)
     b = prepare_corpus(tmp_path / "d", vocab_size=512, max_files=8)  # from the cache
     assert np.array_equal(a.train, b.train) and np.array_equal(a.heldout, b.heldout)
-    assert a.train.dtype == np.uint16 and a.train.max() < 512 and a.heldout.size > 0
+    assert a.train.dtype == np.uint32 and a.train.max() < 512 and a.heldout.size > 0
+
+
+def test_token_streams_keep_ids_past_uint16(tmp_path):
+    """Vocabularies over 65536 (Qwen3: 151k) must not wrap."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from edge0.train.corpus import encode_files
+
+    tok = Tokenizer(models.WordLevel({"a": 70000, "b": 3, "<|endoftext|>": 100000, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "f.py").write_text("a b a")
+    assert encode_files(tok.to_str(), tmp_path, ["f.py"]).tolist() == [70000, 3, 70000, 100000]
+
+
+def test_npy_token_ids_are_checked(tmp_path):
+    from edge0.train.corpus import heldout_stream
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    (model / "tokenizer.json").write_text("{}")  # not needed for ids
+    good = tmp_path / "good.npy"
+    np.save(good, np.array([0, 70000, 151935], dtype=np.int64))
+    assert heldout_stream(model, good).tolist() == [0, 70000, 151935]
+    for name, arr, why in [
+        ("big.npy", np.array([1, 151936]), "151936 is out of range"),
+        ("neg.npy", np.array([3, -5]), "-5 is out of range"),
+        ("float.npy", np.array([1.5, 2.0]), "integers"),
+        ("obj.npy", np.array([{"a": 1}], dtype=object), "not a .npy array of token ids"),
+    ]:
+        path = tmp_path / name
+        np.save(path, arr, allow_pickle=True)
+        with pytest.raises(Edge0Error, match=name) as e:
+            heldout_stream(model, path)
+        assert why in str(e.value)
+    junk = tmp_path / "junk.npy"
+    junk.write_bytes(b"not numpy")
+    with pytest.raises(Edge0Error, match="junk.npy"):
+        heldout_stream(model, junk)
 
 
 def test_training_forward_is_mlx_lms_forward():
@@ -101,3 +140,48 @@ def test_cli_flags_and_bad_preset(tmp_path, capsys):
     assert summary["steps"] == 2 and "store" not in summary
     with pytest.raises(Edge0Error, match="preset"):
         base.train_base(tmp_path / "d", preset="huge")
+
+
+def test_bad_steps_and_existing_exports_are_refused(tmp_path):
+    for steps in (0, -3):
+        with pytest.raises(Edge0Error, match=f"--steps {steps}"):
+            base.train_base(tmp_path / "s", preset="tiny", steps=steps, progress=False)
+    for name in ("fp", "store"):
+        out = tmp_path / name
+        (out / name).mkdir(parents=True)
+        (out / name / "mine.txt").write_text("user data")
+        with pytest.raises(Edge0Error, match=str(out / name)):
+            base.train_base(out, preset="tiny", steps=1, progress=False)
+        assert (out / name / "mine.txt").read_text() == "user data"  # nothing overwritten
+        assert not (out / "ckpt").exists()  # refused before training
+
+
+def test_heads_flags_checked_before_training(models, tmp_path):
+    from edge0.train.heads import train_heads
+
+    store = models("qwen3_moe")
+    kw = dict(hidden=16, eval_windows=1, progress=False, seq_len=64)
+    with pytest.raises(Edge0Error, match="does not exist"):
+        train_heads(store, tmp_path / "no" / "h.safetensors", steps=1, **kw)
+    with pytest.raises(Edge0Error, match="--steps 0"):
+        train_heads(store, tmp_path / "h.safetensors", steps=0, **kw)
+    report = tmp_path / "h.safetensors.json"
+    report.write_text("mine")
+    with pytest.raises(Edge0Error, match="h.safetensors.json"):
+        train_heads(store, tmp_path / "h.safetensors", steps=1, **kw)
+    assert report.read_text() == "mine" and not (tmp_path / "h.safetensors").exists()
+
+
+def test_heads_resume_with_other_flags_is_one_message(models, tmp_path):
+    from edge0.train.heads import train_heads
+
+    store = models("qwen3_moe")
+    out = tmp_path / "h.safetensors"
+    kw = dict(eval_windows=1, progress=False, seq_len=64)
+    train_heads(store, out, steps=2, hidden=16, seed=1, **kw)
+    assert json.loads(out.with_suffix(".ckpt").joinpath("state.json").read_text())["hidden"] == 16
+    for flags, what in (({"hidden": 32, "seed": 1}, "--hidden 16"), ({"hidden": 16, "seed": 2}, "--seed 1"),
+                        ({"hidden": 16, "seed": 1, "top_k": 1}, "--k")):
+        with pytest.raises(Edge0Error, match=what):
+            train_heads(store, out, steps=3, resume=True, **flags, **kw)
+    assert len(train_heads(store, out, steps=3, hidden=16, seed=1, resume=True, **kw)["losses"]) == 1

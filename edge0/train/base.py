@@ -236,12 +236,19 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
         raise Edge0Error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset]
     if steps is not None:
+        if steps < 1:
+            raise Edge0Error(f"--steps {steps}: must be at least 1")
         p = Preset(**{**asdict(p), "steps": steps})
     out = Path(out)
     ckpt_dir = out / "ckpt"
     last = latest_checkpoint(ckpt_dir)
     if last is not None and not resume:
         raise Edge0Error(f"{ckpt_dir}: holds checkpoints (latest step {last}); pass --resume or use another --out")
+    if export and not resume:  # the export replaces OUT/fp and OUT/store: only ones this run's checkpoints made
+        for d in (out / "fp", out / "store"):
+            if d.exists():
+                raise Edge0Error(f"{d}: exists and was not made by this run; move it away, use another --out, "
+                                 "or pass --no-export")
     corpus = prepare_corpus(out / "data", vocab_size=p.vocab, max_files=p.max_files)
     config = model_config(p)
     model = build_model(config, seed)

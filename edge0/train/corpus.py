@@ -2,7 +2,7 @@
 
     from edge0.train.corpus import prepare_corpus
     data = prepare_corpus("/tmp/run/data", vocab_size=4096)   # tokenizer + token streams, cached
-    data.train, data.heldout                                  # np.uint16 token streams
+    data.train, data.heldout                                  # np.uint32 token streams
 
 Files are split into train and held-out by a hash of their path relative to the stdlib root, so the
 split does not depend on the order files are listed in or on the files present. A byte-level BPE
@@ -33,7 +33,8 @@ EXCLUDED_DIRS = frozenset({
 EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
 MAX_FILE_BYTES = 1 << 20  # a file larger than this is generated data, not code
 DOC_SEP = "<|endoftext|>"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: uint32 streams (uint16 wrapped ids >= 65536)
+TOKEN_DTYPE = np.uint32  # token streams; uint16 would wrap vocabularies over 65536 (Qwen3: 151k)
 
 
 def stdlib_root() -> Path:
@@ -103,7 +104,7 @@ def save_tokenizer_files(out: str | os.PathLike, tokenizer_json: str) -> None:
 
 
 def encode_files(tokenizer_json: str, root: Path, files: list[str]) -> np.ndarray:
-    """One uint16 stream: each file's tokens followed by <|endoftext|>."""
+    """One uint32 stream: each file's tokens followed by <|endoftext|>."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tokenizer_json)
@@ -111,17 +112,17 @@ def encode_files(tokenizer_json: str, root: Path, files: list[str]) -> np.ndarra
     encs = tok.encode_batch([read_text(root, f) for f in files], add_special_tokens=False)
     parts = []
     for e in encs:
-        parts.append(np.asarray(e.ids, dtype=np.uint16))
-        parts.append(np.array([sep], dtype=np.uint16))
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+        parts.append(np.asarray(e.ids, dtype=TOKEN_DTYPE))
+        parts.append(np.array([sep], dtype=TOKEN_DTYPE))
+    return np.concatenate(parts) if parts else np.zeros(0, TOKEN_DTYPE)
 
 
 @dataclass
 class Corpus:
     """Token streams of the split, and the tokenizer they were made with."""
 
-    train: np.ndarray  # uint16 token ids of the train files
-    heldout: np.ndarray  # uint16 token ids of the held-out files
+    train: np.ndarray  # uint32 token ids of the train files
+    heldout: np.ndarray  # uint32 token ids of the held-out files
     tokenizer_json: str  # serialized byte-level BPE
     train_files: list[str]  # relative to root
     heldout_files: list[str]
@@ -166,6 +167,8 @@ def prepare_corpus(data_dir: str | os.PathLike, *, vocab_size: int = 4096, root:
 def heldout_stream(tokenizer_dir: str | os.PathLike, data: str | os.PathLike) -> np.ndarray:
     """Tokenize a file, or every .py file under a directory (sorted), with the tokenizer in tokenizer_dir."""
     data = Path(data)
+    if data.suffix == ".npy" and data.is_file():
+        return load_token_ids(data, vocab_size(tokenizer_dir))
     tok_json = (Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8")
     if data.is_dir():
         files = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.py"))
@@ -174,9 +177,41 @@ def heldout_stream(tokenizer_dir: str | os.PathLike, data: str | os.PathLike) ->
         return encode_files(tok_json, data, files)
     if not data.is_file():
         raise Edge0Error(f"{data}: no such file or directory")
-    if data.suffix == ".npy":
-        return np.load(data).astype(np.uint16)
     return encode_files(tok_json, data.parent, [data.name])
+
+
+def vocab_size(model_dir: str | os.PathLike) -> int | None:
+    """The model's vocabulary (config.json's vocab_size), else its tokenizer's; None when neither says."""
+    model_dir = Path(model_dir)
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        n = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+        if n:
+            return int(n)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    except Exception:
+        return None
+
+
+def load_token_ids(path: Path, vocab: int | None) -> np.ndarray:
+    """A .npy of token ids, checked: integers, every one in [0, vocab)."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise Edge0Error(f"{path}: not a .npy array of token ids ({e})") from None
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+        raise Edge0Error(f"{path}: token ids must be integers, got dtype {arr.dtype}")
+    arr = arr.reshape(-1)
+    if arr.size and (arr.min() < 0 or (vocab is not None and arr.max() >= vocab)):
+        bad = arr.min() if arr.min() < 0 else arr.max()
+        raise Edge0Error(f"{path}: token id {bad} is out of range [0, {vocab - 1 if vocab else 'inf'}]"
+                         " (the model's vocabulary)")
+    return arr.astype(TOKEN_DTYPE)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from ..errors import Edge0Error
+from ..io.manifest import write_atomic
 from ..model.heads import HIDDEN, HeadSet, multi_hot
 
 SEQ_LEN = 256
@@ -121,8 +122,17 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
     from ..model.load import load_store
 
     out = Path(out)
-    if out.exists() and not resume:
-        raise Edge0Error(f"{out}: exists; pass --resume to continue its checkpoint, or choose another --out")
+    report_path = Path(str(out) + ".json")
+    if steps < 1:
+        raise Edge0Error(f"--steps {steps}: must be at least 1")
+    for path in (out, report_path):
+        if path.exists() and not resume:
+            raise Edge0Error(f"{path}: exists; pass --resume to continue its checkpoint, or choose another --out")
+    parent = out.parent
+    if not parent.is_dir():
+        raise Edge0Error(f"--out {out}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise Edge0Error(f"--out {out}: the directory {parent} is not writable")
     store = load_store(model_dir, dtype="float32", executor="staged")
     try:
         m = store.manifest
@@ -145,6 +155,12 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
         start = 0
         if resume and (ckpt / "state.json").exists():
             state = json.loads((ckpt / "state.json").read_text())
+            was = {"hidden": hidden, "top_k": k, "seed": seed}
+            diff = [f"--{'k' if n == 'top_k' else n} {state[n]} (now {v})" for n, v in was.items()
+                    if n in state and state[n] != v]
+            if diff:
+                raise Edge0Error(f"{ckpt}: was trained with {', '.join(diff)}; resume with the same flags "
+                                 "or choose another --out")
             module.load_weights(str(ckpt / "heads.safetensors"))
             opt.state = _unflatten(mx.load(str(ckpt / "opt.safetensors")))
             start = state["step"]
@@ -163,14 +179,14 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
             losses.append(float(loss))
             bar.set_postfix(kl=f"{losses[-1]:.4f}")
             if (step + 1) % 50 == 0 or step + 1 == steps:
-                _checkpoint(ckpt, module, opt, step + 1)
+                _checkpoint(ckpt, module, opt, {"step": step + 1, "hidden": hidden, "top_k": k, "seed": seed})
         after = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
         report = {"model": str(model_dir), "top_k": k, "steps": steps, "seed": seed, "hidden": hidden,
                   "train": train_desc, "heldout": held_desc, "data_hash": data_hash, "consumers": sorted(heads.owners),
                   "owners": {str(c): o for c, o in heads.owners.items()}, "recall_before": before, "recall": after,
                   "losses": losses}
         heads.save(out, {"report": json.dumps({"recall": after})})
-        Path(str(out) + ".json").write_text(json.dumps(report, indent=1))
+        write_atomic(report_path, json.dumps(report, indent=1).encode())
         return report
     finally:
         store.close()
@@ -194,14 +210,14 @@ def _mean_recall(per_window: list[dict]) -> dict:
             for c in layers}
 
 
-def _checkpoint(ckpt: Path, module, opt, step: int) -> None:
+def _checkpoint(ckpt: Path, module, opt, state: dict) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     for name, arrays in (("heads", dict(tree_flatten(module.parameters()))), ("opt", dict(tree_flatten(opt.state)))):
         tmp = ckpt / f".{name}.tmp.safetensors"
         mx.save_safetensors(str(tmp), arrays)
         tmp.replace(ckpt / f"{name}.safetensors")
     tmp = ckpt / ".state.tmp"
-    tmp.write_text(json.dumps({"step": step}))
+    tmp.write_text(json.dumps(state))
     tmp.replace(ckpt / "state.json")
 
 
