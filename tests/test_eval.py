@@ -40,9 +40,15 @@ def test_windows_cap_and_cover():
 def test_store_against_its_float_teacher(tiny, data_file):
     r = ev.evaluate(tiny / "store", data_file, teacher=tiny / "fp", max_tokens=200, seq_len=64)
     assert r["tokens"] == 200 and r["kind"] == "store"
+    # The 4-step fixture is barely trained (ppl about 610, above the 512 of a uniform guess), so this
+    # range is all ppl can be held to here.
     assert np.isfinite(r["ppl"]) and 1 < r["ppl"] < 2 * base.PRESETS["tiny"].vocab
-    assert 0 <= r["top1_agreement"] <= 1 and r["kl"] >= 0
     assert abs(np.log(r["ppl"]) - r["loss"]) < 1e-9
+    assert abs(np.log(r["teacher_ppl"]) - r["teacher_loss"]) < 1e-9
+    # An int4 store and its float source always differ (here: agreement 0.545, KL 0.013, ppl 609 vs 601):
+    # a report of full agreement, zero KL or the student's own loss as the teacher's is wrong.
+    assert 0.2 < r["top1_agreement"] < 0.95 and 1e-3 < r["kl"] < 1
+    assert abs(r["teacher_loss"] - r["loss"]) > 1e-3 and r["teacher_ppl"] != r["ppl"]
 
 
 def test_teacher_against_itself_agrees_fully(tiny, data_file):

@@ -1,0 +1,28 @@
+"""`edge0 run` as a user runs it: no flags beyond the length, no kernel pinned.
+
+conftest.py pins EDGE0_KERNEL=mlx for every subprocess (mlx-lm is the oracle elsewhere); this test
+removes it, so the default kernel choice (auto) and the default routing are what run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+
+from edge0.compute import kernels
+
+
+def test_run_with_defaults():
+    env = {k: v for k, v in os.environ.items() if k != "EDGE0_KERNEL"}
+    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--max-tokens", "8", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.splitlines()[-1])
+    # The built-in demo model ships prerouter heads, so predicted routing is its default.
+    assert r["routing"] == "predicted" and r["heads"], r
+    assert len(r["tokens"]) == 8
+    # auto: Edge0's CPU kernels when the extension is built (and MLX computes on the CPU), else MLX's.
+    on_cpu = mx.default_device() == mx.cpu
+    assert r["kernel"] == ("edge0" if kernels.available() and on_cpu else "mlx"), (r["kernel"], kernels.reason())
