@@ -36,6 +36,8 @@ def add_bench_kernels_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-seconds", type=float, default=0.3, help="time per measurement")
     p.add_argument("--kernel-prefill-rows", type=int, default=256, help="rows of the prefill measurement (0: skip)")
     p.add_argument("--kernel-json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--kernel-graph", metavar="STORE", default=None,
+                   help="also count the MLX graph nodes of one decode step of STORE under each kernel")
 
 
 def memory_read_gbs(threads: int, nbytes: int = 256 << 20) -> float:
@@ -127,6 +129,26 @@ def _impls(ext, asked: str | None) -> list[str]:
     return built
 
 
+def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
+    """Nodes of one decode step's graph (resident executor: no per-layer sync), by primitive."""
+    import collections
+    import io
+    import re
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .model.load import load_store
+
+    qmm.set_kernel(kernel)
+    store = load_store(store_path, executor="resident")
+    cache = make_prompt_cache(store.model)
+    mx.eval(store.model(mx.array([[1, 2, 3, 4]]), cache=cache), [c.state for c in cache])
+    dot = io.StringIO()
+    mx.export_to_dot(dot, store.model(mx.array([[5]]), cache=cache))
+    store.close()
+    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())))
+
+
 def bench_kernels(args) -> dict:
     """Print and return G weights/s of each kernel (edge0 per code path and thread count, mlx) per shape."""
     threads = [int(t) for t in str(args.kernel_threads).split(",") if t]
@@ -172,6 +194,13 @@ def bench_kernels(args) -> dict:
         if ext is not None:
             ext.set_impl(default_impl)
         kernels.set_num_threads(kernels.default_threads())
+    if getattr(args, "kernel_graph", None):
+        for kernel in ["mlx"] + (["edge0"] if ext is not None else []):
+            nodes = graph_nodes(args.kernel_graph, kernel)
+            out.setdefault("graph_nodes", {})[kernel] = nodes
+            top = ", ".join(f"{k} {v}" for k, v in sorted(nodes.items(), key=lambda kv: -kv[1])[:6])
+            say(f"graph of one decode step, {kernel} kernel: {sum(nodes.values())} nodes ({top}, ...)")
+        qmm.set_kernel(previous)
     if args.kernel_json:
         print(json.dumps(out))
     return out

@@ -50,7 +50,7 @@ def check_values(args) -> None:
             ("--kernel-threads", args.kernel_threads, args.kernel_threads is None or args.kernel_threads >= 1,
              "at least 1"),
             ("--slots", args.slots, args.slots is None or args.slots >= 1, "at least 1"),
-            ("--seed", args.seed, 0 <= args.seed < 2**64, "between 0 and 2**64 - 1"),
+            ("--seed", args.seed, args.seed is None or 0 <= args.seed < 2**64, "between 0 and 2**64 - 1"),
             ("--temp", args.temp, args.temp >= 0, "0 (greedy) or more"),
             ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
         if not ok:
@@ -109,12 +109,6 @@ def read_replay(path: str) -> dict:
     if not ok or not data.get("prompt"):
         raise Edge0Error(f"{path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}} and nothing else")
     return data
-
-
-def vocab_size(config: dict) -> int | None:
-    from .model.arch import text_config
-
-    return text_config(config).get("vocab_size")
 
 
 def check_token_ids(ids: list[int], vocab: int | None, where: str) -> None:
@@ -201,6 +195,8 @@ def run(args) -> int:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if replay is not None:
             prompt = replay["prompt"]
+            from .model.arch import vocab_size
+
             check_token_ids(prompt + replay.get("tokens", []), vocab_size(store.config), args.replay)
         elif args.chat and getattr(tok, "chat_template", None):
             prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -363,3 +363,13 @@ def test_greedy_decoding_agrees_with_mlx(models, arch):
     worst = max(rel(a, b.astype(np.float64)) for a, b in zip(runs["edge0"][2], runs["mlx"][2]))
     print(f"{arch}: greedy agreement edge0 vs mlx over {len(want)} steps: {agree:.3f}, worst log-prob rel L2 {worst:.1e}")
     assert len(want) == 64 and agree >= 0.9 and worst < 1e-2
+
+
+@needs_ext
+def test_edge0_decode_graph_has_fewer_nodes(models):
+    """`edge0 bench --kernels --kernel-graph STORE`: the fused ops leave a fraction of MLX's graph."""
+    from edge0.bench_kernels import graph_nodes
+
+    mlx_nodes, edge0_nodes = (graph_nodes(str(models("qwen3_moe")), k) for k in ("mlx", "edge0"))
+    assert "Edge0GLU" in edge0_nodes and "Edge0GLU" not in mlx_nodes
+    assert sum(edge0_nodes.values()) < 0.4 * sum(mlx_nodes.values())

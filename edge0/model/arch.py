@@ -51,6 +51,11 @@ def text_config(config: dict) -> dict:
     return {**config, **config.get("text_config", {})}
 
 
+def vocab_size(config: dict) -> int | None:
+    """The model's vocabulary size from config.json (valid token ids are [0, vocab)); None when it does not say."""
+    return text_config(config).get("vocab_size")
+
+
 def arch_for(config: dict, where: str | Path) -> Arch:
     """The Arch of a config, or one clear error: dense models and unsupported MoEs are named as such."""
     model_type = config["model_type"]

@@ -15,6 +15,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import Edge0Error
+from ..model.arch import vocab_size
 from ..sched.generate import StepTimes, generate_steps
 
 # Chat prompt for a tokenizer without a chat template: one "role: content" paragraph per message,
@@ -79,17 +80,13 @@ class Engine:
         self.eos = set(tok.eos_token_ids)
         cfg = store.config
         self.context = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
-        self.vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")  # valid ids: [0, vocab)
+        self.vocab = vocab_size(cfg)  # valid ids: [0, vocab)
 
     @classmethod
     def open(cls, args) -> "Engine":
         """Load the store named by the flags shared with `edge0 run`, checked and built the same way."""
-        import argparse
-
         from ..run import open_store
 
-        if args.seed is None:  # `edge0 serve` without --seed: nothing to check or seed at load
-            args = argparse.Namespace(**{**vars(args), "seed": 0})
         return cls(open_store(args), model_id=getattr(args, "model_id", None))
 
     def close(self, end_thread: bool = False) -> None:

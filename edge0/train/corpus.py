@@ -185,7 +185,9 @@ def vocab_size(model_dir: str | os.PathLike) -> int | None:
     model_dir = Path(model_dir)
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
-        n = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+        from ..model.arch import vocab_size as config_vocab
+
+        n = config_vocab(cfg)
         if n:
             return int(n)
     except (OSError, ValueError, AttributeError):
