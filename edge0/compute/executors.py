@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from .banks import Bank, Fence
-from .experts import ExactExperts, Quant, switch_glu
+from .experts import ExactExperts, Quant, bank_positions, switch_glu
 
 
 @dataclass
@@ -110,9 +110,7 @@ class SlottedExperts:
             return self.exact.compute(x, host, ids)
         slots, fills = got
         fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
-        lut = np.zeros(self.num_experts, dtype=np.uint32)
-        lut[ids] = slots
-        y = switch_glu(x, mx.array(lut[host]), cache.bank.read(slots), self.quant)
+        y = switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots), self.quant)
         mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
 

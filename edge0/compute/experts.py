@@ -52,6 +52,11 @@ def switch_glu(x: mx.array, inds: mx.array, bank: dict[str, mx.array], q: Quant)
     return y.squeeze(-2)
 
 
+def bank_positions(host: np.ndarray, ids: np.ndarray, where) -> mx.array:
+    """The routed ids `host` (..., K) as positions in a bank where `where[i]` holds `ids[i]` (ids sorted, unique)."""
+    return mx.array(np.asarray(where, dtype=np.uint32)[np.searchsorted(ids, host)])
+
+
 class ExactExperts:
     """The exact path: deduplicate the routed ids, read their bundles (one preadv each) into fresh
     arrays, gather. The correctness baseline; it syncs once per layer to learn the ids."""
@@ -88,10 +93,7 @@ class ExactExperts:
     def compute(self, x: mx.array, host: np.ndarray, ids: np.ndarray) -> mx.array:
         """The routed ids already on the host: read their bundles and gather."""
         bank = self.load(ids)
-        lut = np.zeros(self.num_experts, dtype=np.uint32)
-        lut[ids] = np.arange(len(ids), dtype=np.uint32)
-        local = mx.array(lut[host])  # (..., K) positions in the bank
-        return switch_glu(x, local, bank, self.quant)
+        return switch_glu(x, bank_positions(host, ids, np.arange(len(ids))), bank, self.quant)
 
 
 class ResidentExperts:

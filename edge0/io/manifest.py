@@ -57,12 +57,6 @@ class Manifest:
     layers: list[LayerEntry]
     source: dict = field(default_factory=dict)  # where it was converted from
 
-    def layer(self, index: int) -> LayerEntry:
-        for entry in self.layers:
-            if entry.layer == index:
-                return entry
-        raise KeyError(index)
-
     @property
     def expert_bytes(self) -> int:
         """Bytes of all routed expert weights in the store."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Edge0Error
-from .layerfile import check_header
-from .manifest import ALIGN, Manifest, read_manifest
+from .layerfile import check_header, round_up
+from .manifest import Manifest, read_manifest
 from .pagecache import Residency, evict
 from .throttle import Throttle
 
@@ -159,7 +159,7 @@ class BundleReader:
         return n, cold
 
     def _read_direct(self, layer: int, offset: int, length: int, iov: list) -> int:
-        size = (length + ALIGN - 1) // ALIGN * ALIGN
+        size = round_up(length)
         bounce = getattr(self._bounce, "buf", None)
         if bounce is None or len(bounce) < size:
             bounce = self._bounce.buf = mmap.mmap(-1, size)  # anonymous mappings are page-aligned

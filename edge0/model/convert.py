@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config
 from tqdm import tqdm
 
@@ -26,7 +26,7 @@ from ..io.layerfile import LayerFileWriter, bundle_layout
 from ..io.manifest import FORMAT_VERSION, Manifest, LayerEntry, write_manifest
 from .arch import arch_for, read_config, routing_constants, text_config
 from .blocks import is_moe_block
-from .load import RESIDENT
+from .load import RESIDENT, cast_floats
 
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint8: "U8"}
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -69,10 +69,7 @@ def _load_source(src: Path, bits: int, group_size: int, mode: str):
         return model, config, False
     dtype = config.get("torch_dtype") or text_config(config).get("dtype")
     if dtype in _CONVERSION_DTYPES:
-        keep = getattr(model, "cast_predicate", lambda _: True)
-        target = getattr(mx, dtype)
-        model.update(tree_map_with_path(
-            lambda k, v: v.astype(target) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+        cast_floats(model, getattr(mx, dtype))
     with contextlib.redirect_stdout(sys.stderr):
         model, config = quantize_model(model, config, group_size, bits, mode=mode)
     return model, config, True

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..compute.banks import Fence
 from ..compute.executors import SlotCache, WholeLayer
-from ..compute.experts import ExactExperts, switch_glu
+from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..model.heads import features
@@ -85,9 +85,7 @@ class PrefetchExperts:
                 nxt.decided[sched.step + 1] = (predicted, scores)
         elif self.predictor == "repeat":
             sched.prefetch(self.layer, cache, ids)  # all held already: the reuse is the prediction
-        lut = np.zeros(self.num_experts, dtype=np.uint32)
-        lut[ids] = slots
-        y = switch_glu(x, mx.array(lut[host]), arrays, self.quant)
+        y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
         mx.async_eval(y)  # as SlottedExperts: the experts compute while the next layer's graph is built
         return y
 
