@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from .errors import Edge0Error
+from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
         "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp")
@@ -147,57 +148,8 @@ def check_llama_arm(args) -> str:
     return proc.stdout.strip()
 
 
-# The llama.cpp arm, run as `LLAMA_PYTHON -c LLAMA_ARM_SOURCE GGUF REPLAY THREADS`: it needs only llama_cpp
-# (and numpy, its dependency), never Edge0. Prefill evaluates the prompt ids in one batch until the last
-# position's logits; decode evaluates the forced tokens one at a time, as generate_steps times them.
-LLAMA_ARM_SOURCE = r"""
-import json, resource, sys, time
-import numpy as np
-import llama_cpp
-
-gguf, replay_path, n_threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-replay = json.load(open(replay_path))
-prompt, tokens = replay["prompt"], replay["tokens"]
-t_load = time.perf_counter()
-llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + len(tokens) + 8, n_batch=max(len(prompt), 8),
-                      n_ubatch=max(len(prompt), 8), n_threads=n_threads, n_threads_batch=n_threads,
-                      use_mmap=True, logits_all=False, verbose=False)
-load_s = time.perf_counter() - t_load
-if max(prompt + tokens) >= llm.n_vocab():
-    sys.exit(f"{gguf}: vocabulary of {llm.n_vocab()} tokens, the replay uses id {max(prompt + tokens)}")
-ftype = int(llm.metadata.get("general.file_type", -1))
-names = {getattr(llama_cpp, n): n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama_cpp)
-         if n.startswith("LLAMA_FTYPE_MOSTLY_")}
-quant = names.get(ftype, f"ftype {ftype}")
-
-
-def top1():  # the last position's greedy token, as the other arms compute it before forcing the replayed one
-    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-
-
-agree = []
-t0 = time.perf_counter()
-llm.eval(prompt)
-agree.append(top1() == tokens[0])
-t1 = time.perf_counter()
-for n, t in enumerate(tokens[:-1]):
-    llm.eval([t])
-    agree.append(top1() == tokens[n + 1])
-t2 = time.perf_counter()
-rss_file = 0
-for line in open("/proc/self/status"):
-    if line.startswith("RssFile:"):
-        rss_file = int(line.split()[1]) * 1024
-gib = 2 ** 30
-print(json.dumps({"tokens": tokens, "dtype": "float32", "kernel": f"llama.cpp {quant}", "quant": quant,
-                  "threads": n_threads, "llama_cpp": llama_cpp.__version__, "load_s": load_s,
-                  "prompt_tokens": len(prompt), "prefill_tok_s": len(prompt) / (t1 - t0),
-                  "decode_tok_s": (len(tokens) - 1) / (t2 - t1) if len(tokens) > 1 else 0.0,
-                  "top1_agree_with_replay": sum(agree) / len(agree), "peak_mlx_gib": 0.0,
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib,
-                  "file_rss_gib": rss_file / gib, "bytes_read": 0, "cold_fraction": 0.0, "hit_rate": 0.0,
-                  "resident_expert_bytes": 0}))
-"""
+# The llama.cpp arm is a script of its own (llama_arm.py), run by the interpreter --llama-python names.
+LLAMA_ARM_SCRIPT = Path(__file__).with_name("llama_arm.py")
 
 
 def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
@@ -205,7 +157,7 @@ def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
     path = Path(args.gguf if arm == LLAMA_ARM else args.source if resident else args.store)
     (_evict_tree if cache == "cold" else _warm_tree)(path)
     if arm == LLAMA_ARM:
-        cmd = [llama_python(args), "-c", LLAMA_ARM_SOURCE, str(path), str(replay), str(threads(args))]
+        cmd = [llama_python(args), str(LLAMA_ARM_SCRIPT), str(path), str(replay), str(threads(args))]
     elif resident:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
@@ -254,7 +206,17 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48) -> dict:
     return out
 
 
-def bench(args) -> int:
+def bench_cli(args) -> int:
+    if args.kernels:
+        from .bench_kernels import bench_kernels
+
+        bench_kernels(args)
+        return 0
+    return bench(args)
+
+
+def check_args(args) -> tuple[list[str], list[str]]:
+    """(arms, cache states) of the flags, checked before anything runs."""
     arms = [a for a in args.arms.split(",") if a]
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:
@@ -262,12 +224,8 @@ def bench(args) -> int:
         if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
                                                                                    or base == LLAMA_ARM)):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
-        a = base
-        if a == LLAMA_ARM:
-            continue
-        resident = a.startswith("mlx-lm")
-        if not (args.source if resident else args.store):
-            raise Edge0Error(f"--arms {a}: needs --{'source' if resident else 'store'}")
+        if base != LLAMA_ARM and not (args.source if base.startswith("mlx-lm") else args.store):
+            raise Edge0Error(f"--arms {base}: needs --{'source' if base.startswith('mlx-lm') else 'store'}")
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
@@ -277,20 +235,32 @@ def bench(args) -> int:
                         ("--prompt-tokens", args.prompt_tokens)):
         if value < 1:
             raise Edge0Error(f"{flag} {value}: must be at least 1")
+    if args.io_throttle is not None and not (0 < args.io_throttle < float("inf")):
+        raise Edge0Error(f"--io-throttle {args.io_throttle}: must be a finite number more than 0 (omit it for no cap)")
     if not args.store:
         raise Edge0Error("--store: needed to record the replayed tokens")
-    llama_version = check_llama_arm(args) if LLAMA_ARM in arms else None
-    from .io.manifest import read_manifest
+    return arms, caches
 
-    read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
-    out = Path(args.out) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+
+def results_dir(root: str) -> Path:
+    out = Path(root) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     try:
         out.mkdir(parents=True, exist_ok=False)
     except FileExistsError:  # two benches in one second: do not mix their files
         out = out.with_name(f"{out.name}-{os.getpid()}")
         out.mkdir(parents=True)
     except OSError as e:
-        raise Edge0Error(f"--out {args.out}: cannot be written ({e.strerror})") from None
+        raise Edge0Error(f"--out {root}: cannot be written ({e.strerror})") from None
+    return out
+
+
+def bench(args) -> int:
+    arms, caches = check_args(args)
+    llama_version = check_llama_arm(args) if LLAMA_ARM in arms else None
+    from .io.manifest import read_manifest
+
+    read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
+    out = results_dir(args.out)
     replay = make_replay(args, out)
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
@@ -302,10 +272,26 @@ def bench(args) -> int:
                 print(f"round {r + 1} {arm:10s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
                       f"{res['prefill_tok_s']:.1f} tok/s prefill, "
                       f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
+    cost = read_cost(Path(args.store), args.io_throttle)
+    summary = summarize(runs, cost)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+            "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
+            "io_throttle_mbps": args.io_throttle, "read_cost": cost, "threads": threads(args),
+            "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version}
+    write_atomic(out / "results.json", json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1).encode())
+    lines = table(summary, meta)
+    write_atomic(out / "results.md", ("\n".join(lines) + "\n").encode())
+    print("\n".join(lines))
+    print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)
+    return 0
+
+
+def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
+    """Medians per arm/cache, with the step's read time and the pipeline's limit."""
     summary = {key: {**{f: statistics.median(x.get(f, 0.0) or 0.0 for x in rs) for f in FIGURES},
                      "dtype": rs[0]["dtype"], "kernel": rs[0].get("kernel", "mlx"), "threads": rs[0].get("threads")}
                for key, rs in runs.items()}
-    cost = read_cost(Path(args.store), args.io_throttle)
     for s in summary.values():
         s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
     for key, s in summary.items():
@@ -316,15 +302,15 @@ def bench(args) -> int:
         if floor and arm != LLAMA_ARM:  # llama.cpp's limit is not Edge0's pipeline
             s["compute_ms_per_step"] = floor["step_ms"]
             s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
-            "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-            "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
-            "io_throttle_mbps": args.io_throttle, "read_cost": cost, "threads": threads(args),
-            "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1))
-    throttle = f", read throttle {args.io_throttle} MB/s" if args.io_throttle else ""
-    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {args.rounds} rounds, "
-             f"prompt {args.prompt_tokens} tokens, {args.max_tokens} decode tokens (replayed), medians{throttle}; "
+    return summary
+
+
+def table(summary: dict, meta: dict) -> list[str]:
+    """The markdown table of results.md."""
+    cost = meta["read_cost"]
+    throttle = f", read throttle {meta['io_throttle_mbps']} MB/s" if meta["io_throttle_mbps"] else ""
+    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {meta['rounds']} rounds, "
+             f"prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} decode tokens (replayed), medians{throttle}; "
              f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm; "
              f"threads: the edge0 kernels' and llama.cpp's (- : MLX's own kernels)", "",
              "| arm | dtype | kernel | threads | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
@@ -338,10 +324,7 @@ def bench(args) -> int:
                      f"{s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | {s['peak_rss_gib']:.3f} | "
                      f"{s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | "
                      f"{s['resident_expert_bytes'] / 2**20:.0f} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)
-    return 0
+    return lines
 
 
 def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
@@ -352,7 +335,7 @@ def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
     from mlx_lm.sample_utils import make_sampler
 
     from .model.load import cast_floats, compute_dtype
-    from .run import memory_figures
+    from .engine import memory_figures
     from .sched.generate import StepTimes, generate_steps
 
     model, tok = load(path)

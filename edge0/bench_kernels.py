@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .compute import kernels, qmm
+from .compute.kernel import Kernel
 
 GROUP = 64
 BYTES_PER_WEIGHT = 0.5 + 2 * 4 / GROUP
@@ -139,13 +140,13 @@ def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
 
     from .model.load import load_store
 
-    qmm.set_kernel(kernel)
-    store = load_store(store_path, executor="resident")
-    cache = make_prompt_cache(store.model)
-    mx.eval(store.model(mx.array([[1, 2, 3, 4]]), cache=cache), [c.state for c in cache])
-    dot = io.StringIO()
-    mx.export_to_dot(dot, store.model(mx.array([[5]]), cache=cache))
-    store.close()
+    with Kernel.choose(kernel).active():
+        store = load_store(store_path, executor="resident")
+        cache = make_prompt_cache(store.model)
+        mx.eval(store.model(mx.array([[1, 2, 3, 4]]), cache=cache), [c.state for c in cache])
+        dot = io.StringIO()
+        mx.export_to_dot(dot, store.model(mx.array([[5]]), cache=cache))
+        store.close()
     return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())))
 
 
@@ -174,23 +175,22 @@ def bench_kernels(args) -> dict:
         r = args.kernel_prefill_rows
         cases += [(f"prefill gather R{r} D2048 H768 K8", lambda: _gather_case(2048, 768, 8, seconds, prefill_rows=r)),
                   (f"prefill dense R{r} 4096x1024", lambda: _dense_case(1024, 4096, seconds, rows=r))]
-    previous, default_impl = qmm._choice, ext.impl() if ext is not None else None
+    default_impl = ext.impl() if ext is not None else None
     try:
         for name, fn in cases:
             row = {}
-            qmm.set_kernel("mlx")
-            row["mlx"] = fn()
+            with Kernel.choose("mlx").active():
+                row["mlx"] = fn()
             for impl in impls:
                 ext.set_impl(impl)
                 for t in threads:
-                    qmm.set_kernel("edge0")
                     kernels.set_num_threads(t)
-                    row[f"{impl} x{t}"] = fn()
+                    with Kernel.choose("edge0").active():
+                        row[f"{impl} x{t}"] = fn()
             out["rows"][name] = row
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
                 + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))
     finally:
-        qmm.set_kernel(previous)
         if ext is not None:
             ext.set_impl(default_impl)
         kernels.set_num_threads(kernels.default_threads())
@@ -200,7 +200,6 @@ def bench_kernels(args) -> dict:
             out.setdefault("graph_nodes", {})[kernel] = nodes
             top = ", ".join(f"{k} {v}" for k, v in sorted(nodes.items(), key=lambda kv: -kv[1])[:6])
             say(f"graph of one decode step, {kernel} kernel: {sum(nodes.values())} nodes ({top}, ...)")
-        qmm.set_kernel(previous)
     if args.kernel_json:
         print(json.dumps(out))
     return out

@@ -14,6 +14,8 @@ int4, and later of predicted routing. Models compute in float32 on CPU (--dtype 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -39,27 +41,19 @@ class Loaded:
     kind: str  # "store" or "mlx-lm"
     close: object  # () -> None
     logprobs: object = None  # window -> (L, V) log-probabilities, when not one forward pass (served routing)
+    kernel: object = None  # the engine's Kernel (a store's); None: the current one
 
 
-def _load_served(path, serving) -> Loaded:
-    """A store loaded with `edge0 run`'s flags; windows scored token by token through the decode loop."""
-    from mlx_lm.sample_utils import make_sampler
+def _load_served(config) -> Loaded:
+    """A store opened as served (edge0/engine.py); with scheduled routing every window is decoded token by
+    token (teacher-forced), since predicted routing at t+1 depends on the heads' output at t."""
+    from edge0.engine import open_engine
 
-    from edge0.run import open_store
-    from edge0.sched.generate import generate_steps
-
-    serving.model = str(path)
-    store = open_store(serving)
-    greedy = make_sampler(0.0)
-
-    def logprobs(window: np.ndarray) -> mx.array:
-        steps = generate_steps(store.model, [int(window[0])], max_tokens=window.size - 1, sampler=greedy,
-                               runtime=store.runtime, forced=[int(t) for t in window[1:]])
-        return mx.stack([lp.astype(mx.float32) for _, lp in steps])
-
-    stepwise = serving.routing not in (None, "native")  # native at another K: one forward pass suffices
-    return Loaded(store.model, Path(path), f"store, routing {serving.routing}", store.close,
-                  logprobs if stepwise else None)
+    engine = open_engine(config)
+    c = engine.config
+    stepwise = c.routing != "native"  # native (at any K): one forward pass gives the same log-probabilities
+    return Loaded(engine.store.model, Path(c.model), f"store, routing {c.routing}", engine.close,
+                  (lambda w: engine.forced_logprobs([int(t) for t in w])) if stepwise else None, engine.kernel)
 
 
 def load_any(path: str | os.PathLike, dtype: str = "auto") -> Loaded:
@@ -83,18 +77,6 @@ def load_any(path: str | os.PathLike, dtype: str = "auto") -> Loaded:
     return Loaded(model, path, "mlx-lm", lambda: None)
 
 
-def token_stream(tokenizer_dir: Path, data: str | os.PathLike | None) -> tuple[np.ndarray, str]:
-    """(token ids, description) of data; None means the stdlib held-out split of edge0.train.corpus."""
-    from edge0.train.corpus import encode_files, heldout_stream, split_files, stdlib_files, stdlib_root
-
-    if data is not None:
-        return heldout_stream(tokenizer_dir, data), str(data)
-    root = stdlib_root()
-    _, heldout = split_files(stdlib_files(root))
-    tok_json = (tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8")
-    return encode_files(tok_json, root, heldout), f"stdlib held-out split ({len(heldout)} files under {root})"
-
-
 def windows_of(stream: np.ndarray, seq_len: int, max_tokens: int) -> list[np.ndarray]:
     """Consecutive windows of seq_len + 1 tokens (the last shorter), scoring at most max_tokens in all."""
     out, i = [], 0
@@ -114,44 +96,34 @@ def _logprobs(model, window: np.ndarray) -> mx.array:
 
 def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None, *,
              teacher: str | os.PathLike | None = None, max_tokens: int = MAX_TOKENS, seq_len: int = SEQ_LEN,
-             dtype: str = "auto", routing: bool = False, serving=None) -> dict:
+             dtype: str = "auto", routing: bool = False, config=None) -> dict:
     """Perplexity of model_dir (store or mlx-lm checkpoint) on data, and vs the teacher if given.
 
     Returns loss (nats/token), ppl, tokens; with a teacher also teacher_loss, teacher_ppl,
     top1_agreement, kl (mean KL(teacher || model) per token); with routing, routing_stats's figures.
-    serving: `edge0 run` flags (routing, predictor, heads, k, ...) to score the store exactly as served;
-    with --routing prefetch or predicted every window is decoded token by token (teacher-forced), since
-    predicted routing at t+1 depends on the heads' output at t.
+    config: the EngineConfig a store is scored with (default: the store's served defaults, as `edge0 run`
+    runs it, with `dtype`); an mlx-lm checkpoint is loaded resident.
     """
-    if serving is not None:
-        student = _load_served(model_dir, serving)
+    from edge0.config import EngineConfig
+
+    if (Path(model_dir) / "edge0.json").exists() or config is not None:
+        config = config or EngineConfig(dtype=dtype)
+        student = _load_served(dataclasses.replace(config, model=str(model_dir)))
     else:
         student = load_any(model_dir, dtype)
     try:
+        from edge0.train.corpus import token_stream
+
         stream, desc = token_stream(student.tokenizer_dir, data)
         wins = windows_of(stream, seq_len, max_tokens)
         tutor = load_any(teacher, dtype) if teacher is not None else None
         try:
-            nll = t_nll = agree = kl = 0.0
-            n = 0
-            for w in wins:
-                targets = mx.array(w[1:])
-                lp = student.logprobs(w) if student.logprobs else _logprobs(student.model, w)  # (L, V)
-                parts = [-mx.take_along_axis(lp, targets[:, None], axis=-1).sum()]
-                if tutor is not None:
-                    tlp = _logprobs(tutor.model, w)
-                    parts += [-mx.take_along_axis(tlp, targets[:, None], axis=-1).sum(),
-                              (mx.argmax(tlp, axis=-1) == mx.argmax(lp, axis=-1)).sum(),
-                              (mx.exp(tlp) * (tlp - lp)).sum()]
-                mx.eval(parts)
-                vals = [p.item() for p in parts]  # SYNC: once per window
-                nll += vals[0]
-                if tutor is not None:
-                    t_nll, agree, kl = t_nll + vals[1], agree + vals[2], kl + vals[3]
-                n += w.size - 1
+            with (student.kernel.active() if student.kernel else contextlib.nullcontext()):
+                sums, n = _score(student, tutor, wins)
         finally:
             if tutor is not None:
                 tutor.close()
+        nll, t_nll, agree, kl = sums
         out = dict(model=str(model_dir), kind=student.kind, data=desc, tokens=n, windows=len(wins), seq_len=seq_len,
                    loss=nll / n, ppl=math.exp(nll / n))
         if tutor is not None:
@@ -164,27 +136,25 @@ def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None
     return out
 
 
-def capture_routing(model):
-    """Record the expert ids each Edge0 MoE block routes to: (per-layer lists of (..., K) ids, undo)."""
-    seen: list[list[mx.array]] = []
-    undo = []
-    for layer in model.layers:
-        blk = layer.mlp
-        if not hasattr(blk, "route"):
-            raise Edge0Error("routing statistics need an Edge0 store; convert the checkpoint first (edge0 convert)")
-        rec: list[mx.array] = []
-        seen.append(rec)
-
-        def route(x, _orig=blk.route, _rec=rec):
-            inds, scores = _orig(x)
-            _rec.append(inds)
-            return inds, scores
-
-        object.__setattr__(blk, "route", route)  # an instance attribute shadows the method
-        undo.append(lambda b=blk: object.__delattr__(b, "route"))
-    if not seen:
-        raise Edge0Error("the model has no MoE layer")
-    return seen, lambda: [u() for u in undo]
+def _score(student: Loaded, tutor: Loaded | None, wins: list[np.ndarray]) -> tuple[list[float], int]:
+    """Summed (student NLL, teacher NLL, top-1 agreements, KL(teacher || student)) over the windows, and
+    the tokens scored."""
+    sums = [0.0] * 4
+    n = 0
+    for w in wins:
+        targets = mx.array(w[1:])
+        lp = student.logprobs(w) if student.logprobs else _logprobs(student.model, w)  # (L, V)
+        parts = [-mx.take_along_axis(lp, targets[:, None], axis=-1).sum()]
+        if tutor is not None:
+            tlp = _logprobs(tutor.model, w)
+            parts += [-mx.take_along_axis(tlp, targets[:, None], axis=-1).sum(),
+                      (mx.argmax(tlp, axis=-1) == mx.argmax(lp, axis=-1)).sum(),
+                      (mx.exp(tlp) * (tlp - lp)).sum()]
+        mx.eval(parts)
+        for i, p in enumerate(parts):
+            sums[i] += p.item()  # SYNC: once per window
+        n += w.size - 1
+    return sums, n
 
 
 def routing_stats(model, windows: list[np.ndarray]) -> dict:
@@ -194,25 +164,25 @@ def routing_stats(model, windows: list[np.ndarray]) -> dict:
     load) / E (1.0 when perfectly balanced); overlap: mean |S_t & S_t+1| / K between consecutive
     tokens of a window (K/E if routing were independent across tokens).
     """
-    seen, undo = capture_routing(model)
+    from edge0.model.routes import recorded_routes
+
     E = model.args.num_experts
     K = model.args.num_experts_per_tok
-    counts = np.zeros((len(seen), E), np.int64)
-    inter = np.zeros(len(seen))
-    pairs = 0
-    try:
+    with recorded_routes(model) as records:
+        seen = list(records.values())
+        counts = np.zeros((len(seen), E), np.int64)
+        inter = np.zeros(len(seen))
+        pairs = 0
         for w in windows:
             for rec in seen:
                 rec.clear()
             mx.eval(model(mx.array(w[None, :-1])))
             for li, rec in enumerate(seen):
-                ids = np.array(mx.concatenate([r.reshape(-1, K) for r in rec]))  # (L, K)
+                ids = np.array(mx.concatenate([inds.reshape(-1, K) for _, _, inds in rec]))  # (L, K)
                 np.add.at(counts[li], ids.reshape(-1), 1)
                 hit = (ids[1:, :, None] == ids[:-1, None, :]).any(-1).sum()
                 inter[li] += hit / K
             pairs += w.size - 2
-    finally:
-        undo()
     load = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     ent = -(np.where(load > 0, load * np.log(np.where(load > 0, load, 1)), 0)).sum(1)
     return dict(
@@ -229,46 +199,33 @@ def routing_stats(model, windows: list[np.ndarray]) -> dict:
 # CLI -----------------------------------------------------------------------------------------------
 
 def add_eval_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="an Edge0 store or an mlx-lm checkpoint; default the built-in model")
+    from edge0.flags import add_engine_flags
+
+    add_engine_flags(p, model_help="an Edge0 store (scored as `edge0 run` serves it: the same routing defaults) "
+                                   "or an mlx-lm checkpoint; default the built-in model")
     p.add_argument("--data", default=None,
                    help="a text file, a directory (its .py files), or a .npy of token ids; default the stdlib held-out split")
     p.add_argument("--teacher", default=None, help="the reference model (normally the float checkpoint) for agreement and KL")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens scored at most")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per window")
-    p.add_argument("--dtype", default="auto", help="compute dtype of non-quantized tensors: auto, source, float32, bfloat16")
     p.add_argument("--routing-stats", action="store_true", help="also expert usage and cross-token overlap per layer")
-    p.add_argument("--routing", choices=["native", "prefetch", "predicted"], default="native",
-                   help="score the store as served with this routing (predicted: with its prerouter heads)")
-    p.add_argument("--predictor", choices=["repeat", "next-router", "heads"], default=None)
-    p.add_argument("--heads", metavar="FILE", default=None, help="head file (default heads-k{K} next to the store)")
-    p.add_argument("--k", type=int, default=None, help="routed experts per token (heads for that K)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def eval_cli(args: argparse.Namespace) -> int:
+    from edge0.flags import engine_config
     from edge0.model.demo import DEMO_STORE
 
     if args.max_tokens < 1 or args.seq_len < 1:
         raise Edge0Error("--max-tokens and --seq-len must be positive")
-    serving = None
-    if args.routing != "native" or args.k is not None:
-        import argparse as _argparse
-
-        from edge0.cli import add_run_flags
-
-        q = _argparse.ArgumentParser()
-        add_run_flags(q)
-        flags = ["--routing", args.routing, "--dtype", args.dtype]
-        flags += ["--predictor", args.predictor] if args.predictor else []
-        flags += ["--heads", args.heads] if args.heads else []
-        flags += ["--k", str(args.k)] if args.k is not None else []
-        serving = q.parse_args(flags)
-    r = evaluate(args.model or DEMO_STORE, args.data, teacher=args.teacher, max_tokens=args.max_tokens,
-                 seq_len=args.seq_len, dtype=args.dtype, routing=args.routing_stats, serving=serving)
+    model = Path(args.model) if args.model else DEMO_STORE
+    config = engine_config(args) if (model / "edge0.json").exists() else None
+    r = evaluate(model, args.data, teacher=args.teacher, max_tokens=args.max_tokens, seq_len=args.seq_len,
+                 dtype=args.dtype, routing=args.routing_stats, config=config)
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"{r['model']} on {r['data']}: {r['tokens']} tokens, loss {r['loss']:.4f} nats/token, ppl {r['ppl']:.3f}")
+    print(f"{r['model']} ({r['kind']}) on {r['data']}: {r['tokens']} tokens, loss {r['loss']:.4f} nats/token, ppl {r['ppl']:.3f}")
     if "teacher" in r:
         print(f"teacher {r['teacher']}: ppl {r['teacher_ppl']:.3f}; top-1 agreement {r['top1_agreement']:.4f}, "
               f"KL(teacher||model) {r['kl']:.5f} nats/token")

@@ -36,6 +36,6 @@ def models(tmp_path_factory):
 def _kernel_choice():
     """Whatever a test selects, the next one starts from the pinned kernel."""
     yield
-    from edge0.compute import qmm
+    from tests.helpers import undo_kernels
 
-    qmm.set_kernel(os.environ["EDGE0_KERNEL"])
+    undo_kernels()

@@ -9,7 +9,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.compute import kernels, qmm
+from edge0.compute.kernel import Kernel, current
 from edge0.errors import Edge0Error
+from tests.helpers import use_kernel
 
 EXT = kernels.load()
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()} (built by pip install -e . where a C++ compiler and cmake exist)")
@@ -19,9 +21,7 @@ TOL = {"portable": 1e-5, "avx2": 1e-2, "avx512": 1e-2}  # int8 activations: abou
 
 @pytest.fixture(autouse=True)
 def restore():
-    before = qmm._choice
     yield
-    qmm.set_kernel(before)
     if EXT is not None:
         EXT.set_impl(IMPLS[-1])
         EXT.set_num_threads(kernels.default_threads())
@@ -60,7 +60,7 @@ GATHER = [  # (D, N, E, K, T, gs)
 @pytest.mark.parametrize("d,n,e,k,t,gs", GATHER)
 def test_gather_matches_reference(impl, d, n, e, k, t, gs):
     assert EXT.set_impl(impl)
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     w, s, b = quantized((e, n, d), gs, seed=d + n + e)
     ref_w = dequantized(w, s, b, gs)  # (E, N, D)
     rng = np.random.default_rng(k)
@@ -96,7 +96,7 @@ def test_gather_matches_reference(impl, d, n, e, k, t, gs):
                                          ((1, 1), 4096, 64, 64), ((67,), 512, 96, 64), ((2,), 576, 40, 64)])
 def test_dense_matches_reference(impl, lead, d, n, gs):
     assert EXT.set_impl(impl)
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     w, s, b = quantized((n, d), gs, seed=n)
     x = mx.array(np.random.default_rng(1).standard_normal((*lead, d)).astype(np.float32))
     y = qmm.quantized_matmul(x, w, s, b, group_size=gs, bits=4, mode="affine")
@@ -113,7 +113,7 @@ def test_glu_matches_reference(impl, d, h, e, k, t, gs):
     """The fused routed product: down(silu(gate x) * up x) per (token, expert), against float64 (two
     int8 activation stages in a row: within 3% on the SIMD paths) and against the three products run apart."""
     assert EXT.set_impl(impl)
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     parts = {n: quantized((e, *shape), gs, seed=i) for i, (n, shape) in
              enumerate((("gate_proj", (h, d)), ("up_proj", (h, d)), ("down_proj", (d, h))))}
     bank = {f"{n}.{f}": a for n, p in parts.items() for f, a in zip(("weight", "scales", "biases"), p)}
@@ -140,7 +140,7 @@ def test_dense_ops_match_mlx():
     """RMS norm, RoPE and attention (one query, and causal prompts) against MLX's fast ops, views as inputs."""
     from edge0.compute import dense
 
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     key = iter(mx.random.split(mx.random.key(0), 16))
     x = mx.random.normal((2, 5, 4, 64), key=next(key))
     w = mx.random.normal((64,), key=next(key))
@@ -164,7 +164,7 @@ def test_dense_ops_match_mlx():
         got = dense.scaled_dot_product_attention(qd, k, v, cache=None, scale=0.125, mask=mask)
         want = mx.fast.scaled_dot_product_attention(qd, k, v, scale=0.125, mask=mask)
         assert rel(got, np.array(want).astype(np.float64)) < 1e-5, (l, s, mask)
-    qmm.set_kernel("mlx")  # MLX's own ops, bitwise, under --kernel mlx
+    use_kernel("mlx")  # MLX's own ops, bitwise, under --kernel mlx
     assert mx.array_equal(dense.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
 
 
@@ -174,7 +174,7 @@ def test_dense_ops_match_mlx():
 def test_8bit_matches_reference(impl, gs):
     """8-bit weights (the routers): dense and gathered, against float64."""
     assert EXT.set_impl(impl)
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     rng = np.random.default_rng(gs)
     w, s, b = quantized((64, 1024), gs, seed=gs, bits=8)
     x = mx.array(rng.standard_normal((3, 1024)).astype(np.float32))
@@ -197,9 +197,9 @@ def test_softmax_topk_matches_mlx(shape, k, norm):
     from edge0.compute.routing import softmax_topk
 
     logits = mx.random.normal(shape, key=mx.random.key(k)) * 3
-    qmm.set_kernel("mlx")
+    use_kernel("mlx")
     want_i, want_s = softmax_topk(logits, k, norm)
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     got_i, got_s = softmax_topk(logits, k, norm)
     assert got_i.shape == want_i.shape and got_i.dtype == mx.uint32 and got_s.dtype == mx.float32
     gi, gs_, wi, ws = (np.array(a).reshape(-1, k) for a in (got_i, got_s, want_i, want_s))
@@ -217,9 +217,9 @@ def test_combine_matches_mlx():
     for shape in ((1, 4, 64), (2, 5, 8, 96)):
         y = mx.swapaxes(mx.random.normal(shape[:-2] + shape[:-3:-1], key=next(key)), -1, -2)  # a strided view
         scores = mx.softmax(mx.random.normal(shape[:-1], key=next(key)), axis=-1)
-        qmm.set_kernel("mlx")
+        use_kernel("mlx")
         want = combine(y, scores, cast_back=False)
-        qmm.set_kernel("edge0")
+        use_kernel("edge0")
         got = combine(y, scores, cast_back=False)
         assert got.shape == want.shape == shape[:-2] + shape[-1:]
         assert rel(got, np.array(want).astype(np.float64)) < 1e-6
@@ -257,7 +257,7 @@ def test_bad_inputs_raise_one_clear_error(name):
 
 @needs_ext
 def test_threads_give_identical_results():
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     w, s, b = quantized((16, 256, 1024), 64, seed=3)
     x = mx.random.normal((4, 1, 1, 1024), key=mx.random.key(0))
     inds = mx.array(np.random.default_rng(0).integers(0, 16, (4, 6)).astype(np.uint32))
@@ -271,7 +271,7 @@ def test_threads_give_identical_results():
 @needs_ext
 def test_products_it_does_not_cover_run_on_mlx():
     """2-bit, bf16 activations, D not a multiple of 64: MLX's kernels, bitwise."""
-    qmm.set_kernel("edge0")
+    use_kernel("edge0")
     w2, s2, b2 = mx.quantize(mx.random.normal((4, 64, 256), key=mx.random.key(1)), group_size=64, bits=2)
     x = mx.random.normal((1, 1, 1, 256), key=mx.random.key(2))
     inds = mx.array([[0, 3]], dtype=mx.uint32)
@@ -289,8 +289,8 @@ def test_products_it_does_not_cover_run_on_mlx():
 
 
 def test_mlx_kernel_is_mlx_bitwise():
-    qmm.set_kernel("mlx")
-    assert qmm.kernel_in_use() == "mlx"
+    use_kernel("mlx")
+    assert current().name == "mlx"
     w, s, b = quantized((5, 64, 256), 64, seed=0)
     x = mx.random.normal((2, 1, 1, 256), key=mx.random.key(0))
     inds = mx.array([[0, 4, 2], [1, 1, 3]], dtype=mx.uint32)
@@ -303,15 +303,15 @@ def test_missing_extension_falls_back_with_one_notice(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "_reason", "not built")
     monkeypatch.setattr(kernels, "_noticed", False)
     with pytest.raises(Edge0Error, match="not built"):
-        qmm.set_kernel("edge0")
-    qmm.set_kernel("auto")
-    assert qmm.kernel_in_use() == "mlx"
+        use_kernel("edge0")
+    use_kernel("auto")
+    assert current().name == "mlx"
     w, s, b = quantized((64, 128), 64, seed=0)
     x = mx.random.normal((1, 128), key=mx.random.key(0))
     y = qmm.quantized_matmul(x, w, s, b, group_size=64, bits=4, mode="affine")
     assert mx.array_equal(y, mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4))
-    qmm.set_kernel("auto")
-    qmm.kernel_in_use()
+    use_kernel("auto")
+    current().name
     err = capsys.readouterr().err
     assert err.count("edge0: CPU kernels not built; using MLX's kernels") == 1
 
@@ -325,17 +325,17 @@ def test_version_pin(monkeypatch):
     assert f"built against mlx 0.0.1 but mlx {mx.__version__} is installed" in kernels.reason()
 
 
-def test_route_dense():
+def test_use_kernel_products():
     model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 64, bias=False))
     nn.quantize(model, group_size=64, bits=4)
     x = mx.random.normal((3, 128), key=mx.random.key(0))
     before = model(x)
-    assert qmm.route_dense(model) == 2
-    assert all(isinstance(m, qmm.RoutedQuantizedLinear) for m in model.layers)
-    qmm.set_kernel("mlx")
+    assert qmm.use_kernel_products(model) == 2
+    assert all(isinstance(m, qmm.KernelQuantizedLinear) for m in model.layers)
+    use_kernel("mlx")
     assert mx.array_equal(model(x), before)
     if EXT is not None:
-        qmm.set_kernel("edge0")
+        use_kernel("edge0")
         assert rel(model(x), np.array(before).astype(np.float64)) < 1e-2
 
 
@@ -351,8 +351,8 @@ def test_greedy_decoding_agrees_with_mlx(models, arch):
     prompt = list(range(3, 19))
     runs = {}
     for kernel in ("mlx", "edge0"):
-        qmm.set_kernel(kernel)
-        assert qmm.kernel_in_use() == kernel
+        use_kernel(kernel)
+        assert current().name == kernel
         s = load_store(store, dtype="float32")
         forced = runs["mlx"][0] if kernel == "edge0" else None
         steps = list(generate_steps(s.model, prompt, max_tokens=64, sampler=make_sampler(0.0), forced=forced))

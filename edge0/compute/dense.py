@@ -17,52 +17,57 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from . import qmm
+from .kernel import current
+from .qmm import swap_classes
 
 _mlx_attention = base.scaled_dot_product_attention  # mlx-lm's own, for everything else
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    if qmm.kernel_in_use() == "edge0" and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 1:
-        return qmm._ext.rms_norm(x, weight, eps)
+    ext = current().ext
+    if ext is not None and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 1:
+        return ext.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset) -> mx.array:
-    if (qmm.kernel_in_use() == "edge0" and x.dtype == mx.float32 and x.ndim == 4 and isinstance(offset, int)
+    ext = current().ext
+    if (ext is not None and x.dtype == mx.float32 and x.ndim == 4 and isinstance(offset, int)
             and base is not None and dims % 2 == 0 and dims <= x.shape[-1]):
-        return qmm._ext.rope(x, dims, traditional, float(base), float(scale), offset)
+        return ext.rope(x, dims, traditional, float(base), float(scale), offset)
     return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's models.base.scaled_dot_product_attention in one node, without mask or causal."""
     causal = isinstance(mask, str) and mask == "causal"
-    if (qmm.kernel_in_use() == "edge0" and queries.ndim == 4 and sinks is None and (mask is None or causal)
+    ext = current().ext
+    if (ext is not None and queries.ndim == 4 and sinks is None and (mask is None or causal)
             and not hasattr(cache, "bits") and queries.dtype == keys.dtype == values.dtype == mx.float32
             and keys.shape == values.shape and queries.shape[-1] == keys.shape[-1]
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[2] <= keys.shape[2]):
-        return qmm._ext.attention(queries, keys, values, float(scale), causal)
+        return ext.attention(queries, keys, values, float(scale), causal)
     return _mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-class RoutedRMSNorm(nn.RMSNorm):
+class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x):
         return rms_norm(x, self["weight"], self.eps)
 
 
-class RoutedRoPE(nn.RoPE):
+class KernelRoPE(nn.RoPE):
     def __call__(self, x, offset: int = 0):
         return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
 
 
-def route_dense_ops(model: nn.Module) -> int:
+def use_kernel_ops(model: nn.Module) -> int:
     """Make the model's RMS norms and plain RoPEs call this module (parameters untouched), and the
     attention of its model modules call scaled_dot_product_attention above. Returns how many modules
-    were rerouted. The attention is swapped in the mlx-lm model module's namespace, so other models of
-    the same architecture in this process take this path too; under `--kernel mlx` it is mlx-lm's own.
+    were swapped. mlx-lm's attention calls the function named in its model module's namespace, so that
+    name is replaced there (once, for the process); the replacement runs mlx-lm's own function whenever
+    the current kernel is not edge0, so models that did not ask for it compute exactly as before.
     """
     for module in {sys.modules.get(type(m).__module__) for _, m in model.named_modules()}:
         if getattr(module, "scaled_dot_product_attention", None) is _mlx_attention:
             module.scaled_dot_product_attention = scaled_dot_product_attention
-    return qmm.reroute(model, {nn.RMSNorm: RoutedRMSNorm, nn.RoPE: RoutedRoPE})
+    return swap_classes(model, {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE})

@@ -1,64 +1,29 @@
 """The one call site of every quantized product (routed experts and dense quantized linears), so a
 faster kernel replaces MLX's in one place.
 
-Kernels: `mlx` (MLX's own), `edge0` (the CPU extension of csrc/: int8 activations, AVX-512 VNNI or
-AVX2 nibble dot products, for MLX's affine 4-bit layout, and 8-bit (the routers), with float32
-activations, scales and biases), `auto` (edge0 on CPU when it is built, MLX's elsewhere). Products
-the extension does not cover (other bits or modes, bf16 activations, several rows per expert in one
-x row) run on MLX's kernels in either case.
+The kernel is the one current for the graph being built (compute/kernel.py). Products the edge0
+kernel does not cover (other bits or modes, bf16 activations, several rows per expert in one x row)
+run on MLX's kernels in either case.
 Shapes: R output rows, D inputs, N outputs, K routed, E experts.
 """
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import Edge0Error
-from . import kernels
+from .kernel import current
 
-KERNELS = ("auto", "mlx", "edge0")
 GROUP_SIZES = (32, 64, 128)
 
-_choice = os.environ.get("EDGE0_KERNEL", "auto")  # --kernel sets it per run; tests pin "mlx" for the oracles
-_ext = None  # the extension when the edge0 kernel is in use
-_resolved: str | None = None
 
-
-def set_kernel(name: str) -> None:
-    """Select the kernel for every later graph; `edge0` raises when the extension cannot be used."""
-    global _choice, _resolved, _ext
-    if name not in KERNELS:
-        raise Edge0Error(f"--kernel {name}: choose {', '.join(KERNELS)}")
-    if name == "edge0" and not kernels.available():
-        raise Edge0Error(f"--kernel edge0: the CPU kernels are {kernels.reason()}")
-    _choice, _resolved, _ext = name, None, None
-
-
-def kernel_in_use() -> str:
-    """'edge0' or 'mlx': what the products of graphs built now run on."""
-    global _resolved, _ext
-    if _resolved is None:
-        on_cpu = mx.default_device() == mx.cpu
-        if _choice == "edge0" or (_choice == "auto" and on_cpu):
-            _ext = kernels.load()
-            if _ext is None:
-                kernels.notice()
-        else:
-            _ext = None
-        _resolved = "edge0" if _ext is not None else "mlx"
-    return _resolved
-
-
-def _fits(d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
-          mode: str) -> bool:
+def _fits(ext, d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+          bits: int, mode: str) -> bool:
     """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
     return (bits in (4, 8) and mode == "affine" and biases is not None and group_size in GROUP_SIZES
             and x_dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
             and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 32 == d * bits and d % group_size == 0
-            and d // group_size <= _ext.MAX_GROUPS)
+            and d // group_size <= ext.MAX_GROUPS)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, *,
@@ -67,17 +32,18 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
 
     The same product as mlx-lm's SwitchLinear (mx.gather_qmm with rhs_indices, transpose=True).
     """
-    if (kernel_in_use() == "edge0" and x.ndim >= 2 and x.shape[-2] == 1 and w.ndim == 3
-            and _fits(x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode)):
-        return _edge0_gather(x, w, scales, biases, indices, group_size)
+    ext = current().ext
+    if (ext is not None and x.ndim >= 2 and x.shape[-2] == 1 and w.ndim == 3
+            and _fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode)):
+        return _edge0_gather(ext, x, w, scales, biases, indices, group_size)
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                          bits=bits, mode=mode, sorted_indices=sorted_indices)
 
 
-def _edge0_gather(x, w, scales, biases, indices, group_size):
+def _edge0_gather(ext, x, w, scales, biases, indices, group_size):
     bx, bi = tuple(x.shape[:-2]), tuple(indices.shape)
     bs = tuple(mx.broadcast_shapes(bx, bi)) if bx != bi else bi  # batch shape of the output
-    return _ext.qmv(_x_rows(x, bx, bs), w, scales, biases, indices if bi == bs else mx.broadcast_to(indices, bs),
+    return ext.qmv(_x_rows(x, bx, bs), w, scales, biases, indices if bi == bs else mx.broadcast_to(indices, bs),
                     group_size, (*bs, 1, w.shape[-2]))
 
 
@@ -95,29 +61,31 @@ def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, gro
     """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., D) and
     indices (..., K) -> (..., K, D); None where that kernel does not cover it (the caller then runs the
     three gather_qmm)."""
-    if kernel_in_use() != "edge0" or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
+    ext = current().ext
+    if ext is None or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
         return None
     names = ("gate_proj", "up_proj", "down_proj")
     parts = [(bank[f"{n}.weight"], bank[f"{n}.scales"], bank.get(f"{n}.biases")) for n in names]
     d, h = x.shape[-1], parts[0][0].shape[-2]
-    if not (all(w.ndim == 3 for w, _, _ in parts) and _fits(d, x.dtype, *parts[0], group_size, bits, mode)
-            and _fits(d, x.dtype, *parts[1], group_size, bits, mode)
-            and _fits(h, x.dtype, *parts[2], group_size, bits, mode)):
+    if not (all(w.ndim == 3 for w, _, _ in parts) and _fits(ext, d, x.dtype, *parts[0], group_size, bits, mode)
+            and _fits(ext, d, x.dtype, *parts[1], group_size, bits, mode)
+            and _fits(ext, h, x.dtype, *parts[2], group_size, bits, mode)):
         return None
-    return _ext.glu(x, indices, list(parts[0]), list(parts[1]), list(parts[2]), group_size,
+    return ext.glu(x, indices, list(parts[0]), list(parts[1]), list(parts[2]), group_size,
                     (*indices.shape, parts[2][0].shape[-2]))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
                      bits: int, mode: str) -> mx.array:
     """x @ W.T for packed W (N, D*bits/32); x (..., D) -> (..., N). As nn.QuantizedLinear computes it."""
-    if kernel_in_use() == "edge0" and w.ndim == 2 and _fits(x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode):
-        return _ext.qmv(x, w, scales, biases, None, group_size, (*x.shape[:-1], w.shape[0]))
+    ext = current().ext
+    if ext is not None and w.ndim == 2 and _fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode):
+        return ext.qmv(x, w, scales, biases, None, group_size, (*x.shape[:-1], w.shape[0]))
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=bits, mode=mode)
 
 
-class RoutedQuantizedLinear(nn.QuantizedLinear):
+class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product goes through quantized_matmul (same parameters and math)."""
 
     def __call__(self, x):
@@ -126,7 +94,7 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-class RoutedQuantizedEmbedding(nn.QuantizedEmbedding):
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose tied output head (as_linear) goes through quantized_matmul."""
 
     def as_linear(self, x):
@@ -134,19 +102,20 @@ class RoutedQuantizedEmbedding(nn.QuantizedEmbedding):
                                 bits=self.bits, mode=self.mode)
 
 
-def reroute(model: nn.Module, classes: dict[type, type]) -> int:
+def swap_classes(model: nn.Module, classes: dict[type, type]) -> int:
     """Swap the class of every module whose class is a key of `classes` (exactly, not a subclass) for its
     value, a subclass with the same parameters; returns how many were swapped."""
     n = 0
     for _, m in model.named_modules():
-        routed = classes.get(type(m))
-        if routed is not None:
-            m.__class__ = routed
+        new = classes.get(type(m))
+        if new is not None:
+            m.__class__ = new
             n += 1
     return n
 
 
-def route_dense(model: nn.Module) -> int:
+def use_kernel_products(model: nn.Module) -> int:
     """Make the model's dense quantized linears (and a tied quantized embedding head) call
-    quantized_matmul; parameters are untouched. Returns how many modules were rerouted."""
-    return reroute(model, {nn.QuantizedLinear: RoutedQuantizedLinear, nn.QuantizedEmbedding: RoutedQuantizedEmbedding})
+    quantized_matmul; parameters are untouched. Returns how many modules were swapped."""
+    return swap_classes(model, {nn.QuantizedLinear: KernelQuantizedLinear,
+                                nn.QuantizedEmbedding: KernelQuantizedEmbedding})

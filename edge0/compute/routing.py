@@ -11,13 +11,14 @@ from functools import partial
 
 import mlx.core as mx
 
-from . import qmm
+from .kernel import current
 
 
 def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
     """Qwen3-MoE / Qwen3-Next / Qwen3.5-MoE: softmax, top-k, optional renormalisation."""
-    if qmm.kernel_in_use() == "edge0" and logits.dtype == mx.float32:
-        return tuple(qmm._ext.softmax_topk(logits, k, norm_topk_prob))
+    ext = current().ext
+    if ext is not None and logits.dtype == mx.float32:
+        return tuple(ext.softmax_topk(logits, k, norm_topk_prob))
     gates = mx.softmax(logits, axis=-1, precise=True)  # (T, E)
     inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])  # (T, K)
     scores = mx.take_along_axis(gates, inds, axis=-1)  # (T, K)
@@ -54,8 +55,9 @@ def sigmoid_group_topk(logits, expert_bias, top_k, n_group, topk_group, routed_s
 
 def combine(y: mx.array, scores: mx.array, *, cast_back: bool) -> mx.array:
     """Weighted sum of the K expert outputs (T, K, D) -> (T, D)."""
-    if qmm.kernel_in_use() == "edge0" and y.dtype == scores.dtype == mx.float32:
-        return qmm._ext.combine(y, scores)
+    ext = current().ext
+    if ext is not None and y.dtype == scores.dtype == mx.float32:
+        return ext.combine(y, scores)
     out = (y * scores[..., None]).sum(axis=-2)
     return out.astype(y.dtype) if cast_back else out
 

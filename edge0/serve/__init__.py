@@ -7,37 +7,28 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-# Flags of `edge0 run` that make no sense for a server or a chat; every other one of its flags (the model, how
-# its experts are read and routed, the sampling defaults) is shared, with the same meaning and checks.
-RUN_ONLY = {"prompt": None, "max_tokens": None, "chat": False, "ignore_eos": False, "replay": None, "json": False,
-            "trace": None}
+from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, sampling
+from ..log import log
 
 
-def _add_shared_flags(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """Copy `edge0 run`'s flags but RUN_ONLY, so that help texts and defaults have one source."""
-    from ..cli import add_run_flags
+def _add_shared_flags(p: argparse.ArgumentParser, *, seed_help: str) -> None:
+    add_engine_flags(p)
+    add_sampling_flags(p, max_tokens=512, seed=None, seed_help=seed_help)
+    add_log_flags(p)
 
-    run = argparse.ArgumentParser(add_help=False)
-    add_run_flags(run)
-    for action in run._actions:  # argparse's own `parents=` copies actions the same way
-        if action.dest not in RUN_ONLY:
-            p._add_action(action)
-    p.set_defaults(**{k: v for k, v in RUN_ONLY.items() if k != "max_tokens"})  # args stay a superset of run's
-    p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
-                   help=f"tokens to generate when a request does not say (default {max_tokens})")
+
+def serve_configs(args: argparse.Namespace):
+    """(EngineConfig, Sampling) of serve's or chat's flags, checked."""
+    return engine_config(args), sampling(args)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     from .server import DEFAULT_MAX_QUEUE
 
-    _add_shared_flags(p, max_tokens=512)
-    for action in p._actions:
-        if action.dest == "seed":  # reseeding every request would make every sampled answer the same
-            action.default = None
-            action.help = ("random seed applied to requests that give no 'seed' (default: none; sampling continues "
-                           "the server's random state)")
+    # reseeding every request would make every sampled answer the same
+    _add_shared_flags(p, seed_help="random seed applied to requests that give no 'seed' (default: none; sampling "
+                                   "continues the server's random state)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
@@ -59,16 +50,17 @@ def serve_cli(args) -> int:
         raise Edge0Error(f"--port {args.port}: must be between 0 and 65535 (0: any free port)")
     if args.max_queue < 0:
         raise Edge0Error(f"--max-queue {args.max_queue}: must not be negative")
+    config, samp = serve_configs(args)
     loop = new_loop()
     asyncio.set_event_loop(loop)
-    server = Server(args, host=args.host, port=args.port, max_queue=args.max_queue)
+    server = Server(config, samp, host=args.host, port=args.port, max_queue=args.max_queue)
     server.end_thread = True
     try:
         try:
             loop.run_until_complete(server.start())
         except OSError as e:
             raise Edge0Error(f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})") from None
-        print(f"edge0 serve: {server.engine.model_id} on {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+        log.info(f"serving {server.engine.model_id} on {server.url}/v1 (Ctrl-C stops)")
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -88,7 +80,7 @@ def serve_cli(args) -> int:
 
 
 def add_chat_flags(p: argparse.ArgumentParser) -> None:
-    _add_shared_flags(p, max_tokens=512)
+    _add_shared_flags(p, seed_help="random seed of the first answer (default: none)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
     p.add_argument("--stats", action="store_true", help="print the figures after every answer (toggle with /stats)")
 

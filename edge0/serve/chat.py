@@ -13,16 +13,20 @@ import signal
 import sys
 import threading
 
-from .engine import Engine, Figures, GenRequest
+from ..engine import Engine, open_engine
+from ..generation import Figures, GenRequest
 
 HELP = "/stats  figures of the last answer (and toggle them after every answer)\n" \
        "/reset  start a new conversation\n/quit   leave (or Ctrl-D)"
 
 
 def chat(args, *, stdin=None, out=None) -> int:
+    from . import serve_configs
+
     stdin = stdin or sys.stdin
     out = out or sys.stdout
-    engine = Engine.open(args)
+    config, samp = serve_configs(args)
+    engine = open_engine(config)
     show = bool(args.stats)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
@@ -57,13 +61,13 @@ def chat(args, *, stdin=None, out=None) -> int:
                 continue
             messages.append({"role": "user", "content": text})
             prompt = engine.encode_chat(messages)
-            room = (engine.context - len(prompt)) if engine.context else args.max_tokens
+            room = (engine.context - len(prompt)) if engine.context else samp.max_tokens
             if room < 1:
                 print("edge0 chat: the conversation fills the model's context; /reset to start again", file=sys.stderr)
                 messages.pop()
                 continue
-            req = GenRequest(prompt=prompt, max_tokens=min(args.max_tokens, room), temp=args.temp, top_p=args.top_p,
-                             seed=args.seed if last is None else None)
+            req = GenRequest(prompt=prompt, max_tokens=min(samp.max_tokens, room), temp=samp.temp, top_p=samp.top_p,
+                             seed=samp.seed if last is None else None)
             answer: list[str] = []
 
             def emit(piece: str) -> None:

@@ -1,0 +1,127 @@
+"""`edge0 run` (also `python -m edge0.run`): generate text from an Edge0 store, streaming tokens.
+
+    python -m edge0.run --prompt "def fib(n):" --max-tokens 32
+    edge0 run --model ~/stores/qwen3-30b --cold --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import Edge0Error
+from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, sampling
+from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    add_engine_flags(p)
+    p.add_argument("--prompt", default=None, help="prompt text (default: a short Python prompt)")
+    add_sampling_flags(p, max_tokens=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--replay", metavar="FILE", default=None,
+                   help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="write a Chrome trace-event timeline (Perfetto); analyse with `edge0 trace summarize PATH`")
+    p.add_argument("--json", action="store_true", help="print only one JSON object with the tokens and figures, at the end")
+    add_log_flags(p)
+
+
+def read_replay(path: str) -> dict:
+    """--replay FILE: {"prompt": [ids], "tokens": [ids]}: a fixed prompt and forced decode tokens (benchmarks)."""
+    from ..io.manifest import read_json
+
+    if not Path(path).is_file():
+        raise Edge0Error(f"--replay {path}: no such file")
+    data = read_json(Path(path))
+    ok = isinstance(data, dict) and not set(data) - {"prompt", "tokens"} and all(
+        isinstance(data.get(k, []), list) and all(type(t) is int and t >= 0 for t in data.get(k, []))
+        for k in ("prompt", "tokens"))
+    if not ok or not data.get("prompt"):
+        raise Edge0Error(f"{path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}} and nothing else")
+    return data
+
+
+def _prompt(engine, args, replay: dict | None) -> list[int]:
+    if replay is not None:
+        return replay["prompt"]
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.chat:
+        return engine.encode_chat([{"role": "user", "content": text}])
+    return engine.encode_text(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine import memory_figures, open_engine
+    from ..generation import GenRequest
+    from ..sched.trace import NULL, Trace
+
+    t0 = time.perf_counter()
+    config, samp = engine_config(args), sampling(args)
+    replay = read_replay(args.replay) if args.replay else None
+    if args.trace and (Path(args.trace).is_dir() or not os.access(Path(args.trace).resolve().parent, os.W_OK)):
+        raise Edge0Error(f"--trace {args.trace}: not a writable file path")
+    trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
+    with open_engine(config, trace=trace) as engine:
+        if trace.on:
+            trace.meta.update(routing=engine.config.routing, predictor=engine.config.predictor)
+        load_s = time.perf_counter() - t0
+        req = GenRequest(prompt=_prompt(engine, args, replay), max_tokens=samp.max_tokens, temp=samp.temp,
+                         top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos,
+                         forced=(replay.get("tokens") or None) if replay else None)
+        engine.check(req, what=args.replay if replay else "--prompt")
+        if not args.json and replay is None and not args.chat:
+            print(args.prompt if args.prompt is not None else DEFAULT_PROMPT, end="", flush=True)
+        emit = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))
+        fig = engine.generate(req, emit)
+        if not args.json:
+            print(flush=True)
+        result = _result(engine, fig, load_s, memory_figures())
+        if trace.on:
+            trace.save(args.trace, summary={k: result[k] for k in ("decode_tok_s", "stall_ms_per_token", "recall",
+                                                                   "loads", "load_bytes", "load_cold_fraction")})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
+              f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, read "
+              f"{result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
+              f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%, peak MLX "
+              f"{result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
+    return 0
+
+
+def _result(engine, fig, load_s: float, memory: dict) -> dict:
+    """`--json`'s object: the generation, the store's cumulative I/O (loading included), what ran."""
+    stats, rt = engine.store.reader.stats, engine.store.runtime
+    sched = getattr(rt, "sched", None)
+    steps = max(len(fig.tokens), 1)
+    return {
+        "tokens": fig.tokens, "text": fig.text, "prompt_tokens": fig.prompt_tokens,
+        "decode_tok_s": fig.decode_tok_s, "prefill_tok_s": fig.prefill_tok_s, **memory,
+        "bytes_read": stats.bytes, "reads": stats.reads, "cold_fraction": stats.cold_fraction,
+        "hit_rate": rt.stats.hit_rate, "resident_expert_bytes": rt.resident_expert_bytes,
+        "stall_ms_per_token": 1e3 * fig.stall_s / steps,
+        "recall": sched.stats.recall if sched else None,
+        "loads": sched.stats.loads if sched else stats.reads,
+        "demand_loads": sched.stats.demand_loads if sched else stats.reads,
+        "load_bytes": sched.stats.bytes if sched else stats.bytes,
+        "load_cold_fraction": sched.stats.cold_fraction if sched else stats.cold_fraction,
+        "load_s": load_s, **engine.describe(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import guarded
+    from ..log import configure
+
+    p = argparse.ArgumentParser(prog="edge0 run", description="Generate text with an Edge0 store.")
+    add_run_flags(p)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    configure(json=args.log_json)
+    return guarded(lambda: run(args))

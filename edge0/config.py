@@ -1,0 +1,122 @@
+"""What a served model needs, as typed values: `EngineConfig` (model, routing, executor, kernel, heads,
+I/O, memory) and `Sampling` (how tokens are drawn). Commands build these from their flags
+(edge0/flags.py); `open_engine` (edge0/engine.py) takes an EngineConfig. Values are checked here, once,
+before anything is loaded; limits that need the store (K, slots) are checked when it is opened.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from .errors import Edge0Error
+
+ROUTINGS = ("native", "prefetch", "predicted")
+PREDICTORS = ("repeat", "next-router", "heads")
+EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
+IO_MODES = ("pread", "mmap", "direct")
+DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "mlx", "edge0")
+IO_WORKERS = 2  # prefetch pool threads: MLX's CPU backend leaves about one core free
+MAX_IO_WORKERS = 64
+MAX_TEMP = 100.0  # above this sampling is uniform noise; a typo, not a choice
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return math.inf
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `open_engine` needs; every field has the default a user gets with no flag."""
+
+    model: str | None = None  # Edge0 store directory; None: the built-in demo model
+    routing: str | None = None  # native | prefetch | predicted; None: predicted when the store has heads
+    predictor: str | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
+    heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
+    top_k: int | None = None  # routed experts per token; None: the model's own
+    executor: str = "auto"  # auto (staged) | exact | staged | hot | resident
+    slots: int | None = None  # slots per staged bank; None: 2K
+    memory_budget_gib: float | None = None  # most expert bytes held resident
+    io: str = "pread"  # pread | mmap | direct
+    io_workers: int = IO_WORKERS  # prefetch pool threads
+    io_throttle_mbps: float | None = None  # cap on read bandwidth (experiments); None: none
+    verify: bool = False  # check every bundle's and the resident files' checksums
+    cold: bool = False  # evict the store from the page cache before loading
+    dtype: str = "auto"  # compute dtype of non-quantized tensors
+    kernel: str | None = None  # auto | mlx | edge0; None: $EDGE0_KERNEL, else auto
+    kernel_threads: int | None = None  # threads of the edge0 kernels; None: their default
+    model_id: str | None = None  # the name clients use (serve); None: the store directory's name
+
+    def check(self) -> "EngineConfig":
+        """Raise Edge0Error naming the flag of the first bad value; returns self."""
+        _choice("--routing", self.routing, ROUTINGS, optional=True)
+        _choice("--predictor", self.predictor, PREDICTORS, optional=True)
+        _choice("--executor", self.executor, EXECUTORS)
+        _choice("--io", self.io, IO_MODES)
+        _choice("--dtype", self.dtype, DTYPES)
+        _choice("--kernel", self.kernel, KERNELS, optional=True)
+        _int("--k", self.top_k, 1, None)
+        _int("--slots", self.slots, 1, None)
+        _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
+        _int("--kernel-threads", self.kernel_threads, 1, _cores(), "the machine's cores")
+        _float("--memory-budget", self.memory_budget_gib, 0.0, _memory_gib(), "the machine's memory", lo_open=False)
+        _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
+               why=" (omit the flag for no cap)")
+        return self
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn when a request does not say."""
+
+    max_tokens: int = 64  # tokens to generate
+    temp: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int | None = 0  # None: continue the random state
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings
+
+    def check(self) -> "Sampling":
+        _int("--max-tokens", self.max_tokens, 1, None)
+        _float("--temp", self.temp, 0.0, MAX_TEMP, "", lo_open=False, why=" (0 is greedy)")
+        _float("--top-p", self.top_p, 0.0, 1.0, "", lo_open=True)
+        _int("--top-k", self.top_k, 0, None)
+        _int("--seed", self.seed, 0, 2**64 - 1)
+        return self
+
+
+def _choice(flag: str, value, allowed: tuple, optional: bool = False) -> None:
+    if (value is None and optional) or value in allowed:
+        return
+    raise Edge0Error(f"{flag} {value}: choose {', '.join(allowed)}")
+
+
+def _int(flag: str, value, lo: int, hi: int | None, hi_name: str = "") -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Edge0Error(f"{flag} {value!r}: expected an integer")
+    if value < lo:
+        raise Edge0Error(f"{flag} {value}: must be at least {lo}")
+    if hi is not None and value > hi:
+        raise Edge0Error(f"{flag} {value}: must be at most {hi}" + (f" ({hi_name})" if hi_name else ""))
+
+
+def _float(flag: str, value, lo: float, hi: float, hi_name: str, *, lo_open: bool, why: str = "") -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise Edge0Error(f"{flag} {value}: expected a finite number{why}")
+    if value < lo or (lo_open and value == lo):
+        raise Edge0Error(f"{flag} {value}: must be {'more than' if lo_open else 'at least'} {lo:g}{why}")
+    if value > hi:
+        raise Edge0Error(f"{flag} {value}: must be at most {hi:g}" + (f" ({hi_name}, GiB)" if hi_name else "") + why)

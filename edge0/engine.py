@@ -1,0 +1,255 @@
+"""The engine: one opened store with its model, expert runtime, scheduler and kernel choice, and the
+one generation loop that run, serve and chat share.
+
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.generation import GenRequest
+
+    with open_engine(EngineConfig(model="stores/q3")) as engine:
+        req = engine.request(engine.encode_text("def fib(n):"), max_tokens=32)
+        figures = engine.generate(req, emit=print)
+
+Every method that touches MLX runs on the calling thread and blocks; an engine is used by one thread
+at a time (the server gives it one worker thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from .compute import kernels
+from .compute.kernel import Kernel
+from .config import EngineConfig
+from .errors import Edge0Error
+from .generation import Figures, GenRequest, generate
+from .log import log
+from .model.arch import text_config, vocab_size
+from .model.demo import DEMO_STORE
+from .sched.trace import NULL
+
+
+def demo_store() -> Path:
+    """The built-in model: the project's own trained demo MoE (edge0/model/demo/MODEL_CARD.md)."""
+    if not (DEMO_STORE / "edge0.json").exists():
+        raise Edge0Error(f"{DEMO_STORE}: the built-in model is missing from this installation; reinstall edge0 "
+                         "or pass --model")
+    return DEMO_STORE
+
+
+def default_heads(store: Path, k: int | None) -> Path | None:
+    """heads-k{K}.safetensors next to the store (K: --k or the model's own), if present."""
+    from .io.manifest import read_manifest
+
+    if not (store / "edge0.json").exists():
+        return None
+    k = k or read_manifest(store).top_k
+    path = store / f"heads-k{k}.safetensors"
+    return path if path.exists() else None
+
+
+def resolve(config: EngineConfig) -> EngineConfig:
+    """The config with its defaults made explicit (store path, routing, predictor, heads), combinations
+    checked. Says on stderr when the routing default comes from heads found next to the store."""
+    config.check()
+    c = config
+    path = Path(c.model) if c.model else demo_store()
+    routing, predictor, heads = c.routing, c.predictor, c.heads
+    if routing is None and heads is None and predictor is None and c.executor in ("auto", "staged"):
+        found = default_heads(path, c.top_k)
+        if found is not None:
+            routing = "predicted"
+            log.info("routing predicted by the prerouter heads", heads=str(found),
+                     hint="--routing native to use the model's own router")
+    if heads is not None and routing == "prefetch" and predictor is None:
+        predictor = "heads"  # --heads names what to read ahead with
+    if heads is not None and routing == "prefetch" and predictor != "heads":
+        raise Edge0Error(f"--heads: --predictor {predictor} does not read heads (use --predictor heads)")
+    routing = routing or "native"
+    if predictor is not None and routing == "native":
+        raise Edge0Error(f"--predictor {predictor}: only used with --routing prefetch or predicted")
+    if routing == "predicted" and predictor not in (None, "heads"):
+        raise Edge0Error(f"--routing predicted routes with trained heads; --predictor {predictor} does not apply")
+    if routing != "native" and c.executor not in ("auto", "staged"):
+        raise Edge0Error(f"--routing {routing} fills staged slot banks; --executor {c.executor} does not apply")
+    if heads is not None and routing == "native":
+        raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads")
+    if routing != "native":
+        predictor = "heads" if routing == "predicted" else predictor or "next-router"
+        if predictor == "heads" and heads is None:
+            found = default_heads(path, c.top_k)
+            if found is None:
+                raise Edge0Error(f"{path}: no prerouter heads next to this store; pass --heads FILE "
+                                 "(train them with `edge0 train heads`)")
+            heads = str(found)
+    return dataclasses.replace(c, model=str(path), routing=routing, predictor=predictor, heads=heads)
+
+
+class Engine:
+    """A loaded store ready to generate; close it (or use `with`) to stop its threads and files."""
+
+    def __init__(self, config: EngineConfig, store, kernel: Kernel):
+        self.config, self.store, self.kernel = config, store, kernel
+        self.model_id = config.model_id or store.path.name
+        self.tokenizer = store.tokenizer
+        self.eos = set(self.tokenizer.eos_token_ids)
+        self.context = text_config(store.config).get("max_position_embeddings")
+        self.vocab = vocab_size(store.config)  # valid token ids: [0, vocab)
+        self.top_k = config.top_k or store.manifest.top_k
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self, end_thread: bool = False) -> None:
+        """Close the store. end_thread: also clear the calling thread's MLX streams, as a thread that used MLX
+        must before the process exits; only when the process ends next (it breaks MLX on other threads)."""
+        self.store.close()
+        if end_thread:
+            mx.clear_streams()
+
+    # -- prompts (no MLX: any thread) -------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The tokenizer's chat template, or "role: content" paragraphs then "assistant:" without one."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
+        return tok.encode(text + "assistant:")
+
+    def check(self, req: GenRequest, what: str = "the prompt") -> None:
+        """The request fits the model: a non-empty prompt of known token ids within the context."""
+        if not req.prompt:
+            raise Edge0Error(f"{what} is empty (it encodes to no tokens)")
+        ids = list(req.prompt) + list(req.forced or [])
+        bad = [t for t in ids if not 0 <= t < (self.vocab or float("inf"))]
+        if bad:
+            raise Edge0Error(f"{what}: token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
+        if self.context and len(req.prompt) + req.max_tokens > self.context:
+            raise ContextExceeded(f"{what}'s {len(req.prompt)} tokens + max_tokens {req.max_tokens} exceed the "
+                                  f"model's context of {self.context} tokens")
+
+    # -- generation (MLX: the calling thread) ---------------------------------------------------------
+
+    def generate(self, req: GenRequest, emit: Callable[[str], None] = lambda s: None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Figures:
+        """Generate for `req`, calling emit(text) per decoded piece (see generation.generate)."""
+        with self.kernel.active():
+            return generate(self, req, emit, cancelled)
+
+    def forced_logprobs(self, tokens: list[int]) -> mx.array:
+        """(L-1, V) log-probabilities of tokens[1:] given the tokens before, decoded step by step exactly as
+        served (predicted routing at t+1 depends on t); for scoring."""
+        from mlx_lm.sample_utils import make_sampler
+
+        from .sched.generate import generate_steps
+
+        with self.kernel.active():
+            steps = generate_steps(self.store.model, tokens[:1], max_tokens=len(tokens) - 1,
+                                   sampler=make_sampler(0.0), runtime=self.store.runtime, forced=tokens[1:])
+            return mx.stack([lp.astype(mx.float32) for _, lp in steps])
+
+    def reset(self) -> None:
+        """Bring the runtime back to a clean state after a failed generation (pending reads cancelled,
+        banks consistent); raises when it cannot, and the engine should then not be used."""
+        rt = self.store.runtime
+        recover = getattr(rt, "recover", None) or getattr(rt, "finish", None)
+        if recover is not None:
+            recover()
+
+    def describe(self) -> dict:
+        """What runs: routing, predictor, heads, executor, kernel, I/O (for --json and logs)."""
+        c, rt = self.config, self.store.runtime
+        return {"routing": c.routing, "predictor": c.predictor if c.routing != "native" else None,
+                "heads": c.heads if c.predictor == "heads" else None, "top_k": self.top_k,
+                "executor": rt.executor, "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
+                "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
+                "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":
+                c.memory_budget_gib, "model": str(self.store.path), "expert_gib": self.store.manifest.expert_bytes / 2**30}
+
+    def request(self, prompt: list[int], **fields) -> GenRequest:
+        return GenRequest(prompt=list(prompt), **fields)
+
+
+class ContextExceeded(Edge0Error):
+    """The prompt plus max_tokens does not fit the model's context."""
+
+
+def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
+    """Load the store `config` names (the demo model by default) and build its runtime."""
+    from .io.pagecache import evict
+    from .model.load import load_store
+
+    c = resolve(config)
+    kernel = Kernel.choose(c.kernel)
+    if c.kernel_threads:
+        kernels.set_num_threads(c.kernel_threads)
+    path = Path(c.model)
+    if c.cold and path.is_dir():
+        for f in path.rglob("*.safetensors"):
+            evict(f)
+    with kernel.active():
+        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=c.executor, slots=c.slots,
+                           memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
+                           build=_prefetch_builder(c, trace) if c.routing != "native" else None)
+    try:
+        store.runtime.trace = trace
+        _check_store_limits(c, store)
+        if c.top_k is not None:
+            for layer in store.runtime.executors:
+                store.model.layers[layer].mlp.top_k = c.top_k
+    except BaseException:
+        store.close()
+        raise
+    return Engine(c, store, kernel)
+
+
+def _prefetch_builder(c: EngineConfig, trace):
+    """The runtime builder of scheduled routing (prefetch, predicted) for load_store."""
+    from .model.arch import read_config
+    from .model.heads import HeadSet
+    from .sched.prefetch import build_prefetch_runtime
+
+    def build(reader, cdtype):
+        heads = None
+        if c.predictor == "heads":
+            heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
+        return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
+                                      slots=c.slots, workers=c.io_workers, trace=trace, heads=heads,
+                                      predicted_routing=c.routing == "predicted")
+    return build
+
+
+def _check_store_limits(c: EngineConfig, store) -> None:
+    """Limits that need the store: K and slots at most its E experts."""
+    e = store.manifest.num_experts
+    if c.top_k is not None and c.top_k > e:
+        raise Edge0Error(f"--k {c.top_k}: must be between 1 and the model's {e} experts")
+    if c.slots is not None and c.slots > e:
+        raise Edge0Error(f"--slots {c.slots}: at most the model's {e} experts (more slots never hold more)")
+
+
+def memory_figures() -> dict:
+    """Peak MLX allocation, peak RSS, and file-backed RSS now (GiB)."""
+    gib = 2**30
+    rss_file = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    rss_file = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak_mlx_gib": mx.get_peak_memory() / gib, "peak_rss_gib": peak_rss / gib, "file_rss_gib": rss_file / gib}

@@ -1,0 +1,84 @@
+"""The command-line flags that several commands share, and the typed configs they build.
+
+`add_engine_flags` (which model and how it runs: run, serve, chat, eval, bench arms) builds an
+EngineConfig with `engine_config(args)`; `add_sampling_flags` builds a Sampling. Each flag is defined
+once here, so help texts, defaults and checks agree across commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PREDICTORS, ROUTINGS, EngineConfig,
+                     Sampling)
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
+    """Which store and how its experts are read, routed and computed."""
+    p.add_argument("--model", metavar="DIR",
+                   help=model_help or "Edge0 store (made by `edge0 convert`); default: the built-in demo model")
+    p.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="native: the model's router, experts read on demand; prefetch: the model's router decides, "
+                        "predicted experts are read one token ahead by the I/O pool (same output as native); "
+                        "predicted: trained prerouter heads route the consumer layers (default when the store has "
+                        "heads-k{K}.safetensors and the executor is staged, else native)")
+    p.add_argument("--executor", choices=EXECUTORS, default="auto",
+                   help="exact: read the routed experts into fresh arrays every step; staged: per-layer slot banks, "
+                        "only changed slots read; hot: one LRU of bundles shared by all layers within "
+                        "--memory-budget (auto: staged); resident: every expert loaded at start (the compute floor, "
+                        "for benchmarks). staged and hot read each layer whole for prefill")
+    p.add_argument("--predictor", choices=PREDICTORS, default=None,
+                   help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
+                        "router on layer N's input; default), heads (the trained prerouter heads, --heads)")
+    p.add_argument("--heads", metavar="FILE", default=None,
+                   help="prerouter heads (default: heads-k{K}.safetensors next to the store); implies --predictor heads "
+                        "with --routing prefetch")
+    p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="slots per staged bank, at most the model's experts (default 2K)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
+    p.add_argument("--io", choices=IO_MODES, default="pread",
+                   help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
+    p.add_argument("--io-workers", type=int, default=IO_WORKERS, metavar="N",
+                   help=f"I/O pool threads for prefetch (default {IO_WORKERS})")
+    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
+                   help="cap read bandwidth at MBPS MB/s, more than 0 (an experiment knob: a slow disk on a fast machine)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype of non-quantized tensors: auto (float32 on CPU), source, float32, bfloat16, float16")
+    p.add_argument("--kernel", choices=KERNELS, default=None,
+                   help="quantized products and per-token dense ops: edge0 (the built CPU extension: int8 activations, "
+                        "AVX-512 VNNI or AVX2), mlx (MLX's own), auto (edge0 on CPU when built; default, or $EDGE0_KERNEL)")
+    p.add_argument("--kernel-threads", type=int, default=None, metavar="N",
+                   help="threads of the edge0 kernels, at most the machine's cores")
+    p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
+    p.add_argument("--verify", action="store_true",
+                   help="check the resident files' checksums at load and every bundle's checksum as it is read")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | None = 0,
+                       seed_help: str = "random seed (default 0)") -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                   help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-json", action="store_true", help="log events on stderr as JSON lines (default: plain lines)")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig of `add_engine_flags`' flags, checked."""
+    return EngineConfig(
+        model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, top_k=args.k,
+        executor=args.executor, slots=args.slots, memory_budget_gib=args.memory_budget, io=args.io,
+        io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
+        dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
+        model_id=getattr(args, "model_id", None), **overrides).check()
+
+
+def sampling(args: argparse.Namespace) -> Sampling:
+    """The Sampling of `add_sampling_flags`' flags, checked."""
+    return Sampling(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed).check()

@@ -1,0 +1,155 @@
+"""The one generation loop, shared by `edge0 run`, `edge0 serve` and `edge0 chat`: sampling, the streaming
+detokenizer, EOS, stop strings, cancellation and the figures of one generation.
+
+The token loop itself (prefill, one step per token, the runtime's hooks) is sched/generate.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+
+@dataclass
+class GenRequest:
+    """One generation, already tokenized; `Engine.check` validates it against the model."""
+
+    prompt: list[int]  # prompt token ids
+    max_tokens: int  # most tokens to generate
+    temp: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # None: continue the random state
+    stop: list[str] = field(default_factory=list)  # generation ends when the text holds one (trimmed)
+    ignore_eos: bool = False  # keep generating past end-of-sequence
+    forced: list[int] | None = None  # replay these tokens instead of sampling (benchmarks)
+
+
+@dataclass
+class Figures:
+    """What one generation produced and cost: `edge0 run --json`, the server's `usage` and `x_edge0`, chat's /stats."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated (a stop string's tokens included, EOS not)
+    tokens: list[int] = field(default_factory=list)  # the generated ids (EOS not)
+    text: str = ""  # the generated text (a stop string and what follows cut)
+    finish_reason: str = "length"  # "stop" (EOS or a stop string), "length", "cancelled"
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    prefill_s: float = 0.0  # prompt processing until the first token
+    decode_s: float = 0.0  # first token to last
+    bytes_read: int = 0  # expert bytes read from the store
+    cold_bytes: float = 0.0  # of those, not in the page cache before the read
+    reads: int = 0
+    stall_s: float = 0.0  # compute waiting on prefetch reads (scheduled routing)
+
+    @property
+    def cold_fraction(self) -> float:
+        return self.cold_bytes / self.bytes_read if self.bytes_read else 0.0
+
+    def x_edge0(self) -> dict:
+        return {"decode_tok_s": round(self.decode_tok_s, 3), "prefill_tok_s": round(self.prefill_tok_s, 3),
+                "bytes_read": self.bytes_read, "reads": self.reads, "cold_fraction": round(self.cold_fraction, 4),
+                "stall_ms": round(1e3 * self.stall_s, 3), "prefill_ms": round(1e3 * self.prefill_s, 3),
+                "decode_ms": round(1e3 * self.decode_s, 3)}
+
+    def line(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok at {self.prefill_tok_s:.1f} tok/s, {self.completion_tokens} tok at "
+                f"{self.decode_tok_s:.2f} tok/s, read {self.bytes_read / 2**20:.1f} MiB in {self.reads} reads "
+                f"({100 * self.cold_fraction:.0f}% cold), stall {1e3 * self.stall_s:.1f} ms, {self.finish_reason}")
+
+
+def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Figures:
+    """Generate on the calling thread, calling emit(text) with each new piece of text; stop at EOS, a stop
+    string, max_tokens, or when cancelled() turns true (checked once per token). The step generator's
+    close (in its finally) leaves no read in flight, so the next generation starts clean."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from .sched.generate import StepTimes, generate_steps
+
+    engine.check(req)
+    store = engine.store
+    before = _counters(store)
+    if req.seed is not None:
+        mx.random.seed(req.seed)
+    mx.reset_peak_memory()
+    sampler = make_sampler(temp=req.temp, top_p=req.top_p if 0 < req.top_p < 1 else 0.0, top_k=req.top_k)
+    times = StepTimes()
+    detok = engine.tokenizer.detokenizer
+    detok.reset()
+    detok.add_token(req.prompt[-1])  # spacing context for the first token (a streaming detokenizer trims
+    _ = detok.last_segment  # the leading space of its first token); consumed: not part of the answer
+    text: list[str] = []
+
+    def out(piece: str) -> None:
+        if piece:
+            text.append(piece)
+            emit(piece)
+
+    stops = StopFilter(req.stop)
+    fig = Figures(prompt_tokens=len(req.prompt))
+    steps = generate_steps(store.model, req.prompt, max_tokens=req.max_tokens, sampler=sampler, times=times,
+                           runtime=store.runtime, forced=req.forced or None)
+    try:
+        for t, _ in steps:
+            if t in engine.eos and not req.ignore_eos:
+                times.tokens.pop()
+                fig.finish_reason = "stop"
+                break
+            fig.completion_tokens += 1
+            detok.add_token(t)
+            piece, hit = stops.feed(detok.last_segment)
+            out(piece)
+            if hit:
+                fig.finish_reason = "stop"
+                break
+            if cancelled():
+                fig.finish_reason = "cancelled"
+                break
+    finally:
+        steps.close()  # runs runtime.finish(): no read left in flight
+    if not stops.done:
+        detok.finalize()
+        piece, hit = stops.feed(detok.last_segment, final=True)
+        out(piece)
+        fig.finish_reason = "stop" if hit else fig.finish_reason
+    fig.tokens, fig.text = list(times.tokens), "".join(text)
+    fig.prefill_s, fig.decode_s = times.prefill_s, times.decode_s
+    fig.prefill_tok_s, fig.decode_tok_s = times.prefill_tok_s, times.decode_tok_s
+    after = _counters(store)
+    fig.bytes_read, fig.cold_bytes, fig.reads, fig.stall_s = (a - b for a, b in zip(after, before))
+    return fig
+
+
+def _counters(store) -> tuple:
+    """Cumulative (bytes, cold bytes, reads, stall seconds) of the store's reader and scheduler."""
+    stats = store.reader.stats
+    sched = getattr(store.runtime, "sched", None)
+    return stats.bytes, stats.cold_bytes, stats.reads, sched.stats.stall_s if sched else 0.0
+
+
+class StopFilter:
+    """Holds back text that may be the start of a stop string; reports a stop string once it appears.
+
+    feed(piece) -> (text safe to emit, hit). On a hit the text is cut before the stop string.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""  # generated text not emitted yet
+        self.done = False
+
+    def feed(self, piece: str, *, final: bool = False) -> tuple[str, bool]:
+        if self.done:
+            return "", True
+        text = self.held + piece
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.done, self.held = True, ""
+            return text[:cut], True
+        keep = 0 if final else max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                                    if text.endswith(s[:n])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False

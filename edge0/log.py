@@ -1,0 +1,47 @@
+"""Edge0's log: structlog key-value events on stderr, one line each; human-readable by default
+(`edge0: event key=value ...`), one JSON object per line after `configure(json=True)` (`--log-json`),
+so a server's log can be parsed. Progress bars stay on tqdm; a command's own output stays on stdout.
+
+    from edge0.log import log
+    log.info("request done", status=200, tokens=12)
+"""
+
+from __future__ import annotations
+
+import json as _json
+import sys
+import time
+
+import structlog
+
+
+def _human(_, level: str, event: dict) -> str:
+    msg = event.pop("event", "")
+    event.pop("timestamp", None)
+    extra = " ".join(f"{k}={v}" for k, v in event.items())
+    prefix = "edge0: " if level in ("info", "debug") else f"edge0: {level}: "
+    return prefix + msg + (f" ({extra})" if extra else "")
+
+
+def _json_line(_, level: str, event: dict) -> str:
+    event = {"ts": round(time.time(), 3), "level": level, **event}
+    return _json.dumps(event, default=str)
+
+
+class _Stderr:
+    """A logger that writes each rendered line to the stderr of the moment (tests capture it)."""
+
+    def msg(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    info = debug = warning = error = exception = critical = msg
+
+
+def configure(*, json: bool = False) -> None:
+    """Human-readable lines (default) or JSON lines (json=True), both on stderr."""
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, _json_line if json else _human],
+                        logger_factory=lambda *a: _Stderr(), cache_logger_on_first_use=False)
+
+
+configure()
+log = structlog.get_logger()
