@@ -169,5 +169,29 @@ def verify(store: str) -> int:
     return verify_cli(store, config_problems)
 
 
+def _train(args) -> int:
+    if args.phase == "base":
+        from .train.base import train_base_cli
+
+        return train_base_cli(args)
+    if args.phase == "heads":
+        from .train.heads import train_heads_cli
+
+        return train_heads_cli(args)
+    raise Edge0Error(f"`edge0 train {args.phase}`: not available yet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    def parse_and_run() -> int:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "log_json", False):
+            from .log import configure
+
+            configure(json=True)
+        return dispatch(args)
+
+    return guarded(parse_and_run)
+
+
 if __name__ == "__main__":
     sys.exit(main())
