@@ -11,7 +11,7 @@ import os
 import sys
 
 # Compute threads of the kernels, the calling thread included. On a 2-core machine one thread leaves
-# the other core to the I/O workers (PLATFORM.md); EDGE0_KERNEL_THREADS overrides.
+# the other core to the I/O workers (docs/DESIGN.md §15); EDGE0_KERNEL_THREADS overrides.
 DEFAULT_THREADS_2_CORES = 1
 MAX_DEFAULT_THREADS = 8
 
