@@ -1,9 +1,12 @@
 """`edge0 serve` over real HTTP on 127.0.0.1 (ephemeral port) with the official openai client, and `edge0 chat`.
 
-The server runs in-process (its loop on a thread, MLX on its worker thread); references come from `edge0 run`
-on the same store with the same flags, run before the server starts (one MLX user at a time).
+The server runs in-process (its loop on a thread, MLX on its worker thread) with the default flags: the built-in
+demo model and its default routing (predicted, which runs the scheduled path: pending reads must be cancelled
+cleanly). References come from `edge0 run` with the same flags, run before the server starts (one MLX user at
+a time). Malformed requests and stopping the server are in test_serve_input.py.
 """
 
+import argparse
 import contextlib
 import io
 import json
@@ -17,55 +20,59 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from edge0.cli import build_parser  # noqa: E402
-from edge0.run import run  # noqa: E402
-from edge0.serve import add_chat_flags, add_serve_flags  # noqa: E402
+from edge0.commands.run import add_run_flags, run  # noqa: E402
+from edge0.serve import add_chat_flags, add_serve_flags, serve_configs  # noqa: E402
 from edge0.serve.engine import StopFilter  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n"]
 N = 24  # tokens per answer
-ROUTING = ["--routing", "prefetch"]  # the scheduled path: pending reads must be cancelled cleanly
 DEADLINE = 30.0  # seconds any polling loop may wait
 
 
-def edge0_run(store, prompt: str, *extra: str) -> dict:
-    args = build_parser().parse_args(["run", "--model", str(store), "--prompt", prompt, "--max-tokens", str(N),
-                                      "--json", *ROUTING, *extra])
+def edge0_run(prompt: str, *extra: str) -> dict:
+    p = argparse.ArgumentParser()
+    add_run_flags(p)
+    args = p.parse_args(["--prompt", prompt, "--max-tokens", str(N), "--json", *extra])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert run(args) == 0
     return json.loads(out.getvalue())
 
 
-@pytest.fixture(scope="module")
-def setup(models):
-    store = models("qwen3_moe")
-    refs = {p: edge0_run(store, p)["text"] for p in PROMPTS}
-    refs["chat"] = edge0_run(store, "hello", "--chat")["text"]
-    import argparse
-
+def serve_args(*flags: str):
     p = argparse.ArgumentParser()
     add_serve_flags(p)
-    srv = BackgroundServer(p.parse_args(["--model", str(store), *ROUTING]), port=0, max_queue=8).start()
+    return p.parse_args(list(flags))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    refs = {p: edge0_run(p)["text"] for p in PROMPTS}
+    refs["chat"] = edge0_run("hello", "--chat")["text"]
+    srv = BackgroundServer(*serve_configs(serve_args()), port=0, max_queue=8).start()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:
-        yield srv, client, refs, store
+        yield srv, client, refs
     finally:
         srv.stop()
 
 
 def http(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:
+    return http_headers(srv, method, path, body)[:2]
+
+
+def http_headers(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str, dict]:
     req = urllib.request.Request(srv.url + path, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            status, text = r.status, r.read().decode()
+            status, text, headers = r.status, r.read().decode(), dict(r.headers)
     except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
+        status, text, headers = e.code, e.read().decode(), dict(e.headers)
     try:
-        return status, json.loads(text)
+        return status, json.loads(text), headers
     except ValueError:
-        return status, text
+        return status, text, headers
 
 
 def metric(srv, name: str) -> float:
@@ -87,7 +94,7 @@ def pending_reads(srv) -> int:
 
 
 def test_completions_match_edge0_run(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     for p in PROMPTS[:2]:
         r = client.completions.create(model=srv.server.engine.model_id, prompt=p, max_tokens=N,
                                       temperature=0)
@@ -104,7 +111,7 @@ def test_completions_match_edge0_run(setup):
 
 
 def test_chat_streaming_and_not(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     model = srv.server.engine.model_id
     msgs = [{"role": "user", "content": "hello"}]
     r = client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0)
@@ -112,10 +119,11 @@ def test_chat_streaming_and_not(setup):
     s = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=N, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in s) == refs["chat"]
     assert [m.id for m in client.models.list().data] == [model]
+    assert client.models.retrieve(model).id == model
 
 
 def test_stop_strings(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     text = refs[PROMPTS[0]]
     stop = text[5:8]
     cut = text.find(stop)
@@ -130,7 +138,7 @@ def test_stop_strings(setup):
 
 
 def test_cancel_mid_stream_then_next_is_clean(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     cancelled, tokens = metric(srv, "cancelled_total"), metric(srv, "completion_tokens_total")
     s = client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[0], max_tokens=4000, stream=True)
     got = 0
@@ -147,7 +155,7 @@ def test_cancel_mid_stream_then_next_is_clean(setup):
 
 
 def test_concurrent_clients_fifo(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     n = 6
     results: dict = {}
     barrier = threading.Barrier(n)
@@ -172,7 +180,7 @@ def test_concurrent_clients_fifo(setup):
 
 
 def test_bad_values_are_400_and_the_server_lives(setup):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     model = srv.server.engine.model_id
     vocab = srv.server.engine.vocab
     assert vocab
@@ -196,7 +204,8 @@ def test_bad_values_are_400_and_the_server_lives(setup):
         got, err = http(srv, "POST", "/v1/completions", body)
         assert got == 400 and "'temperature'" in err["error"]["message"], (raw, err)
     assert http(srv, "GET", "/health")[0] == 200
-    got, r = http(srv, "POST", "/v1/completions", json.dumps({**ok, "prompt": [vocab - 1, 0], "seed": 2**64 - 1}).encode())
+    body = {**ok, "prompt": [vocab - 1, 0], "seed": 2**64 - 1}
+    got, r = http(srv, "POST", "/v1/completions", json.dumps(body).encode())
     assert got == 200, r
     # max_completion_tokens: null is as absent, so max_tokens holds
     got, r = http(srv, "POST", "/v1/completions",
@@ -205,8 +214,8 @@ def test_bad_values_are_400_and_the_server_lives(setup):
 
 
 def test_sampling_is_reseeded_only_when_asked(setup):
-    srv, client, refs, _ = setup
-    assert srv.server.args.seed is None  # `edge0 serve` without --seed
+    srv, client, refs = setup
+    assert srv.server.sampling.seed is None  # `edge0 serve` without --seed
 
     def sample(**kw):
         return client.completions.create(model=srv.server.engine.model_id, prompt=PROMPTS[0], max_tokens=N,
@@ -217,8 +226,6 @@ def test_sampling_is_reseeded_only_when_asked(setup):
 
 
 def test_serve_port_out_of_range_is_refused_before_loading(tmp_path):
-    import argparse
-
     from edge0.errors import Edge0Error
     from edge0.serve import serve_cli
 
@@ -231,7 +238,7 @@ def test_serve_port_out_of_range_is_refused_before_loading(tmp_path):
 
 
 def test_bad_requests(setup, monkeypatch, capfd):
-    srv, client, refs, _ = setup
+    srv, client, refs = setup
     model = srv.server.engine.model_id
     chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
     cases = [
@@ -267,6 +274,7 @@ def test_bad_requests(setup, monkeypatch, capfd):
     with pytest.raises(openai.APIError):
         list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True))
     monkeypatch.undo()
+    assert http(srv, "GET", "/health")[0] == 200  # the engine was reset after each failure
     assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
                                           max_tokens=N).choices[0].message.content == refs["chat"]
 
@@ -280,27 +288,84 @@ def test_bad_requests(setup, monkeypatch, capfd):
             model=model, prompt=PROMPTS[1], max_tokens=N)))
         b.start()
         wait_for(lambda: http(srv, "GET", "/health")[1]["waiting"] == 1, "the second request to queue")
-        got, err = http(srv, "POST", "/v1/chat/completions", chat)
-        assert got == 503 and err["error"]["code"] == "queue_full"
+        got, err, headers = http_headers(srv, "POST", "/v1/chat/completions", chat)
+        assert got == 503 and err["error"]["code"] == "queue_full" and int(headers["Retry-After"]) > 0
         a.close()  # frees the slot: the waiting request runs next
         b.join(DEADLINE)
         assert b_result["r"].choices[0].text == refs[PROMPTS[1]]
     finally:
         srv.call(lambda: setattr(srv.server.jobs, "max_queue", 8))
-    _, text = http(srv, "GET", "/metrics")
-    assert 'edge0_requests_total{status="503"}' in text and metric(srv, "rejected_total") >= 1
-    assert pending_reads(srv) == 0
+    assert 'edge0_requests_total{status="503"}' in http(srv, "GET", "/metrics")[1]
+    assert metric(srv, "rejected_total") >= 1 and pending_reads(srv) == 0
+
+
+def test_internal_error_resets_the_engine_or_reports_unhealthy(setup, monkeypatch):
+    """A generation that fails half-way (at its third piece of text) leaves the runtime mid-step: the queue resets
+    the engine, and the next request gets the reference answer. While no reset succeeds, /health and new requests
+    answer 503."""
+    srv, client, refs = setup
+    engine = srv.server.engine
+    model = engine.model_id
+    real = engine.generate
+    body = json.dumps({"model": model, "prompt": PROMPTS[1], "max_tokens": N}).encode()
+
+    def fails_midway(req, emit, cancelled):
+        pieces = []
+
+        def emit_then_fail(text: str) -> None:
+            pieces.append(text)
+            if len(pieces) == 3:
+                raise RuntimeError("injected failure")
+            emit(text)
+
+        return real(req, emit_then_fail, cancelled)
+
+    def fail_once() -> None:
+        monkeypatch.setattr(engine, "generate", fails_midway)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=N)
+        monkeypatch.setattr(engine, "generate", real)
+
+    def served() -> str:
+        return client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=N).choices[0].text
+
+    failed = metric(srv, "failed_total")
+    fail_once()
+    assert http(srv, "GET", "/health")[1]["status"] == "ok"  # reset by the engine's own reset()
+    assert served() == refs[PROMPTS[1]] and pending_reads(srv) == 0
+    assert metric(srv, "failed_total") == failed + 1
+
+    def broken_reset():
+        raise RuntimeError("cannot reset")
+
+    monkeypatch.setattr(engine, "reset", broken_reset)
+    fail_once()
+    status, health, headers = http_headers(srv, "GET", "/health")
+    assert status == 503 and health["status"] == "unhealthy" and "RuntimeError" in health["error"], health
+    assert int(headers["Retry-After"]) > 0
+    status, err, headers = http_headers(srv, "POST", "/v1/completions", body)  # the reset is tried again, and fails
+    assert status == 503 and err["error"]["code"] == "engine_unhealthy" and int(headers["Retry-After"]) > 0
+    monkeypatch.undo()  # the engine's own reset: the next request resets it and is served
+    assert served() == refs[PROMPTS[1]] and http(srv, "GET", "/health")[1]["status"] == "ok"
+
+    monkeypatch.setattr(engine, "reset", None)  # an engine that cannot be reset: refused before queuing
+    fail_once()
+    status, health = http(srv, "GET", "/health")
+    assert status == 503 and "restart the server" in health["error"], health
+    status, err, headers = http_headers(srv, "POST", "/v1/completions", body)
+    assert status == 503 and err["error"]["code"] == "engine_unhealthy", err
+    assert "restart the server" in err["error"]["message"]
+    monkeypatch.undo()
+    assert served() == refs[PROMPTS[1]] and http(srv, "GET", "/health")[1]["status"] == "ok"
 
 
 def test_chat_cli(setup):
-    _, _, refs, store = setup
-    import argparse
-
+    _, _, refs = setup
     from edge0.serve.chat import chat
 
     p = argparse.ArgumentParser()
     add_chat_flags(p)
-    args = p.parse_args(["--model", str(store), "--max-tokens", str(N), *ROUTING])
+    args = p.parse_args(["--max-tokens", str(N)])
     out = io.StringIO()
     assert chat(args, stdin=io.StringIO("hello\n/stats\n/reset\nhello\n/quit\n"), out=out) == 0
     text = out.getvalue()
@@ -311,9 +376,12 @@ def test_chat_cli(setup):
 def test_chat_template_fallback():
     from types import SimpleNamespace
 
-    from edge0.serve.engine import Engine
+    from edge0.config import EngineConfig
+    from edge0.engine import Engine
 
     tok = SimpleNamespace(eos_token_ids=[0], chat_template=None, encode=lambda text: list(text.encode()))
-    engine = Engine(SimpleNamespace(tokenizer=tok, config={}, path=__import__("pathlib").Path("m")))
+    store = SimpleNamespace(tokenizer=tok, config={}, path=__import__("pathlib").Path("m"),
+                            manifest=SimpleNamespace(top_k=2))
+    engine = Engine(EngineConfig(), store, kernel=None)
     ids = engine.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     assert bytes(ids).decode() == "system: Be brief.\n\nuser: hi\n\nassistant:"

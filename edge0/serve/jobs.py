@@ -4,7 +4,6 @@ counters behind /metrics. Errors are OpenAI-shaped."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 import traceback
@@ -13,24 +12,38 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .engine import Engine, Figures, GenRequest
+from ..engine import Engine
+from ..generation import Figures, GenRequest
+from ..log import log
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
+RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
 
 
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+    retry_after: seconds for the Retry-After header (503s)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, type: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, type: str | None = None, *,
+                 param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def error_response(status: int, message: str, code: str | None = None, type: str | None = None) -> web.Response:
-    e = ApiError(status, message, code, type)
-    return web.json_response({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}},
-                             status=status)
+def error_response(status: int, message: str, code: str | None = None, type: str | None = None, *,
+                   param: str | None = None, retry_after: int | None = None) -> web.Response:
+    e = ApiError(status, message, code, type, param=param, retry_after=retry_after)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(e.body(), status=status, headers=headers)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", "server_shutting_down", retry_after=RETRY_AFTER_S)
 
 
 # -- the queue: FIFO, one generation at a time ------------------------------------------------------
@@ -46,6 +59,7 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     cancel: threading.Event = field(default_factory=threading.Event)  # set by the loop; read by the worker per token
+    shutdown: bool = False  # cancelled because the server stops: answered 503, not as a finished generation
     # ("text", str) ..., then ("done", Figures) or ("error", exception)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -69,6 +83,7 @@ class Metrics:
     generations: int = 0
     cancelled: int = 0
     rejected: int = 0  # queue full
+    failed: int = 0  # generations that raised
     prompt_tokens: int = 0
     completion_tokens: int = 0
     bytes_read: int = 0
@@ -97,6 +112,7 @@ class Metrics:
             ("generations_total", "counter", "generations run", self.generations),
             ("cancelled_total", "counter", "generations stopped because the client went away", self.cancelled),
             ("rejected_total", "counter", "requests refused with 503 because the queue was full", self.rejected),
+            ("failed_total", "counter", "generations that raised an internal error", self.failed),
             ("prompt_tokens_total", "counter", "prompt tokens processed", self.prompt_tokens),
             ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
             ("bytes_read_total", "counter", "expert bytes read from the store", self.bytes_read),
@@ -113,58 +129,123 @@ class Metrics:
 
 
 class JobQueue:
-    """Bounded FIFO in front of the one worker thread. Only the loop touches the queue and the metrics."""
+    """Bounded FIFO in front of the one worker thread. Only the loop touches the queue and the metrics.
+
+    After a generation raises, the engine is reset (engine.reset() on the worker, where it has one) before
+    anything else runs; while no reset has succeeded the queue is unhealthy: /health says so and requests
+    get 503 (each one that arrives tries the reset again)."""
 
     def __init__(self, engine: Engine, worker: ThreadPoolExecutor, *, max_queue: int = DEFAULT_MAX_QUEUE):
         self.engine, self.worker = engine, worker
         self.max_queue = max_queue
         self.waiting: asyncio.Queue[Job] = asyncio.Queue()  # bounded by submit (0 here would mean unbounded)
         self.running: Job | None = None
+        self.idle = asyncio.Event()  # set while no generation runs
+        self.idle.set()
         self.arrivals = 0
         self.turns = 0
         self.metrics = Metrics()
         self.task: asyncio.Task | None = None
+        self.unhealthy: str | None = None  # why the engine is not fit to generate (after an error), else None
+        self.closing = False  # the server stops: nothing new is taken
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     def submit(self, req: GenRequest) -> Job:
+        if self.closing:
+            raise shutting_down()
+        if self.unhealthy is not None and getattr(self.engine, "reset", None) is None:
+            raise self._unhealthy_error()
         if self.waiting.qsize() >= self.max_queue:
             self.metrics.rejected += 1
             raise ApiError(503, f"the server is busy: {self.waiting.qsize()} requests are already waiting; retry later",
-                           "queue_full")
+                           "queue_full", retry_after=RETRY_AFTER_S)
         self.arrivals += 1
         job = Job(req, seq=self.arrivals)
         self.waiting.put_nowait(job)
         return job
 
+    def _unhealthy_error(self) -> ApiError:
+        return ApiError(503, f"the server is unhealthy: {self.unhealthy}; see its log", "engine_unhealthy",
+                        retry_after=RETRY_AFTER_S)
+
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             job = await self.waiting.get()
             if job.cancel.is_set():  # the client left while waiting
                 self.metrics.cancelled += 1
                 continue
+            if self.closing:
+                job.events.put_nowait(("error", shutting_down()))
+                continue
+            if self.unhealthy is not None and (getattr(self.engine, "reset", None) is None or not await self._reset()):
+                job.events.put_nowait(("error", self._unhealthy_error()))
+                continue
             self.turns += 1
             self.running, job.started, job.turn = job, time.perf_counter(), self.turns
-
-            def emit(text: str, job=job) -> None:  # worker thread -> loop
-                loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
-
+            self.idle.clear()
             try:
-                fig = await loop.run_in_executor(self.worker, self.engine.generate, job.req, emit, job.cancel.is_set)
-                self.metrics.add(fig)
-                job.events.put_nowait(("done", fig))
-            except Exception as e:  # reported to the client as a 500; the worker is ready for the next job
-                print(f"edge0 serve: generation failed: {e!r}", file=sys.stderr)
-                traceback.print_exc(file=sys.stderr)
-                job.events.put_nowait(("error", e))
+                await self._generate(job)
             finally:
                 self.running = None
+                self.idle.set()
+
+    async def _generate(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+
+        def emit(text: str) -> None:  # worker thread -> loop
+            loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
+
+        try:
+            fig = await loop.run_in_executor(self.worker, self.engine.generate, job.req, emit, job.cancel.is_set)
+        except Exception as e:  # reported to the client as a 500; the engine is reset before the next job
+            log.error("generation failed", error=repr(e), traceback=traceback.format_exc())
+            self.metrics.failed += 1
+            job.events.put_nowait(("error", e))
+            self.unhealthy = f"a generation failed ({type(e).__name__})"
+            await self._reset()
+            return
+        self.metrics.add(fig)
+        # emit's call_soon_threadsafe callbacks were queued before this point: the text comes first
+        job.events.put_nowait(("error", shutting_down()) if job.shutdown else ("done", fig))
+
+    async def _reset(self) -> bool:
+        """Reset the engine after a failed generation, on the worker; whether it is healthy again. Not retried
+        for an engine without reset: it stays unhealthy."""
+        reset = getattr(self.engine, "reset", None)
+        if reset is None:
+            self.unhealthy += " and the engine cannot be reset; restart the server"
+            log.error(f"unhealthy: {self.unhealthy}")
+            return False
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.worker, reset)
+        except Exception as e:
+            log.error("resetting the engine failed", error=repr(e), traceback=traceback.format_exc())
+            self.unhealthy = f"resetting the engine failed ({type(e).__name__})"
+            return False
+        self.unhealthy = None
+        return True
+
+    async def shut_down(self) -> tuple[int, int]:
+        """Take nothing new, answer the waiting jobs 503, cancel the running one and wait until it has
+        stopped (its client is answered 503). Returns (running, waiting) cancelled."""
+        self.closing = True
+        waiting = 0
+        while not self.waiting.empty():
+            job = self.waiting.get_nowait()
+            waiting += not job.cancel.is_set()
+            job.events.put_nowait(("error", shutting_down()))
+        job = self.running
+        if job is not None:
+            job.shutdown = True
+            job.cancel.set()
+        await self.idle.wait()
+        return int(job is not None), waiting
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         while not self.waiting.empty():
-            self.waiting.get_nowait().events.put_nowait(("error", ApiError(503, "the server is shutting down")))
+            self.waiting.get_nowait().events.put_nowait(("error", shutting_down()))

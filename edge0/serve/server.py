@@ -6,15 +6,15 @@
 One process, one model, one asyncio loop. Requests are served first come, first served, one generation
 at a time: the loop only parses, queues and writes; every MLX call (loading, prefill, decode) runs on
 one dedicated worker thread, which hands each piece of text back to the loop as it is decoded. A client
-that goes away cancels its generation at the next token; a full queue answers 503.
+that goes away cancels its generation at the next token; a full queue answers 503 with Retry-After.
+Request bodies are checked in validate.py. Stopping (Ctrl-C, SIGTERM) cancels the running generation and
+answers every waiting request 503 rather than finishing them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
-import sys
 import threading
 import time
 import traceback
@@ -24,41 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from ..errors import Edge0Error
-from .engine import Engine, Figures, GenRequest
-from .jobs import DEFAULT_MAX_QUEUE, ApiError, Job, JobQueue, error_response
+from ..engine import Engine
+from ..generation import Figures
+from ..log import log
+from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, error_response
+from .validate import check_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
 
 MAX_BODY = 64 * 2**20  # bytes of one request body
-
-
-# -- requests ----------------------------------------------------------------------------------------
-
-
-def _number(body: dict, name: str, kind, default, lo=None, hi=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not math.isfinite(value))
-            or (kind is int and isinstance(value, float) and not value.is_integer())):
-        raise ApiError(400, f"'{name}': expected {'an integer' if kind is int else 'a number'}, got {value!r}",
-                       "invalid_value")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ApiError(400, f"'{name}': {value} is out of range [{lo}, {hi if hi is not None else 'inf'}]",
-                       "invalid_value")
-    return kind(value)
-
-
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}]: text parts only
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(parts) == len(content) and all(isinstance(t, str) for t in parts):
-            return "".join(parts)
-    raise ApiError(400, f"'messages[{i}].content': expected a string or a list of text parts", "invalid_value")
+SHUTDOWN_TIMEOUT_S = 10.0  # how long stopping waits for the handlers once their generations are cancelled
 
 
 class Api:
@@ -75,6 +48,7 @@ class Api:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
@@ -84,15 +58,14 @@ class Api:
         try:
             resp = await handler(request)
         except ApiError as e:
-            resp = error_response(e.status, e.message, e.code, e.type)
-        except web.HTTPException as e:  # unknown route, wrong method
-            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}",
+            resp = error_response(e.status, e.message, e.code, e.type, param=e.param, retry_after=e.retry_after)
+        except web.HTTPException as e:  # unknown route, wrong method, body too large
+            resp = error_response(e.status, f"{request.method} {request.path[:80]}: {e.reason}",
                                   "not_found" if e.status == 404 else None)
         except Edge0Error as e:
             resp = error_response(500, str(e), "internal_error")
         except Exception as e:
-            print(f"edge0 serve: {request.method} {request.path} failed: {e!r}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
+            log.error(f"{request.method} {request.path[:80]} failed", error=repr(e), traceback=traceback.format_exc())
             resp = error_response(500, f"internal error ({type(e).__name__}); see the server's log", "internal_error")
         status = str(resp.status)
         self.jobs.metrics.requests[status] = self.jobs.metrics.requests.get(status, 0) + 1
@@ -100,13 +73,30 @@ class Api:
 
     # -- GET ------------------------------------------------------------------------------------
 
+    def _model(self) -> dict:
+        return {"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "edge0"}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "edge0"}]})
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(404, f"the model {show(name)} does not exist; this server has '{self.engine.model_id}'",
+                           "model_not_found", param="model")
+        return web.json_response(self._model())
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.engine.model_id,
-                                  "waiting": self.jobs.waiting.qsize(), "generating": int(self.jobs.running is not None)})
+        jobs = self.jobs
+        state = {"model": self.engine.model_id, "waiting": jobs.waiting.qsize(),
+                 "generating": int(jobs.running is not None)}
+        if jobs.closing:
+            return web.json_response({"status": "shutting_down", **state}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        if jobs.unhealthy is not None:
+            return web.json_response({"status": "unhealthy", "error": jobs.unhealthy, **state}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        return web.json_response({"status": "ok", **state})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         text = self.jobs.metrics.prometheus(self.jobs.waiting.qsize(), int(self.jobs.running is not None))
@@ -116,88 +106,35 @@ class Api:
     # -- POST -----------------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages': required, a non-empty list of {role, content}", "missing_field")
-        msgs = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"'messages[{i}]': expected an object with a 'role' string", "invalid_value")
-            msgs.append({"role": m["role"], "content": _content(m, i)})
-        try:
-            prompt = self.engine.encode_chat(msgs)
-        except Exception as e:  # the model's template refused the conversation
-            raise ApiError(400, f"'messages': the chat template failed: {e}", "invalid_value") from None
-        return await self._generate(request, body, prompt, chat=True)
+        body = await self._body(request, chat=True)
+        return await self._generate(request, body, chat_prompt(self.engine, body), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.engine.encode_text(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.engine.vocab
-            bad = next((t for t in prompt if t < 0 or (vocab and t >= vocab)), None)
-            if bad is not None:
-                raise ApiError(400, f"'prompt': token id {bad} is out of range [0, {vocab - 1 if vocab else 'inf'}]"
-                               " (the model's vocabulary)", "invalid_value")
-            ids = prompt  # token ids
-        elif prompt is None:
-            raise ApiError(400, "'prompt': required", "missing_field")
-        else:
-            raise ApiError(400, "'prompt': expected a string, a list of one string, or a list of token ids",
-                           "invalid_value")
-        return await self._generate(request, body, ids, chat=False)
+        body = await self._body(request, chat=False)
+        return await self._generate(request, body, completion_prompt(self.engine, body), chat=False)
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, *, chat: bool) -> dict:
+        """The request's JSON object, its fields known and supported, naming this server's model."""
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply", "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", "invalid_json")
         name = body.get("model")
         if name is not None and not isinstance(name, str):
-            raise ApiError(400, f"'model': expected a string, got {name!r}", "invalid_value")
+            raise ApiError(400, f"'model': expected a string, got {show(name)}", "invalid_value", param="model")
         if name not in (None, "") and name not in self.names:
-            raise ApiError(404, f"the model '{name}' does not exist; this server has '{self.engine.model_id}'",
-                           "model_not_found")
+            raise ApiError(404, f"the model {show(name)} does not exist; this server has '{self.engine.model_id}'",
+                           "model_not_found", param="model")
+        check_fields(body, chat=chat)
         return body
 
-    def _request(self, body: dict, prompt: list[int]) -> GenRequest:
-        d = self.defaults
-        context = self.engine.context
-        room = max(context - len(prompt), 0) if context else d["max_tokens"]
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(name)  # null is as absent
-        max_tokens = _number({name: max_tokens}, name, int, min(d["max_tokens"], room) or 1, 1)
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-            raise ApiError(400, "'stop': expected a string or a list of at most 16 strings", "invalid_value")
-        req = GenRequest(prompt=list(prompt), max_tokens=max_tokens,
-                         temp=_number(body, "temperature", float, d["temp"], 0, 100),
-                         top_p=_number(body, "top_p", float, d["top_p"], 0, 1),
-                         top_k=_number(body, "top_k", int, 0, 0, (self.engine.vocab - 1) if self.engine.vocab else None),
-                         seed=_number(body, "seed", int, d["seed"], 0, 2**64 - 1), stop=stop)
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "'n': only 1 is supported", "invalid_value")
-        try:
-            self.engine.check_length(req.prompt, req.max_tokens)
-        except Edge0Error as e:
-            raise ApiError(400, str(e), "context_length_exceeded") from None
-        return req
-
     async def _generate(self, request: web.Request, body: dict, prompt: list[int], *, chat: bool) -> web.StreamResponse:
-        req = self._request(body, prompt)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, f"'stream': expected true or false, got {stream!r}", "invalid_value")
-        opts = body.get("stream_options") or {}
-        usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        req = gen_request(self.engine, body, prompt, self.defaults)
+        stream, usage = stream_flags(body)
         job = self.jobs.submit(req)
         out = Output(chat, self.engine.model_id, job)
         try:
@@ -232,10 +169,8 @@ class Api:
                 if kind == "text":
                     out.first(value)
                     await send(out.chunk(value))
-                elif kind == "error":
-                    e = value
-                    msg = str(e) if isinstance(e, (Edge0Error, ApiError)) else f"internal error ({type(e).__name__})"
-                    await send({"error": {"message": msg, "type": "server_error", "param": None, "code": "internal_error"}})
+                elif kind == "error":  # the status line has gone: the error is an event of the stream
+                    await send(stream_error(value))
                     break
                 else:
                     await send(out.chunk(None, finish=value.finish_reason))
@@ -247,6 +182,13 @@ class Api:
             job.cancel.set()  # the client went away: stop at the next token
             raise
         return resp
+
+
+def stream_error(e: Exception) -> dict:
+    if isinstance(e, ApiError):
+        return e.body()
+    msg = str(e) if isinstance(e, Edge0Error) else f"internal error ({type(e).__name__}); see the server's log"
+    return ApiError(500, msg, "internal_error").body()
 
 
 class Output:
@@ -308,8 +250,10 @@ class Server:
 
     end_thread = False  # clear the MLX worker's streams at stop (the process exits right after)
 
-    def __init__(self, args, *, host: str = "127.0.0.1", port: int = 8080, max_queue: int = DEFAULT_MAX_QUEUE):
-        self.args, self.host, self.port, self.max_queue = args, host, port, max_queue
+    def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 8080,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
+        self.config, self.sampling = config, sampling  # EngineConfig, Sampling (the defaults of requests)
+        self.host, self.port, self.max_queue = host, port, max_queue
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-mlx")
         self.engine: Engine | None = None
         self.jobs: JobQueue | None = None
@@ -317,25 +261,34 @@ class Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.engine = await loop.run_in_executor(self.worker, Engine.open, self.args)
+        from ..engine import open_engine
+
+        self.engine = await loop.run_in_executor(self.worker, open_engine, self.config)
         self.jobs = JobQueue(self.engine, self.worker, max_queue=self.max_queue)
         self.jobs.start()
-        a = self.args
-        names = {a.model} if a.model else set()
+        c, d = self.config, self.sampling
+        names = {c.model} if c.model else set()
         api = Api(self.engine, self.jobs, model_names=names,
-                  defaults={"temp": a.temp, "top_p": a.top_p, "seed": a.seed, "max_tokens": a.max_tokens})
-        self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+                  defaults={"temp": d.temp, "top_p": d.top_p, "seed": d.seed, "max_tokens": d.max_tokens})
+        self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         self.port = self.runner.addresses[0][1]  # the bound port (an ephemeral one for port 0)
 
     async def stop(self) -> None:
+        """Stop listening, answer the waiting requests 503, cancel the running generation (its client gets a
+        503 or an error event), then close the connections and the engine."""
         if self.runner is not None:
-            await self.runner.cleanup()
+            for site in list(self.runner.sites):
+                await site.stop()
         if self.jobs is not None:
-            if self.jobs.running is not None:
-                self.jobs.running.cancel.set()
+            running, waiting = await self.jobs.shut_down()
+            log.info(f"shutting down, cancelled {running} running and {waiting} waiting requests")
+        if self.runner is not None:
+            await self.runner.cleanup()  # the handlers are answering by now
+        if self.jobs is not None:
             await self.jobs.close()
         loop = asyncio.get_running_loop()
         if self.engine is not None:
@@ -350,10 +303,11 @@ class Server:
 class BackgroundServer:
     """A Server on its own loop in a thread (tests, embedding): start() returns once it listens."""
 
-    def __init__(self, args, *, host: str = "127.0.0.1", port: int = 0, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 0,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         from ..sched.scheduler import new_loop
 
-        self.server = Server(args, host=host, port=port, max_queue=max_queue)
+        self.server = Server(config, sampling, host=host, port=port, max_queue=max_queue)
         self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="edge0-serve", daemon=True)
 
