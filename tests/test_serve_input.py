@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -246,6 +247,46 @@ def test_malformed_requests_are_4xx_json_and_no_traceback(server):
     assert "Traceback" not in log and "error" not in log, log
     _, metrics, _ = request(srv.url, "GET", "/metrics")
     assert "edge0_generations_total 0" in metrics  # none of them reached the engine
+
+
+def send_raw(url: str, data: bytes) -> bytes:
+    """One HTTP/1.1 exchange written by hand (what urllib refuses to send); the answer up to the close."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=DEADLINE) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_malformed_http_is_a_400_and_one_log_line(server):
+    """Requests broken below JSON: aiohttp answers those no route sees (plain text); a body that cannot be
+    decoded is this server's JSON 400. The log gets one line each, never a traceback."""
+    srv, _, _ = server
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    cases = [
+        (b"GARBAGE\r\n\r\n", None),
+        (head + b"Content-Length: abc\r\n\r\n{}", None),
+        (head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", None),
+        (head + b"X-Long: " + b"a" * 10_000 + b"\r\nContent-Length: 2\r\n\r\n{}", None),
+        (head + b"Content-Encoding: gzip\r\nContent-Length: 7\r\n\r\ngarbage",
+         "the request body cannot be read (Can not decode content-encoding: gzip)"),
+        (head.replace(b"/v1/completions", b"/nowhere") + b"Content-Encoding: gzip\r\nContent-Length: 7\r\n\r\ngarbage",
+         "POST /nowhere: Not Found"),
+    ]
+    before = srv.stderr()
+    for data, says in cases:
+        answer = send_raw(srv.url, data)
+        status = int(answer.split(b" ", 2)[1])
+        assert 400 <= status < 500, (data[:60], answer)
+        if says is not None:
+            err = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            assert err["error"]["message"] == says and err["error"]["type"] == "invalid_request_error", err
+    time.sleep(0.2)  # aiohttp logs after answering
+    log = srv.stderr()[len(before):]
+    assert "Traceback" not in log and log.count("\n") <= len(cases), log
+    assert request(srv.url, "GET", "/health")[0] == 200
 
 
 def test_limits_match_the_demo_model(server):

@@ -176,11 +176,11 @@ class JobQueue:
             if job.cancel.is_set():  # the client left while waiting
                 self.metrics.cancelled += 1
                 continue
-            if self.closing:
-                job.events.put_nowait(("error", shutting_down()))
-                continue
             if self.unhealthy is not None and (getattr(self.engine, "reset", None) is None or not await self._reset()):
                 job.events.put_nowait(("error", self._unhealthy_error()))
+                continue
+            if self.closing:  # checked after the reset's wait
+                job.events.put_nowait(("error", shutting_down()))
                 continue
             self.turns += 1
             self.running, job.started, job.turn = job, time.perf_counter(), self.turns

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import traceback
@@ -22,6 +23,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..errors import Edge0Error
 from ..engine import Engine
@@ -32,6 +34,27 @@ from .validate import check_fields, chat_prompt, completion_prompt, gen_request,
 
 MAX_BODY = 64 * 2**20  # bytes of one request body
 SHUTDOWN_TIMEOUT_S = 10.0  # how long stopping waits for the handlers once their generations are cancelled
+
+
+class _OneLine(logging.Handler):
+    """aiohttp's own log (malformed HTTP that no route sees) as one line of Edge0's log; a traceback only
+    for what is not a malformed request."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or isinstance(exc, HttpProcessingError):
+            why = f": {' '.join(str(exc).split())}" if exc is not None else ""
+            log.warning(f"{record.getMessage()}{why}")
+        else:
+            log.error(record.getMessage(), error=repr(exc), traceback="".join(traceback.format_exception(exc)))
+
+
+def http_logger() -> logging.Logger:
+    logger = logging.getLogger("edge0.serve.http")
+    if not logger.handlers:
+        logger.addHandler(_OneLine())
+        logger.propagate = False
+    return logger
 
 
 class Api:
@@ -67,6 +90,9 @@ class Api:
         except Exception as e:
             log.error(f"{request.method} {request.path[:80]} failed", error=repr(e), traceback=traceback.format_exc())
             resp = error_response(500, f"internal error ({type(e).__name__}); see the server's log", "internal_error")
+        if not request.content.is_eof():  # a body left unread or unreadable: close rather than drain it
+            request.content.feed_eof()
+            resp.force_close()
         status = str(resp.status)
         self.jobs.metrics.requests[status] = self.jobs.metrics.requests.get(status, 0) + 1
         return resp
@@ -116,7 +142,12 @@ class Api:
     async def _body(self, request: web.Request, *, chat: bool) -> dict:
         """The request's JSON object, its fields known and supported, naming this server's model."""
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+        except web.RequestPayloadError as e:  # say, a Content-Encoding it does not decode to
+            why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+            raise ApiError(400, f"the request body cannot be read ({why})", "invalid_body") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
         except RecursionError:
@@ -270,7 +301,7 @@ class Server:
         names = {c.model} if c.model else set()
         api = Api(self.engine, self.jobs, model_names=names,
                   defaults={"temp": d.temp, "top_p": d.top_p, "seed": d.seed, "max_tokens": d.max_tokens})
-        self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None,
+        self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, logger=http_logger(),
                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)

@@ -39,7 +39,7 @@ def show(value) -> str:
         return "an object"
     if isinstance(value, list):
         return "a list"
-    text = repr(value)
+    text = repr(value[:40] if isinstance(value, str) else value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
