@@ -2,7 +2,7 @@
 
     edge0 eval                                              # the built-in model on the stdlib held-out split
     edge0 eval --model STORE --data FILE_OR_DIR --teacher FP_DIR --json
-    edge0 eval --routing                                    # + expert usage and cross-token overlap per layer
+    edge0 eval --routing-stats                              # + expert usage and cross-token overlap per layer
 
 The token stream (a file, every .py file under a directory, or a .npy of token ids) is cut into
 consecutive windows of --seq-len tokens, each scored from a fresh context; --max-tokens caps the

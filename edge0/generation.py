@@ -43,7 +43,8 @@ class Figures:
     bytes_read: int = 0  # expert bytes read from the store
     cold_bytes: float = 0.0  # of those, not in the page cache before the read
     reads: int = 0
-    stall_s: float = 0.0  # compute waiting on prefetch reads (scheduled routing)
+    stall_s: float = 0.0  # decode steps' compute waiting on prefetch reads (scheduled routing), as decode_s
+    prefill_stall_s: float = 0.0  # the same during the prompt and its first token (banks start empty)
 
     @property
     def cold_fraction(self) -> float:
@@ -92,8 +93,10 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     fig = Figures(prompt_tokens=len(req.prompt))
     steps = generate_steps(store.model, req.prompt, max_tokens=req.max_tokens, sampler=sampler, times=times,
                            runtime=store.runtime, forced=req.forced or None)
+    first = None  # counters when the first token came out: decode figures start there
     try:
         for t, _ in steps:
+            first = first or _counters(store)
             if t in engine.eos and not req.ignore_eos:
                 times.tokens.pop()
                 fig.finish_reason = "stop"
@@ -119,7 +122,9 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     fig.prefill_s, fig.decode_s = times.prefill_s, times.decode_s
     fig.prefill_tok_s, fig.decode_tok_s = times.prefill_tok_s, times.decode_tok_s
     after = _counters(store)
-    fig.bytes_read, fig.cold_bytes, fig.reads, fig.stall_s = (a - b for a, b in zip(after, before))
+    fig.bytes_read, fig.cold_bytes, fig.reads, _ = (a - b for a, b in zip(after, before))
+    first = first or after
+    fig.prefill_stall_s, fig.stall_s = first[3] - before[3], after[3] - first[3]
     return fig
 
 

@@ -47,6 +47,13 @@ def read_replay(path: str) -> dict:
     return data
 
 
+def _creatable(d: Path) -> bool:
+    """d exists and is writable, or can be made inside the nearest existing, writable ancestor."""
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    return d.is_dir() and os.access(d, os.W_OK)
+
+
 def _prompt(engine, args, replay: dict | None) -> list[int]:
     if replay is not None:
         return replay["prompt"]
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     config, samp = engine_config(args), sampling(args)
     replay = read_replay(args.replay) if args.replay else None
-    if args.trace and (Path(args.trace).is_dir() or not os.access(Path(args.trace).resolve().parent, os.W_OK)):
+    if args.trace and (Path(args.trace).is_dir() or not _creatable(Path(args.trace).resolve().parent)):
         raise Edge0Error(f"--trace {args.trace}: not a writable file path")
     trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
     with open_engine(config, trace=trace) as engine:
@@ -100,13 +107,13 @@ def _result(engine, fig, load_s: float, memory: dict) -> dict:
     """`--json`'s object: the generation, the store's cumulative I/O (loading included), what ran."""
     stats, rt = engine.store.reader.stats, engine.store.runtime
     sched = getattr(rt, "sched", None)
-    steps = max(len(fig.tokens), 1)
+    steps = max(len(fig.tokens) - 1, 1)  # decode steps: the first token comes out of prefill
     return {
         "tokens": fig.tokens, "text": fig.text, "prompt_tokens": fig.prompt_tokens,
         "decode_tok_s": fig.decode_tok_s, "prefill_tok_s": fig.prefill_tok_s, **memory,
         "bytes_read": stats.bytes, "reads": stats.reads, "cold_fraction": stats.cold_fraction,
         "hit_rate": rt.stats.hit_rate, "resident_expert_bytes": rt.resident_expert_bytes,
-        "stall_ms_per_token": 1e3 * fig.stall_s / steps,
+        "stall_ms_per_token": 1e3 * fig.stall_s / steps, "prefill_stall_ms": 1e3 * fig.prefill_stall_s,
         "recall": sched.stats.recall if sched else None,
         "loads": sched.stats.loads if sched else stats.reads,
         "demand_loads": sched.stats.demand_loads if sched else stats.reads,

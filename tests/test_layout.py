@@ -1,0 +1,93 @@
+"""The package's shape, read from its source (docs/DESIGN.md §2): dependencies point down, no cycles,
+small files and functions."""
+
+import ast
+from pathlib import Path
+
+import edge0
+
+ROOT = Path(edge0.__file__).parent
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, at any depth of its code (lazy imports count)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def edge0_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: {i for i in imports(m, p) if i in mods and i != m} for m, p in mods.items()}
+
+
+def test_nothing_imports_the_command_line_entry_points():
+    offenders = {m: sorted(i & {"edge0.cli", "edge0.run"}) for m, i in edge0_graph().items()}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def test_io_imports_no_mlx_and_sched_no_mlx_arrays():
+    mods = modules()
+    for name, path in mods.items():
+        if name.startswith(("edge0.io", "edge0.sched")):
+            mlx = sorted(i for i in imports(name, path) if i == "mlx" or i.startswith("mlx.") or i.startswith("mlx_lm"))
+            assert not mlx, f"{name} imports {mlx}"
+
+
+def test_no_import_cycles():
+    graph = edge0_graph()
+    parents = {m for m in graph if any(o.startswith(m + ".") for o in graph)}  # packages: their modules' imports
+    graph = {m: {d for d in deps if d not in parents} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in graph[m]:
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_files_and_functions_stay_small():
+    big = []
+    for name, path in modules().items():
+        src = path.read_text()
+        if src.count("\n") > MAX_FILE_LINES:
+            big.append(f"{name}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    big.append(f"{name}.{node.name}: {length} lines")
+    assert big == []
