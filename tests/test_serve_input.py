@@ -353,7 +353,9 @@ def stream_until_stopped(client, model: str, got: list, done: threading.Event) -
     done.set()
 
 
-def test_ctrl_c_cancels_the_running_and_waiting_requests(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_cancels_the_running_and_waiting_requests(tmp_path, sig):
+    """Ctrl-C or SIGTERM while one request streams and another waits: both are answered at once."""
     srv = ServeProcess(tmp_path / "stderr.txt")
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:
@@ -371,7 +373,7 @@ def test_ctrl_c_cancels_the_running_and_waiting_requests(tmp_path):
             assert time.monotonic() < end
             time.sleep(0.01)
         t0 = time.monotonic()
-        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.send_signal(sig)
         assert done.wait(DEADLINE)
         rc = srv.proc.wait(DEADLINE)
     finally:
