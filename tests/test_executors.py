@@ -176,3 +176,27 @@ def test_io_modes_read_the_same_bytes_as_pread(models, mode):
     assert other.stats.bytes == plain.stats.bytes > 0
     plain.close()
     other.close()
+
+
+def test_a_failed_fill_leaves_its_slots_empty(models):
+    from edge0.compute.executors import SlottedExperts
+    from edge0.compute.experts import ExactExperts
+    from edge0.errors import Edge0Error
+    from edge0.io import faults
+
+    reader, fence, bank = tiny_bank(models, 4)
+    layer = reader.manifest.layers[0].layer
+    cache = SlotCache(bank, SlotStats(), reader.manifest.num_experts)
+    exact = ExactExperts(reader, layer, mx.float32)
+    slotted = SlottedExperts(reader, layer, cache, fence, exact, None, shared=False)
+    x = mx.random.normal((1, 1, bank.arrays["down_proj.weight"].shape[1]), key=mx.random.key(0))
+    inds = mx.array([[[0, 1]]], dtype=mx.uint32)
+    fill_slots(reader, layer, bank, cache.assign(np.array([0]))[1])  # expert 0 held before the failure
+    faults.inject(reader, "short@1")  # the step's one read (expert 1: 0 is held) lands half
+    with pytest.raises(Edge0Error, match="short read of expert 1"):
+        slotted(x, inds)
+    assert cache.slot_of[1] == -1 and 1 not in bank.holds.tolist()  # not found by a lookup: read again
+    assert bank.holds[cache.slot_of[0]] == 0
+    fence.sync()
+    assert np.array_equal(np.array(slotted(x, inds)), np.array(exact(x, inds)))
+    reader.close()

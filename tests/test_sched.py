@@ -11,6 +11,7 @@ import pytest
 from edge0.cli import main
 from edge0.compute.banks import Bank, Fence
 from edge0.compute.executors import SlotCache, SlotStats
+from edge0.errors import Edge0Error
 from edge0.io.manifest import Piece
 from edge0.sched.scheduler import Scheduler
 
@@ -77,9 +78,12 @@ class FakeReader:
         self.piece = Piece(name="w", dtype="U8", shape=[16], offset=0, nbytes=16)
         self.release = threading.Event()
         self.log = []
+        self.fail = set()  # experts whose read raises
 
     def read_bundle(self, layer, expert, buffers):
         self.release.wait()
+        if expert in self.fail:
+            raise Edge0Error(f"layer {layer}: read of expert {expert} failed")
         buffers[0][:] = bytes([layer * 16 + expert]) * 16
         self.log.append((layer, expert, threading.current_thread().name))
         return 16, 0.0
@@ -143,4 +147,26 @@ def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
     sched.prefetch(1, cache, np.array([3, 4]))  # evaluated: every slot is writable again
     sched.cancel()
     assert {3, 4} <= set(cache.bank.holds.tolist())
+    sched.close()
+
+
+def test_a_failed_fill_empties_its_slots_and_reset_starts_over():
+    reader, fence, caches, sched = fake_setup(slots=3)
+    reader.release.set()
+    reader.fail = {5}
+    cache = caches[1]
+    sched.demand(1, cache, np.array([0, 1]))
+    sched.prefetch(1, cache, np.array([1, 5]))  # for step 1: 1 is held, 5 fails on the worker
+    sched.next_step()
+    with pytest.raises(Edge0Error, match="read of expert 5 failed"):
+        sched.ready(1)  # the worker's error, raised where the step consumes the fill
+    assert cache.slot_of[5] == -1 and 5 not in cache.bank.holds.tolist() and not cache.filling.any()
+    assert cache.bank.holds[cache.slot_of[[0, 1]]].tolist() == [0, 1]  # fully read slots are kept
+    sched.prefetch(1, cache, np.array([5]))  # fails again, and nobody consumes it
+    sched.reset()  # a new generation
+    assert sched.step == 0 and sched.plans == {} and sched.pending == 0 and sched.in_flight == 0
+    assert cache.slot_of[5] == -1 and not cache.filling.any()
+    reader.fail = set()
+    slots = sched.demand(1, cache, np.array([5]))
+    assert np.array(cache.bank.arrays["w"])[slots[0], 0] == 16 + 5
     sched.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .banks import Bank, Fence
+from .banks import Bank, BankBusy, Fence
 from .experts import ExactExperts, Quant, bank_positions, switch_glu
 
 
@@ -69,6 +69,14 @@ class SlotCache:
         self.used[slots] = self.clock
         return slots, fills
 
+    def forget(self, slots) -> None:
+        """Mark `slots` empty (a read into them failed: they may hold half a bundle); lookups miss them."""
+        slots = np.asarray(slots, dtype=np.int64)
+        held = self.bank.holds[slots]
+        self.slot_of[held[held >= 0]] = -1
+        self.bank.holds[slots] = -1
+        self.used[slots] = 0
+
 
 def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None) -> None:
     """Read each (slot, key) bundle straight into the bank's memory: one preadv per bundle, no MLX op."""
@@ -109,7 +117,11 @@ class SlottedExperts:
         if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
-        fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
+        try:
+            fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
+        except BaseException:
+            cache.forget([slot for slot, _ in fills])  # none of them was committed
+            raise
         y = switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots), self.quant)
         mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
@@ -141,7 +153,10 @@ class WholeLayer:
             m = self.reader.manifest
             self.banks = [Bank(m.pieces, m.num_experts, self.fence, self.compute_dtype) for _ in range(2)]
         busy = {id(b) for b, _ in self.pending.values()} | {id(in_use)}
-        bank = next(b for b in self.banks if id(b) not in busy and b.writable)
+        bank = next((b for b in self.banks if id(b) not in busy and b.writable), None)
+        if bank is None:
+            raise BankBusy(f"whole-layer prefill of layer {layer}: both prefill banks are pending or read by an "
+                           "unevaluated graph")
         buffers = [bank.write_buffers(e) for e in range(bank.slots)]  # checked here, on the main thread
         self.pending[layer] = (bank, self.pool.submit(self._read, layer, bank, buffers))
 
@@ -169,3 +184,15 @@ class WholeLayer:
             fut.result()
         self.pending.clear()
         self.banks = []
+
+    def abandon(self) -> None:
+        """After a failed generation: wait for the reads in flight (their errors were or will be reported
+        elsewhere), then drop them and the banks."""
+        for _, fut in self.pending.values():
+            fut.exception()  # waits; never raises the read's error
+        self.pending.clear()
+        self.banks = []
+
+    def close(self) -> None:
+        self.abandon()
+        self.pool.shutdown(wait=True)

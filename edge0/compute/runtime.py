@@ -36,6 +36,28 @@ class Runtime:
         return held
 
     trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
+    generation = 0  # bumped by begin(): a step generator of an older generation must not touch the runtime
+
+    def begin(self) -> int:
+        """Start a generation (generate_steps calls it before prefill): nothing of an earlier generation is
+        carried but fully written slots. Returns the generation's number."""
+        self.recover()
+        self.generation += 1
+        return self.generation
+
+    def recover(self) -> None:
+        """Bring the runtime back to a state a generation can start from, whatever the last one left: no read
+        in flight, no pending prefill bank, every slot writable. Called after a generation raised
+        (generate_steps does it) and by begin(); idempotent; a read's error is not raised again here.
+        Slots a failed read was filling were emptied where it failed (SlotCache.forget)."""
+        self.reset_pipeline()
+        mx.synchronize()  # a graph the failed step async_eval'd may still be reading the banks
+        if self.prefill is not None:
+            self.prefill.abandon()
+        self.fence.sync()  # every graph built before now is evaluated or abandoned: its slots may be written
+
+    def reset_pipeline(self) -> None:
+        """Drop the scheduled pipeline's state (none for native executors)."""
 
     def end_prefill(self) -> None:
         if self.prefill is not None:
@@ -52,7 +74,8 @@ class Runtime:
         pass
 
     def close(self) -> None:
-        pass
+        if self.prefill is not None:
+            self.prefill.close()
 
 
 def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memory_budget_gib: float | None = None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Edge0Error
+from .faults import install_from_env
 from .layerfile import check_header, round_up
 from .manifest import Manifest, read_manifest
 from .pagecache import Residency, evict
@@ -86,6 +87,9 @@ class BundleReader:
                         print(f"edge0: --io direct: {path.parent} refuses O_DIRECT ({e.strerror}); reading with pread",
                               file=sys.stderr)
                         self.io = "pread"
+            self._transfer = {"mmap": self._transfer_mmap, "direct": self._read_direct}.get(self.io,
+                                                                                              self._transfer_pread)
+            install_from_env(self)  # the fault-injection test hook; nothing when $EDGE0_FAULT is unset
         except BaseException:
             self.close()
             raise
@@ -140,16 +144,13 @@ class BundleReader:
         if self._residency:
             cold = (1.0 - self._residency[layer].cached_fraction(offset, length)) * length
         try:
-            if self.io == "mmap":
-                n = _scatter(memoryview(self._maps[layer])[offset:offset + length], iov)
-            elif self.io == "direct":
-                n = self._read_direct(layer, offset, length, iov)
-            else:
-                n = os.preadv(self._fds[layer], iov, offset)
+            n = self._transfer(layer, offset, length, iov)
         except OSError as e:
             raise Edge0Error(f"{self.path(layer)}: read of {what} failed ({e.strerror})") from None
         if n != length:
-            raise Edge0Error(f"{self.path(layer)}: short read of {what} ({n} of {length} bytes)")
+            size = os.fstat(self._fds[layer]).st_size
+            raise Edge0Error(f"{self.path(layer)}: short read of {what}: expected {length} bytes, got {n} (the file "
+                             f"is {size} bytes now, the manifest says {self._entries[layer].file_size})")
         if self.throttle is not None:
             self.throttle.pace(n, started)
         with self._lock:
@@ -157,6 +158,13 @@ class BundleReader:
             self.stats.bytes += n
             self.stats.cold_bytes += cold
         return n, cold
+
+    def _transfer_pread(self, layer: int, offset: int, length: int, iov: list) -> int:
+        return os.preadv(self._fds[layer], iov, offset)
+
+    def _transfer_mmap(self, layer: int, offset: int, length: int, iov: list) -> int:
+        size = os.fstat(self._fds[layer]).st_size  # a mapping read past a shrunk file's end is SIGBUS, not an error
+        return _scatter(memoryview(self._maps[layer])[offset:max(offset, min(offset + length, size))], iov)
 
     def _read_direct(self, layer: int, offset: int, length: int, iov: list) -> int:
         size = round_up(length)

@@ -40,10 +40,34 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
                    forced: list[int] | None = None) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs) for up to max_tokens steps; the caller stops early on EOS.
 
-    runtime: the store's executor runtime (its fence advances at every evaluated step, its prefill banks
-    are released after the prompt). forced: replay these tokens instead of the sampled ones, so that
-    benchmark arms do identical work.
+    runtime: the store's executor runtime. Each generation begins with runtime.begin() (nothing of the
+    previous generation is carried), ends with runtime.finish(), and calls runtime.recover() when it
+    raises, so the next one starts clean. Generations on one runtime run one at a time: a step generator
+    resumed after another generation began raises. forced: replay these tokens instead of the sampled
+    ones, so that benchmark arms do identical work.
     """
+    if runtime is None:
+        yield from _steps(model, prompt, max_tokens, sampler, times, None, forced)
+        return
+    gen = runtime.begin()
+    try:
+        for out in _steps(model, prompt, max_tokens, sampler, times, runtime, forced):
+            yield out
+            if runtime.generation != gen:
+                raise RuntimeError("another generation began on this runtime while this one was paused")
+    except GeneratorExit:  # closed at a yield: every step built so far was evaluated
+        raise
+    except BaseException:
+        if runtime.generation == gen:
+            runtime.recover()
+        raise
+    finally:
+        if runtime.generation == gen:
+            runtime.finish()
+
+
+def _steps(model, prompt, max_tokens, sampler, times, runtime, forced) -> Iterator[tuple[int, mx.array]]:
+    """The loop of generate_steps."""
     if forced is not None:
         max_tokens = min(max_tokens, len(forced))
     times = times if times is not None else StepTimes()
@@ -85,18 +109,14 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
     evaluate(token, logprobs, 0)
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
-    try:
-        for n in range(max_tokens):
-            t = token.item()  # SYNC: the sampled id goes to the host, once per token
-            times.tokens.append(t)
-            times.decode_s = time.perf_counter() - t1
-            yield t, logprobs
-            if n + 1 == max_tokens:
-                break
-            t_step = now_us()
-            token, logprobs = step(token, n + 1)
-            evaluate(token, logprobs, n + 1)
+    for n in range(max_tokens):
+        t = token.item()  # SYNC: the sampled id goes to the host, once per token
+        times.tokens.append(t)
         times.decode_s = time.perf_counter() - t1
-    finally:
-        if runtime is not None:
-            runtime.finish()
+        yield t, logprobs
+        if n + 1 == max_tokens:
+            break
+        t_step = now_us()
+        token, logprobs = step(token, n + 1)
+        evaluate(token, logprobs, n + 1)
+    times.decode_s = time.perf_counter() - t1

@@ -44,6 +44,11 @@ class PrefetchExperts:
         self.predicted_routing = False  # the next layer routes with this layer's head (routing=predicted)
         self.decided: dict[int, tuple] = {}  # step -> (inds, scores) decided for this layer by its owner's head
 
+    def reset(self) -> None:
+        """A new generation: no previous token, no routing decided ahead."""
+        self.prev_inds = None
+        self.decided.clear()
+
     def planned(self):
         """Routing decided for this layer at the step before (predicted routing), for the step now built."""
         step = self.sched.step
@@ -101,6 +106,12 @@ class PrefetchRuntime(Runtime):
     def finish(self) -> None:
         self.sched.cancel()
 
+    def reset_pipeline(self) -> None:
+        """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
+        self.sched.reset()
+        for ex in self.executors.values():
+            ex.reset()
+
     heads = None  # HeadSet when predicting with trained heads
     predicted_routing = False
 
@@ -123,6 +134,7 @@ class PrefetchRuntime(Runtime):
 
     def close(self) -> None:
         self.sched.close()
+        super().close()
 
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,

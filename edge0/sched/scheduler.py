@@ -145,9 +145,13 @@ class Scheduler:
             return slots
         t = now_us()
         plan.fills = [Fill(plan.layer, expert, slot, t) for slot, expert in fills]
-        buffers = [cache.bank.write_buffers(f.slot) for f in plan.fills]  # the write rule is checked here
-        while self.in_flight >= self.queue_depth:
-            self._drain_one()
+        try:
+            buffers = [cache.bank.write_buffers(f.slot) for f in plan.fills]  # the write rule is checked here
+            while self.in_flight >= self.queue_depth:
+                self._drain_one()
+        except BaseException:
+            cache.forget([f.slot for f in plan.fills])  # assigned, never to be read
+            raise
         self.in_flight += 1
         cache.filling[[f.slot for f in plan.fills]] = True
         pool = self.demand_pool if plan.demand else self.pool
@@ -159,8 +163,10 @@ class Scheduler:
 
     def _collected(self, plan: LayerPlan, fut: asyncio.Future) -> None:
         self.in_flight -= 1
-        plan.cache.filling[[f.slot for f in plan.fills]] = False
+        slots = [f.slot for f in plan.fills]
+        plan.cache.filling[slots] = False
         if fut.cancelled() or fut.exception() is not None:
+            plan.cache.forget(slots)  # the worker stopped before committing: no slot of the plan holds its bundle
             return
         for r in fut.result():
             self.stats.loads += 1
@@ -214,11 +220,19 @@ class Scheduler:
         self.step += 1
 
     def cancel(self) -> None:
-        """Abandon planned fills (a generation ended early); wait for reads in flight so no worker writes later."""
+        """Abandon planned fills (a generation ended early); wait for reads in flight so no worker writes later.
+        A failed read's error is dropped here (its slots were emptied): nobody consumes that plan."""
         futures = [p.future for p in self.plans.values() if p.future is not None]
         if futures:
             self.loop.run_until_complete(asyncio.wait(futures))
+            for fut in futures:
+                fut.cancelled() or fut.exception()  # retrieved: asyncio logs no "never retrieved" later
         self.plans.clear()
+
+    def reset(self) -> None:
+        """A new generation: nothing planned or in flight, step 0 (plans and decided routings are keyed by step)."""
+        self.cancel()
+        self.step = 0
 
     @property
     def pending(self) -> int:
