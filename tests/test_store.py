@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from edge0.cli import main
 from edge0.io.manifest import read_manifest
-from edge0.io.reader import BundleReader, verify_store
+from edge0.io.reader import BundleReader
+from edge0.io.verify import verify_store
 
 from .conftest import ARCHS
 
@@ -49,7 +50,7 @@ def store_pieces(store, layer_file, expert):
 def test_mlx_source_round_trip_is_byte_identical(models, arch):
     src, store = models(arch, "mlx", "src"), models(arch, "mlx")
     manifest = read_manifest(store)
-    assert verify_store(store) == []
+    assert verify_store(store).problems == []
     for entry in manifest.layers:
         assert entry.data_offset % 4096 == 0 and manifest.bundle_stride % 4096 == 0
         source = stacked_source(src, arch, entry.layer)
@@ -69,7 +70,7 @@ def test_mlx_source_round_trip_is_byte_identical(models, arch):
 def test_hf_source_round_trip_equals_mx_quantize(models, arch):
     src, store = models(arch, "hf", "src"), models(arch, "hf")
     manifest = read_manifest(store)
-    assert verify_store(store) == []
+    assert verify_store(store).problems == []
     entry = manifest.layers[-1]
     source = stacked_source(src, arch, entry.layer)
     reader = BundleReader(store, manifest)
@@ -177,7 +178,7 @@ def test_out_not_empty_is_not_overwritten(models, capsys, tmp_path):
     assert code == 2 and "not empty" in err and "--force" in err
     assert (out / "mine.txt").read_text() == "keep me"
     code, err = run_cli(capsys, "convert", "--quiet", "--force", str(src), str(out))
-    assert code == 0 and not (out / "mine.txt").exists() and verify_store(out) == []
+    assert code == 0 and not (out / "mine.txt").exists() and verify_store(out).problems == []
 
 
 def test_checkpoint_given_to_run_is_named(models, capsys):
@@ -270,5 +271,6 @@ def test_damaged_source_or_unwritable_out_is_one_clear_error(models, capsys, tmp
     (src / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:5000])  # a cut download
     code, err = run_cli(capsys, "convert", str(src), str(tmp_path / "out"))
     assert code == 2 and "cannot load as a qwen3_moe checkpoint" in err and not (tmp_path / "out").exists()
-    code, err = run_cli(capsys, "convert", str(models("qwen3_moe", "mlx", "src")), str(src / "config.json" / "out"))
-    assert code == 2 and "cannot be written" in err
+    (tmp_path / "afile").write_text("not a directory")
+    code, err = run_cli(capsys, "convert", str(models("qwen3_moe", "mlx", "src")), str(tmp_path / "afile" / "out"))
+    assert code == 2 and f"cannot be written ({tmp_path / 'afile'} is not a directory)" in err

@@ -1,22 +1,46 @@
-"""The store manifest `edge0.json`: everything a reader needs without parsing tensors.
+"""The store manifest `edge0.json`: everything a reader needs without parsing tensors, and a checksum of every
+byte of the store.
 
 A store directory holds config.json + tokenizer files, resident.safetensors, experts/layer_NNN.safetensors
 and this manifest. Each expert's pieces are one contiguous bundle; bundle e of a layer starts at
 `data_offset + e * bundle_stride` in that layer's file.
+
+What covers what (format 2):
+- expert layer files: a crc32 per bundle (`layers[].checksums`, what `--verify` checks on every read) and
+  one of the safetensors header (`layers[].header_crc32`, bytes [0, data_offset)); the padding between
+  bundles is zeros by construction and `edge0 verify` checks that it still is.
+- every other file (resident.safetensors, config.json, tokenizer and chat-template files, heads and
+  adapters): `files`, {path relative to the store: {"size": bytes, "crc32": 8 hex digits}}. Heads and
+  adapters are written after convert: `edge0 train heads` adds its output (and its .json report) to
+  `files` when it writes into a store directory, in one atomic rewrite of this manifest under a lock on
+  the store directory. A file in the store that `files` does not list is a warning of `edge0 verify`.
+- the manifest itself: `manifest_crc32`, its last field, the crc32 of the file's bytes with that field's
+  value written as "00000000".
+A format 1 manifest (no `files`, no header or manifest checksums) still loads; `edge0 verify` warns that
+those files carry no checksum. Format 2 exists so that an older edge0 refuses a new store with a clear line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import Edge0Error
+from .atomic import write_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "edge0.json"
 ALIGN = 4096
+SELF_CRC = "manifest_crc32"
+_SELF_CRC = re.compile(rb'"manifest_crc32": "([0-9a-f]{8})"')
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+CHUNK = 1 << 22  # bytes per read when checksumming a whole file
 
 
 @dataclass
@@ -39,6 +63,7 @@ class LayerEntry:
     data_offset: int  # absolute file offset of bundle 0 (4096-aligned)
     file_size: int  # expected size of the file in bytes
     checksums: list[str]  # crc32 (8 hex digits) of each bundle's bundle_bytes bytes
+    header_crc32: str | None = None  # crc32 of bytes [0, data_offset); None in format 1
 
 
 @dataclass
@@ -56,6 +81,7 @@ class Manifest:
     bundle_stride: int  # bundle_bytes rounded up to ALIGN
     layers: list[LayerEntry]
     source: dict = field(default_factory=dict)  # where it was converted from
+    files: dict | None = None  # {relative path: {"size", "crc32"}} of every other file; None in format 1
 
     @property
     def expert_bytes(self) -> int:
@@ -66,8 +92,60 @@ class Manifest:
         return json.dumps(asdict(self), indent=1)
 
 
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The manifest as written: format FORMAT_VERSION, ending with its own checksum."""
+    raw = {**asdict(manifest), "format_version": FORMAT_VERSION, SELF_CRC: "00000000"}
+    text = json.dumps(raw, indent=1).encode()
+    head, _, tail = text.rpartition(b'"00000000"')
+    return head + f'"{zlib.crc32(text):08x}"'.encode() + tail
+
+
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    write_atomic(root / MANIFEST, manifest.to_json().encode())
+    write_atomic(Path(root) / MANIFEST, manifest_bytes(manifest))
+
+
+def manifest_checksum(data: bytes) -> bool | None:
+    """Whether the manifest's bytes match its recorded checksum; None when it records none."""
+    found = list(_SELF_CRC.finditer(data))
+    if not found:
+        return None
+    m = found[-1]
+    blank = data[:m.start(1)] + b"00000000" + data[m.end(1):]
+    return f"{zlib.crc32(blank):08x}" == m.group(1).decode()
+
+
+def file_entry(path: Path, progress=None) -> dict:
+    """{"size", "crc32"} of a whole file, as `files` records it; progress.update(n) per chunk if given."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def record_files(root: str | os.PathLike, names: list[str]) -> None:
+    """Add (or refresh) files of a store in the manifest's `files`: one atomic rewrite under a lock on the store."""
+    root = Path(root)
+    with _locked(root):
+        manifest = read_manifest(root)
+        files = dict(manifest.files or {})
+        for name in names:
+            files[name] = file_entry(root / name)
+        manifest.files = files
+        write_manifest(root, manifest)
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # two writers into one store must not lose each other's entries
+        yield
+    finally:
+        os.close(fd)
 
 
 def read_manifest(root: str | os.PathLike) -> Manifest:
@@ -85,6 +163,7 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raise Edge0Error(
             f"{path}: store format version {version} is newer than this Edge0 reads ({FORMAT_VERSION}); upgrade edge0"
         )
+    raw.pop(SELF_CRC, None)
     try:
         raw["pieces"] = [Piece(**p) for p in raw["pieces"]]
         raw["layers"] = [LayerEntry(**entry) for entry in raw["layers"]]
@@ -102,6 +181,8 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
             )
     if sum(p.nbytes for p in manifest.pieces) != manifest.bundle_bytes:
         raise Edge0Error(f"{path}: pieces do not add up to bundle_bytes {manifest.bundle_bytes}")
+    if not 1 <= manifest.top_k <= manifest.num_experts:
+        raise Edge0Error(f"{path}: top_k {manifest.top_k} must be between 1 and num_experts {manifest.num_experts}")
     return manifest
 
 
@@ -117,6 +198,15 @@ def _check_types(m: "Manifest") -> None:
     q = m.quantization
     if not isinstance(q, dict) or type(q.get("bits")) is not int or type(q.get("group_size")) is not int:
         raise TypeError("quantization must give integer bits and group_size")
+    crcs = [e.header_crc32 for e in m.layers if e.header_crc32 is not None]
+    if m.files is not None:
+        if not isinstance(m.files, dict) or not all(isinstance(v, dict) for v in m.files.values()):
+            raise TypeError("files must map each path to {size, crc32}")
+        if not all(type(v.get("size")) is int for v in m.files.values()):
+            raise TypeError("a file size is not an integer")
+        crcs += [v.get("crc32") for v in m.files.values()]
+    if not all(isinstance(c, str) and _HEX8.match(c) for c in crcs):
+        raise TypeError("a crc32 is not 8 hex digits")
 
 
 def read_json(path: Path):
@@ -129,13 +219,3 @@ def read_json(path: Path):
         return json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Edge0Error(f"{path}: not valid JSON ({e})") from None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that readers see either the old or the whole new content."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -210,27 +210,3 @@ def crc32_of(buffers: list) -> str:
     for b in buffers:
         crc = zlib.crc32(b, crc)
     return f"{crc:08x}"
-
-
-def verify_store(root: str | os.PathLike, progress=None) -> list[str]:
-    """Check every bundle checksum of a store; returns the problems found (empty when sound)."""
-    manifest = read_manifest(root)
-    try:
-        reader = BundleReader(root, manifest, probe=False)
-    except Edge0Error as e:
-        return [str(e)]
-    problems: list[str] = []
-    reader.verify = True
-    buf = bytearray(manifest.bundle_bytes)
-    try:
-        for entry in manifest.layers:
-            for e in range(manifest.num_experts):
-                try:
-                    reader.read_into(entry.layer, e, [buf])
-                except Edge0Error as err:  # a mismatch, a short read or an I/O error: report it and go on
-                    problems.append(str(err))
-                if progress is not None:
-                    progress.update(1)
-    finally:
-        reader.close()
-    return problems

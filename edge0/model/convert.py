@@ -1,10 +1,11 @@
-"""`edge0 convert SRC OUT`: an mlx-lm (4-bit) or Hugging Face (bf16/fp16/fp32) MoE checkpoint -> Edge0 store.
+"""`edge0 convert SRC OUT`: an mlx-lm (quantized) or Hugging Face (bf16/fp16/fp32) MoE checkpoint -> Edge0 store.
 
     edge0 convert ~/models/Qwen3-30B-A3B-4bit ~/stores/qwen3-30b
 
-mlx-lm sources keep their expert bytes exactly (no re-quantization); float sources are quantized the
-way `mlx_lm.convert -q` does it (affine, 4 bits, group 64 by default). The store is built in a
-temporary sibling directory and renamed into place when complete.
+mlx-lm sources keep their expert bytes exactly (no re-quantization, so --bits/--group-size other than the
+source's are refused); float sources are quantized the way `mlx_lm.convert -q` does it (affine, 4 bits,
+group 64 by default). The store is built in a temporary sibling directory and renamed into place when
+complete (edge0.io.atomic): a full disk, an error or a signal leaves OUT as it was.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,8 +24,9 @@ from mlx_lm.utils import load_model, quantize_model, save_config
 from tqdm import tqdm
 
 from ..errors import Edge0Error
+from ..io.atomic import atomic_dir, free_bytes, no_space
 from ..io.layerfile import LayerFileWriter, bundle_layout
-from ..io.manifest import FORMAT_VERSION, Manifest, LayerEntry, write_manifest
+from ..io.manifest import FORMAT_VERSION, MANIFEST, LayerEntry, Manifest, file_entry, write_manifest
 from .arch import arch_for, read_config, routing_constants, text_config
 from .blocks import is_moe_block
 from .load import RESIDENT, cast_floats
@@ -31,32 +34,151 @@ from .load import RESIDENT, cast_floats
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint8: "U8"}
 PROJS = ("gate_proj", "up_proj", "down_proj")
 KINDS = ("weight", "scales", "biases", "bias")
-_SKIP = re.compile(r"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$)")
-_CONVERSION_DTYPES = {"float16", "bfloat16", "float32"}
+_SKIP = re.compile(r"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$|^\.)")
+_CONVERSION_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode takes
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64
 
 
-def prepare_out(out: Path, force: bool) -> Path:
-    """Check OUT may be written; return the temporary directory to build into."""
+def check_paths(src: Path, out: Path, force: bool) -> None:
+    """OUT must not be SRC, lie inside it or hold it, and is replaced only with --force."""
+    s, o = src.resolve(), out.resolve()
+    if o == s:
+        raise Edge0Error(f"{out}: OUT must differ from SRC")
+    if o.is_relative_to(s):
+        raise Edge0Error(f"{out}: OUT is inside SRC {src}; write the store outside the checkpoint")
+    if s.is_relative_to(o):
+        raise Edge0Error(f"{out}: SRC {src} is inside OUT; choose another OUT")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise Edge0Error(f"{out}: exists and is not empty; pass --force to replace it")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        raise Edge0Error(f"{out}: cannot be written ({e.strerror})") from None
-    return tmp
 
 
-def commit_out(tmp: Path, out: Path) -> None:
-    """Move the finished store into place; an old OUT is removed only now (after --force)."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+def quant_settings(src: Path, config: dict, bits: int | None, group_size: int | None) -> tuple[int, int]:
+    """The bits and group size the store's experts will have; flags that cannot apply are refused."""
+    q = config.get("quantization")
+    if q is not None:  # mlx-lm source: its experts are copied as they are
+        have = {"--bits": (bits, q.get("bits")), "--group-size": (group_size, q.get("group_size"))}
+        for flag, (asked, own) in have.items():
+            if asked is not None and asked != own:
+                raise Edge0Error(f"{flag} {asked}: {src} is already quantized ({q.get('bits')}-bit, group size "
+                                 f"{q.get('group_size')}) and its experts are re-laid byte-for-byte, not re-quantized; "
+                                 f"drop {flag}, or convert from the float checkpoint")
+        return q.get("bits"), q.get("group_size")
+    bits = DEFAULT_BITS if bits is None else bits
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if bits not in BITS:
+        raise Edge0Error(f"--bits {bits}: mx.quantize takes {', '.join(map(str, BITS))} bits")
+    if group_size not in GROUP_SIZES:
+        raise Edge0Error(f"--group-size {group_size}: mx.quantize takes group sizes {', '.join(map(str, GROUP_SIZES))}")
+    c = text_config(config)
+    for field in ("hidden_size", "moe_intermediate_size"):  # mlx-lm silently skips layers it cannot group
+        if isinstance(c.get(field), int) and c[field] % group_size:
+            raise Edge0Error(f"--group-size {group_size}: the experts' input width {c[field]} ({field} in "
+                             f"{src / 'config.json'}) is not a multiple of it; choose a group size that divides it")
+    return bits, group_size
+
+
+def needed_bytes(src: Path, config: dict, bits: int, group_size: int) -> int:
+    """About what the store will take: the source's weights (scaled down when quantized here) and other files."""
+    weights = sum(f.stat().st_size for f in src.glob("model*.safetensors"))
+    if "quantization" not in config:
+        dtype = config.get("torch_dtype") or text_config(config).get("dtype")
+        width = _CONVERSION_DTYPES.get(dtype, 2) * 8
+        weights = int(weights * (bits + 32 / group_size) / width)  # packed weights plus a scale and bias per group
+    others = sum(f.stat().st_size for f in src.iterdir() if f.is_file() and not _SKIP.match(f.name))
+    return weights + others
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, *, bits: int | None = None, group_size: int | None = None,
+            mode: str = "affine", force: bool = False, progress: bool = True) -> Path:
+    """Write the Edge0 store of checkpoint SRC to OUT. bits/group_size: None is the source's (or 4/64 for a float
+    source); force: replace a non-empty OUT once the new store is complete."""
+    src, out = Path(src), Path(out)
+    config = read_config(src)
+    arch = arch_for(config, src / "config.json")
+    if not list(src.glob("model*.safetensors")):
+        raise Edge0Error(f"{src}: no model*.safetensors weight files")
+    check_paths(src, out, force)
+    bits, group_size = quant_settings(src, config, bits, group_size)
+    needed = needed_bytes(src, config, bits, group_size)
+    where = next(p for p in (out, *out.parents) if p.exists())
+    free = free_bytes(where)
+    if free is not None and free < needed:
+        raise no_space(out, needed)
+    with atomic_dir(out, replace=force, needed=needed) as tmp:
+        _write_store(src, tmp, arch.model_type, bits, group_size, mode, progress)
+    return out
+
+
+def _write_store(src: Path, tmp: Path, model_type: str, bits: int, group_size: int, mode: str, progress: bool) -> None:
+    model, config, quantized_here = _load_source(src, bits, group_size, mode)
+    layers = [(i, layer) for i, layer in enumerate(model.layers) if is_moe_block(layer.mlp)]
+    if not layers:
+        raise Edge0Error(f"{src}: config declares no MoE layers")
+    params = dict(tree_flatten(model.parameters()))
+    resident = {k: v for k, v in params.items() if ".switch_mlp." not in k}
+    del params
+    mx.save_safetensors(str(tmp / RESIDENT), resident, metadata={"format": "mlx"})
+    del resident
+    first = _expert_pieces(layers[0][1].mlp.switch_mlp)
+    if "gate_proj.scales" not in first:
+        raise Edge0Error(f"{src}: routed expert weights are not quantized")
+    sm = layers[0][1].mlp.switch_mlp.gate_proj
+    quant = {"bits": sm.bits, "group_size": sm.group_size, "mode": sm.mode}
+    num_experts = first["gate_proj.weight"].shape[0]
+    pieces, bundle_bytes, stride = bundle_layout(
+        [(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape[1:])) for name, a in first.items()])
+    entries = _write_experts(src, tmp, layers, pieces, bundle_bytes, stride, num_experts, model_type, progress)
+    for f in src.iterdir():
+        if f.is_file() and not _SKIP.match(f.name):
+            shutil.copy2(f, tmp / f.name)
+    if quantized_here:
+        save_config(dict(config), config_path=tmp / "config.json")
     else:
-        os.replace(tmp, out)
+        shutil.copy2(src / "config.json", tmp / "config.json")
+    listed = {e.file for e in entries}
+    files = {p.relative_to(tmp).as_posix(): file_entry(p) for p in sorted(tmp.rglob("*"))
+             if p.is_file() and p.relative_to(tmp).as_posix() not in listed and p.name != MANIFEST}
+    write_manifest(tmp, Manifest(
+        format_version=FORMAT_VERSION, arch=model_type, routing=routing_constants(config),
+        num_experts=num_experts, top_k=text_config(config)["num_experts_per_tok"], quantization=quant, pieces=pieces,
+        bundle_bytes=bundle_bytes, bundle_stride=stride, layers=entries,
+        source={"path": str(src.resolve()), "format": "hf" if quantized_here else "mlx"}, files=files))
+
+
+def _write_experts(src, tmp, layers, pieces, bundle_bytes, stride, num_experts, model_type,
+                   progress) -> list[LayerEntry]:
+    """One expert-major file per MoE layer; each layer's experts are freed before the next one loads."""
+    (tmp / "experts").mkdir()
+    entries = []
+    bar = tqdm(total=len(layers) * num_experts * bundle_bytes, unit="B", unit_scale=True, desc="convert",
+               disable=not progress, file=sys.stderr)
+    for i, layer in layers:
+        arrays = _expert_pieces(layer.mlp.switch_mlp)
+        if list(arrays) != [p.name for p in pieces]:
+            raise Edge0Error(f"{src}: layer {i} experts have pieces {list(arrays)}, layer {layers[0][0]} has "
+                             f"{[p.name for p in pieces]}")
+        mx.eval(list(arrays.values()))
+        rel = f"experts/layer_{i:03d}.safetensors"
+        writer = LayerFileWriter(tmp / rel, pieces, num_experts, bundle_bytes, stride,
+                                 {"format": "edge0-experts", "layer": i, "arch": model_type})
+        flat = [memoryview(arrays[p.name]).cast("B") for p in pieces]
+        try:
+            for e in range(num_experts):
+                writer.write_bundle([f[e * p.nbytes:(e + 1) * p.nbytes] for f, p in zip(flat, pieces)])
+                bar.update(bundle_bytes)
+            size = writer.close()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                writer.f.close()  # an open file would keep a full disk's blocks after the temporary is removed
+            raise
+        entries.append(LayerEntry(layer=i, file=rel, data_offset=writer.data_offset, file_size=size,
+                                  checksums=writer.checksums, header_crc32=f"{zlib.crc32(writer.header):08x}"))
+        del flat, arrays
+        del layer.mlp["switch_mlp"]
+    bar.close()
+    return entries
 
 
 def _load_source(src: Path, bits: int, group_size: int, mode: str):
@@ -83,75 +205,3 @@ def _expert_pieces(switch_mlp) -> dict[str, mx.array]:
             if kind in module and module[kind] is not None:
                 pieces[f"{proj}.{kind}"] = module[kind]
     return pieces
-
-
-def convert(src: str | os.PathLike, out: str | os.PathLike, *, bits: int = 4, group_size: int = 64, mode: str = "affine",
-            force: bool = False, progress: bool = True) -> Path:
-    src, out = Path(src), Path(out)
-    config = read_config(src)
-    arch = arch_for(config, src / "config.json")
-    if not list(src.glob("model*.safetensors")):
-        raise Edge0Error(f"{src}: no model*.safetensors weight files")
-    if out.resolve() == src.resolve():
-        raise Edge0Error(f"{out}: OUT must differ from SRC")
-    tmp = prepare_out(out, force)
-    try:
-        model, config, quantized_here = _load_source(src, bits, group_size, mode)
-        layers = [(i, layer) for i, layer in enumerate(model.layers) if is_moe_block(layer.mlp)]
-        if not layers:
-            raise Edge0Error(f"{src}: config declares no MoE layers")
-        params = dict(tree_flatten(model.parameters()))
-        resident = {k: v for k, v in params.items() if ".switch_mlp." not in k}
-        del params
-        mx.save_safetensors(str(tmp / RESIDENT), resident, metadata={"format": "mlx"})
-        del resident
-
-        first = _expert_pieces(layers[0][1].mlp.switch_mlp)
-        if "gate_proj.scales" not in first:
-            raise Edge0Error(f"{src}: routed expert weights are not quantized")
-        sm = layers[0][1].mlp.switch_mlp.gate_proj
-        quant = {"bits": sm.bits, "group_size": sm.group_size, "mode": sm.mode}
-        num_experts = first["gate_proj.weight"].shape[0]
-        pieces, bundle_bytes, stride = bundle_layout(
-            [(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape[1:])) for name, a in first.items()])
-        (tmp / "experts").mkdir()
-        entries = []
-        bar = tqdm(total=len(layers) * num_experts * bundle_bytes, unit="B", unit_scale=True, desc="convert",
-                   disable=not progress, file=sys.stderr)
-        for i, layer in layers:
-            arrays = _expert_pieces(layer.mlp.switch_mlp)
-            if list(arrays) != [p.name for p in pieces]:
-                raise Edge0Error(f"{src}: layer {i} experts have pieces {list(arrays)}, layer {layers[0][0]} has {[p.name for p in pieces]}")
-            mx.eval(list(arrays.values()))
-            rel = f"experts/layer_{i:03d}.safetensors"
-            writer = LayerFileWriter(tmp / rel, pieces, num_experts, bundle_bytes, stride,
-                                     {"format": "edge0-experts", "layer": i, "arch": arch.model_type})
-            flat = [memoryview(arrays[p.name]).cast("B") for p in pieces]
-            for e in range(num_experts):
-                writer.write_bundle([f[e * p.nbytes:(e + 1) * p.nbytes] for f, p in zip(flat, pieces)])
-                bar.update(bundle_bytes)
-            size = writer.close()
-            entries.append(LayerEntry(layer=i, file=rel, data_offset=writer.data_offset, file_size=size,
-                                      checksums=writer.checksums))
-            del flat, arrays
-            del layer.mlp["switch_mlp"]  # free this layer's experts before the next one loads
-        bar.close()
-
-        for f in src.iterdir():
-            if f.is_file() and not _SKIP.match(f.name):
-                shutil.copy2(f, tmp / f.name)
-        if quantized_here:
-            save_config(dict(config), config_path=tmp / "config.json")
-        else:
-            shutil.copy2(src / "config.json", tmp / "config.json")
-        k = text_config(config)["num_experts_per_tok"]
-        write_manifest(tmp, Manifest(
-            format_version=FORMAT_VERSION, arch=arch.model_type, routing=routing_constants(config),
-            num_experts=num_experts, top_k=k, quantization=quant, pieces=pieces, bundle_bytes=bundle_bytes,
-            bundle_stride=stride, layers=entries,
-            source={"path": str(src.resolve()), "format": "hf" if quantized_here else "mlx"}))
-        commit_out(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out

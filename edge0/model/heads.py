@@ -5,7 +5,7 @@ Features at token t: concat(h_N,t, multi-hot of N's routed set at t, multi-hot a
 logits_M,t+1 = router_M(h_N,t) + delta(features) + fc2(gelu(fc1(features)))
 router_M is layer M's own (frozen, as served) router and delta and fc2 start at zero, so an untrained
 head *is* the next-router predictor (bit for bit); the residual's hidden-state block is thus initialised
-from M's router weights and its multi-hot blocks at zero, as DESIGN.md section 6 asks.
+from M's router weights and its multi-hot blocks at zero (docs/DESIGN.md §10).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import Edge0Error
+from ..io.atomic import atomic_path
 
-HIDDEN = 512  # head width (DESIGN.md section 6)
+HIDDEN = 512  # head width (docs/DESIGN.md §10)
 SKIP_FIRST = 2  # MoE layers at the start that keep their own router (their input moves fastest)
 FEATURES = "h|multi_hot_t|multi_hot_t-1"
 
@@ -91,9 +92,8 @@ class HeadSet:
                 "hidden": str(self.hidden), "features": FEATURES, "data_hash": self.data_hash,
                 "owners": json.dumps({str(c): o for c, o in self.owners.items()}), **(extra or {})}
         weights = dict(tree_flatten(self.module().parameters()))
-        tmp = path.with_name(f".{path.stem}.tmp.safetensors")
-        mx.save_safetensors(str(tmp), weights, metadata=meta)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            mx.save_safetensors(str(tmp), weights, metadata=meta)
 
     @classmethod
     def create(cls, manifest, config: dict, *, top_k: int, hidden: int = HIDDEN, consumers=None) -> "HeadSet":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..io.manifest import Manifest, read_manifest
 from ..io.reader import BundleReader
+from ..io.verify import check_resident
 from .arch import arch_for, read_config
 from .blocks import is_moe_block, make_block
 
@@ -97,6 +99,9 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     manifest = read_manifest(root)
     if manifest.arch != arch.model_type:
         raise Edge0Error(f"{root / 'edge0.json'}: arch '{manifest.arch}' disagrees with config.json model_type '{arch.model_type}'")
+    if verify:  # the files loaded whole, checked before any is used; bundles are checked as they are read
+        for warning in check_resident(root, manifest):
+            print(f"edge0: warning: {warning}", file=sys.stderr)
     resident = root / RESIDENT
     if not resident.exists():
         raise Edge0Error(f"{resident}: missing")

@@ -24,14 +24,13 @@ import hashlib
 import io
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from edge0.errors import Edge0Error
+from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import VOCAB_SIZE, save_tokenizer, special_token_ids
 
 ARCHS = ("qwen3_moe", "qwen3_5_moe", "bailing_moe")
@@ -157,7 +156,7 @@ def make_model(
     fmt: "mlx" (4-bit, as mlx_lm.convert -q writes it) or "hf" (bf16, Hugging Face names).
     seed: the same (arch, preset, fmt, seed) gives byte-identical files.
     force: replace a non-empty `out`, once the new checkpoint is complete.
-    Builds into `OUT.tmp-<pid>` and renames it into place at the end.
+    Builds into a temporary sibling of `out` and renames it into place at the end (edge0.io.atomic).
     """
     _check(arch, preset, fmt)
     if not isinstance(seed, int) or seed < 0:
@@ -170,24 +169,10 @@ def make_model(
         raise Edge0Error(f"{out} exists and is not a directory.")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise Edge0Error(f"{out} exists and is not empty; pass --force to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out, replace=force, needed=planned_bytes(arch, preset, fmt)) as tmp:
         spec = _Spec(arch, preset, seed)
         (_write_mlx if fmt == "mlx" else _write_hf)(spec, tmp, progress)
         save_tokenizer(tmp)
-        if out.exists():
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..io.atomic import write_atomic
+
 FORMAT = "edge0-trace-1"
 
 
@@ -58,9 +60,7 @@ class Trace:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"traceEvents": self.events, "displayTimeUnit": "ms",
                 "otherData": {"format": FORMAT, **self.meta, "summary": summary or {}}}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data).encode())
 
 
 class _Null:

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0.errors import Edge0Error
+from edge0.io.atomic import atomic_dir, atomic_path, write_atomic
 from edge0.model.tokenizer import SPECIAL_TOKENS
 from edge0.train.corpus import Corpus, prepare_corpus, save_tokenizer_files
 
@@ -209,15 +209,12 @@ def load_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: optim.Opti
 
 
 def _save_arrays(path: Path, arrays: dict) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays)
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())
 
 
 # Training ------------------------------------------------------------------------------------------
@@ -318,16 +315,11 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
 
 def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path:
     """A bf16 mlx-lm checkpoint: config.json, model.safetensors, tokenizer files; built aside, renamed in."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_tokenizer_files(tmp, corpus.tokenizer_json)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_dir(out, replace=True) as tmp:
+        weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_tokenizer_files(tmp, corpus.tokenizer_json)
     return out
 
 

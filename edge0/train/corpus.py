@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0.errors import Edge0Error
+from edge0.io.atomic import atomic_path, write_atomic
 from edge0.model.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
 HELDOUT_PERCENT = 5  # share of files (by path hash) kept out of training
@@ -217,12 +218,9 @@ def load_token_ids(path: Path, vocab: int | None) -> np.ndarray:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(path, data)
 
 
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        np.save(tmp, arr)

@@ -26,7 +26,8 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from ..errors import Edge0Error
-from ..io.manifest import write_atomic
+from ..io.atomic import atomic_path, write_atomic
+from ..io.manifest import MANIFEST, record_files
 from ..model.heads import HIDDEN, HeadSet, multi_hot
 
 SEQ_LEN = 256
@@ -187,6 +188,8 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
                   "losses": losses}
         heads.save(out, {"report": json.dumps({"recall": after})})
         write_atomic(report_path, json.dumps(report, indent=1).encode())
+        if (out.parent / MANIFEST).exists():  # written into a store: its manifest covers them too
+            record_files(out.parent, [out.name, report_path.name])
         return report
     finally:
         store.close()
@@ -213,12 +216,9 @@ def _mean_recall(per_window: list[dict]) -> dict:
 def _checkpoint(ckpt: Path, module, opt, state: dict) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     for name, arrays in (("heads", dict(tree_flatten(module.parameters()))), ("opt", dict(tree_flatten(opt.state)))):
-        tmp = ckpt / f".{name}.tmp.safetensors"
-        mx.save_safetensors(str(tmp), arrays)
-        tmp.replace(ckpt / f"{name}.safetensors")
-    tmp = ckpt / ".state.tmp"
-    tmp.write_text(json.dumps(state))
-    tmp.replace(ckpt / "state.json")
+        with atomic_path(ckpt / f"{name}.safetensors") as tmp:
+            mx.save_safetensors(str(tmp), arrays)
+    write_atomic(ckpt / "state.json", json.dumps(state).encode())  # last: marks the checkpoint complete
 
 
 def _unflatten(flat: dict):

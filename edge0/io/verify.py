@@ -1,0 +1,211 @@
+"""`edge0 verify STORE`: every byte of a store against its manifest, and the manifest against config.json.
+
+    edge0 verify edge0/model/demo/store
+
+Problems (a damaged or missing file; a manifest that disagrees with config.json) are errors and make the
+command fail; files the manifest records no checksum for are warnings (training checkpoints, `*.ckpt/`,
+and writers' temporaries aside). The checks of the model
+(architecture, MoE layers) come from the caller as `config_check`, so that this module knows no model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import Edge0Error
+from .layerfile import check_header
+from .manifest import MANIFEST, LayerEntry, Manifest, file_entry, manifest_checksum, read_json, read_manifest
+
+RESIDENT = "resident.safetensors"
+TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
+BUNDLES_PER_READ = 64
+OLD = "store written by an older edge0; re-convert to cover it"
+
+
+@dataclass
+class Report:
+    """What a verification found."""
+
+    problems: list[str] = field(default_factory=list)  # damaged, missing or inconsistent: the store is unsound
+    warnings: list[str] = field(default_factory=list)  # what could not be checked
+    files: int = 0  # files checked in full
+    bytes: int = 0  # bytes checked
+
+
+def verify_store(root: str | os.PathLike, *, config_check=None, progress=None) -> Report:
+    """Check every file of the store; a manifest that cannot be read raises Edge0Error.
+
+    config_check: (manifest, config) -> list of problems, for what only the model layer knows.
+    progress: a tqdm-like object, updated with bytes checked.
+    """
+    root = Path(root)
+    manifest = read_manifest(root)
+    report = Report()
+    _check_manifest_bytes(root, manifest, report)
+    if (root / "config.json").exists() and config_check is not None:
+        try:
+            report.problems += config_check(manifest, read_json(root / "config.json"))
+        except Edge0Error as e:
+            report.problems.append(str(e))
+    report.problems += missing_files(root)
+    for name, want in (manifest.files or {}).items():
+        _check_file(root, name, want, report, progress)
+    for entry in manifest.layers:
+        _check_layer(root, manifest, entry, report, progress)
+    report.warnings += uncovered(root, manifest)
+    return report
+
+
+def missing_files(root: Path) -> list[str]:
+    """The files every store needs, each named when absent."""
+    out = [f"{root / name}: missing" for name in (RESIDENT, "config.json") if not (root / name).exists()]
+    if not any((root / name).exists() for name in TOKENIZERS):
+        out.append(f"{root / 'tokenizer.json'}: missing (no tokenizer file in the store)")
+    return out
+
+
+def uncovered(root: Path, manifest: Manifest) -> list[str]:
+    """A warning for each file of the store that the manifest records no checksum for."""
+    known = {MANIFEST, *(manifest.files or {}), *(e.file for e in manifest.layers)}
+    old = manifest.files is None or any(e.header_crc32 is None for e in manifest.layers)
+    out = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel in known or path.name.startswith(".edge0-") or rel.split("/")[0].endswith(".ckpt"):
+            continue  # a writer's temporary, or training state that serving never reads
+        if path.name.startswith(("heads-", "lora")):
+            why = "heads and adapters are recorded when `edge0 train` writes them into the store"
+        else:
+            why = OLD if old else "added to the store after it was written"
+        out.append(f"{path}: no checksum recorded ({why})")
+    if old:
+        out.append(f"{root / MANIFEST}: no checksum recorded for itself or the layer file headers ({OLD})")
+    return out
+
+
+def _check_manifest_bytes(root: Path, manifest: Manifest, report: Report) -> None:
+    path = root / MANIFEST
+    ok = manifest_checksum(path.read_bytes())
+    if ok is False:
+        report.problems.append(f"{path}: checksum mismatch (file damaged or edited)")
+    elif ok is None and manifest.format_version >= 2:
+        report.problems.append(f"{path}: its own checksum field is missing or damaged")
+
+
+def _check_file(root: Path, name: str, want: dict, report: Report, progress) -> None:
+    path = root / name
+    if not path.exists():
+        if not any(p.startswith(f"{path}:") for p in report.problems):  # a required file is named once
+            report.problems.append(f"{path}: missing (the manifest lists it)")
+        return
+    try:
+        got = file_entry(path, progress)
+    except OSError as e:
+        report.problems.append(f"{path}: cannot read ({e.strerror})")
+        return
+    report.files += 1
+    report.bytes += got["size"]
+    if got["size"] != want["size"]:
+        report.problems.append(f"{path}: {got['size']} bytes, manifest says {want['size']} (truncated or replaced)")
+    elif got["crc32"] != want["crc32"]:
+        report.problems.append(f"{path}: checksum mismatch (file damaged)")
+
+
+def _check_layer(root: Path, m: Manifest, entry: LayerEntry, report: Report, progress) -> None:
+    """Header bytes, every bundle's checksum and zero padding between bundles, in large sequential reads."""
+    path = root / entry.file
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        report.problems.append(f"{path}: missing layer file of the store" if isinstance(e, FileNotFoundError)
+                               else f"{path}: cannot open ({e.strerror})")
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.file_size:
+            report.problems.append(f"{path}: {size} bytes, manifest says {entry.file_size} (truncated or damaged file)")
+            return
+        header = os.pread(fd, entry.data_offset, 0)
+        if entry.header_crc32 is not None and f"{zlib.crc32(header):08x}" != entry.header_crc32:
+            report.problems.append(f"{path}: checksum mismatch in the safetensors header (file damaged)")
+        else:
+            check_header(path, fd, m.pieces, entry.data_offset, m.bundle_stride)
+        report.problems += _check_bundles(path, fd, m, entry, progress)
+        report.files += 1
+        report.bytes += size
+    except Edge0Error as e:
+        report.problems.append(str(e))
+    except OSError as e:
+        report.problems.append(f"{path}: read failed ({e.strerror})")
+    finally:
+        os.close(fd)
+
+
+def _check_bundles(path: Path, fd: int, m: Manifest, entry: LayerEntry, progress) -> list[str]:
+    problems = []
+    stride, pad = m.bundle_stride, m.bundle_stride - m.bundle_bytes
+    zeros = bytes(pad)
+    buf = bytearray(stride * min(BUNDLES_PER_READ, m.num_experts))
+    for first in range(0, m.num_experts, BUNDLES_PER_READ):
+        n = min(BUNDLES_PER_READ, m.num_experts - first)
+        view = memoryview(buf)[:n * stride]
+        got = os.preadv(fd, [view], entry.data_offset + first * stride)
+        if got != len(view):
+            return problems + [f"{path}: short read of experts {first}-{first + n - 1} ({got} of {len(view)} bytes)"]
+        for i in range(n):
+            e, bundle = first + i, view[i * stride:(i + 1) * stride]
+            if f"{zlib.crc32(bundle[:m.bundle_bytes]):08x}" != entry.checksums[e]:
+                problems.append(f"{path}: checksum mismatch in the bundle of expert {e} (file damaged)")
+            elif pad and bundle[m.bundle_bytes:] != zeros:
+                problems.append(f"{path}: padding after the bundle of expert {e} is not zero (file damaged)")
+        if progress is not None:
+            progress.update(len(view))
+    return problems
+
+
+def check_resident(root: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Before a load with --verify: every file the manifest lists, checked; one Edge0Error for the first bad one.
+
+    Returns warnings for what carries no checksum (a store written by an older edge0).
+    """
+    root = Path(root)
+    report = Report()
+    _check_manifest_bytes(root, manifest, report)
+    for name, want in (manifest.files or {}).items():
+        _check_file(root, name, want, report, None)
+    if report.problems:
+        raise Edge0Error(report.problems[0])
+    if manifest.files is None:
+        return [f"{root / RESIDENT}: no checksum recorded ({OLD}); loaded unchecked"]
+    return []
+
+
+def store_bytes(root: Path, manifest: Manifest) -> int:
+    """What verify_store reads: the listed files and the layer files' bundles."""
+    listed = sum(v["size"] for v in (manifest.files or {}).values())
+    return listed + len(manifest.layers) * manifest.num_experts * manifest.bundle_stride
+
+
+def verify_cli(store: str, config_check=None) -> int:
+    """`edge0 verify`: prints each problem as an error line and each warning; 1 when the store is unsound."""
+    from tqdm import tqdm
+
+    root = Path(store)
+    manifest = read_manifest(root)
+    with tqdm(total=store_bytes(root, manifest), unit="B", unit_scale=True, desc="verify", file=sys.stderr,
+              disable=None) as bar:
+        report = verify_store(root, config_check=config_check, progress=bar)
+    for w in report.warnings:
+        print(f"edge0: warning: {w}", file=sys.stderr)
+    for p in report.problems:
+        print(f"edge0: error: {p}", file=sys.stderr)
+    if report.problems:
+        return 1
+    layers = len(manifest.layers)
+    print(f"{store}: {report.files} files ({layers} expert layer files, {layers * manifest.num_experts} bundles) "
+          f"verified, {report.bytes / 1e6:.1f} MB", file=sys.stderr)
+    return 0
