@@ -20,7 +20,7 @@ DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
 IO_WORKERS = 2  # prefetch pool threads: MLX's CPU backend leaves about one core free
 MAX_IO_WORKERS = 64
-MAX_TEMP = 100.0  # above this sampling is uniform noise; a typo, not a choice
+MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
 
 
 def _cores() -> int:

@@ -196,6 +196,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
     if c.kernel_threads:
         kernels.set_num_threads(c.kernel_threads)
     path = Path(c.model)
+    _check_store_limits(c, path)
     if c.cold and path.is_dir():
         for f in path.rglob("*.safetensors"):
             evict(f)
@@ -205,7 +206,6 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
                            build=_prefetch_builder(c, trace) if c.routing != "native" else None)
     try:
         store.runtime.trace = trace
-        _check_store_limits(c, store)
         if c.top_k is not None:
             for layer in store.runtime.executors:
                 store.model.layers[layer].mlp.top_k = c.top_k
@@ -231,9 +231,13 @@ def _prefetch_builder(c: EngineConfig, trace):
     return build
 
 
-def _check_store_limits(c: EngineConfig, store) -> None:
-    """Limits that need the store: K and slots at most its E experts."""
-    e = store.manifest.num_experts
+def _check_store_limits(c: EngineConfig, path: Path) -> None:
+    """Limits that need the store's manifest, before anything is allocated: K and slots at most E."""
+    from .io.manifest import read_manifest
+
+    if c.top_k is None and c.slots is None:
+        return
+    e = read_manifest(path).num_experts
     if c.top_k is not None and c.top_k > e:
         raise Edge0Error(f"--k {c.top_k}: must be between 1 and the model's {e} experts")
     if c.slots is not None and c.slots > e:

@@ -90,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
             print(flush=True)
         result = _result(engine, fig, load_s, memory_figures())
         if trace.on:
-            trace.save(args.trace, summary={k: result[k] for k in ("decode_tok_s", "stall_ms_per_token", "recall",
-                                                                   "loads", "load_bytes", "load_cold_fraction")})
+            try:
+                trace.save(args.trace, summary={k: result[k] for k in ("decode_tok_s", "stall_ms_per_token", "recall",
+                                                                       "loads", "load_bytes", "load_cold_fraction")})
+            except OSError as e:
+                raise Edge0Error(f"--trace {args.trace}: cannot be written ({e.strerror or e})") from None
     if args.json:
         print(json.dumps(result))
     else:

@@ -1,0 +1,83 @@
+"""Bad command lines: each is refused before any model work with one line naming the flag, exit 2, no
+traceback. In-process through the console script's own entry point (edge0.cli.main)."""
+
+import pytest
+
+from edge0.cli import main
+
+STORE = None  # the built-in model (each case is refused before it is loaded, or right after its manifest)
+
+BAD = [  # (argv, what the one error line must contain)
+    (["run", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+    (["run", "--max-tokens", "-3"], "--max-tokens -3: must be at least 1"),
+    (["run", "--temp", "inf"], "--temp inf: expected a finite number"),
+    (["run", "--temp", "nan"], "--temp nan: expected a finite number"),
+    (["run", "--temp", "-1"], "--temp -1.0: must be at least 0"),
+    (["run", "--temp", "7"], "--temp 7.0: must be at most 2"),
+    (["run", "--top-p", "0"], "--top-p 0.0: must be more than 0"),
+    (["run", "--top-p", "1.5"], "--top-p 1.5: must be at most 1"),
+    (["run", "--seed", "-1"], "--seed -1: must be at least 0"),
+    (["run", "--seed", str(2**64)], f"--seed {2**64}: must be at most"),
+    (["run", "--slots", "0"], "--slots 0: must be at least 1"),
+    (["run", "--slots", "100000"], "--slots 100000: at most the model's 32 experts"),
+    (["run", "--k", "0"], "--k 0: must be at least 1"),
+    (["run", "--k", "33"], "--k 33: must be between 1 and the model's 32 experts"),
+    (["run", "--kernel-threads", "0"], "--kernel-threads 0: must be at least 1"),
+    (["run", "--kernel-threads", "1000"], "--kernel-threads 1000: must be at most"),
+    (["run", "--io-workers", "0"], "--io-workers 0: must be at least 1"),
+    (["run", "--io-workers", "1000"], "--io-workers 1000: must be at most 64"),
+    (["run", "--io-throttle", "-5"], "--io-throttle -5.0: must be more than 0"),
+    (["run", "--io-throttle", "0"], "--io-throttle 0.0: must be more than 0"),
+    (["run", "--io-throttle", "inf"], "--io-throttle inf: expected a finite number"),
+    (["run", "--memory-budget", "-1"], "--memory-budget -1.0: must be at least 0"),
+    (["run", "--memory-budget", "1e9"], "--memory-budget 1000000000.0: must be at most"),
+    (["run", "--memory-budget", "nan"], "--memory-budget nan: expected a finite number"),
+    (["run", "--model", "/nonexistent/store"], "/nonexistent/store: no such model directory"),
+    (["run", "--replay", "/nonexistent/replay.json"], "--replay /nonexistent/replay.json: no such file"),
+    (["run", "--heads", "/nonexistent/heads.safetensors"], "--heads: used with --routing predicted"),
+    (["run", "--routing", "native", "--predictor", "heads"], "--predictor heads: only used with --routing prefetch"),
+    (["run", "--routing", "predicted", "--predictor", "repeat"], "--predictor repeat does not apply"),
+    (["run", "--routing", "prefetch", "--executor", "hot"], "--executor hot does not apply"),
+    (["run", "--routing", "prefetch", "--predictor", "repeat", "--heads", "x"], "does not read heads"),
+    (["run", "--trace", "/etc/hostname/sub/trace.json"], "--trace /etc/hostname/sub/trace.json: not a writable file path"),
+    (["run", "--prompt", ""], "is empty"),
+    (["serve", "--port", "70000"], "--port 70000: must be between 0 and 65535"),
+    (["serve", "--max-queue", "-1"], "--max-queue -1: must not be negative"),
+    (["serve", "--temp", "inf"], "--temp inf: expected a finite number"),
+    (["chat", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+    (["bench", "--store", "x", "--arms", "nonsense"], "--arms: unknown arm 'nonsense'"),
+    (["bench", "--store", "x", "--arms", "exact", "--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["bench", "--store", "x", "--arms", "exact", "--io-throttle", "0"],
+     "--io-throttle 0.0: must be a finite number more than 0"),
+    (["eval", "--max-tokens", "0"], "--max-tokens and --seq-len must be positive"),
+    (["verify", "/nonexistent/store"], "/nonexistent/store: no such model directory"),
+    (["train", "lora"], "`edge0 train lora`: not available yet"),
+]
+
+ARGPARSE_BAD = [  # refused by argparse itself: usage and one error line, exit 2
+    ["run", "--routing", "sideways"], ["run", "--executor", "fast"], ["run", "--io", "psychic"],
+    ["run", "--kernel", "gpu"], ["run", "--dtype", "int3"], ["run", "--max-tokens", "many"],
+    ["run", "--no-such-flag"], ["nosuchcommand"],
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_command_line_is_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("edge0: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", ARGPARSE_BAD, ids=[" ".join(a) for a in ARGPARSE_BAD])
+def test_argparse_refusals(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_at_least_forty_bad_command_lines():
+    assert len(BAD) + len(ARGPARSE_BAD) >= 40
