@@ -336,7 +336,7 @@ def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
 
     from .model.load import cast_floats, compute_dtype
     from .engine import memory_figures
-    from .sched.generate import StepTimes, generate_steps
+    from .pipeline.steps import StepTimes, generate_steps
 
     model, tok = load(path)
     cast_floats(model, compute_dtype(dtype))

@@ -153,7 +153,7 @@ class Engine:
         served (predicted routing at t+1 depends on t); for scoring."""
         from mlx_lm.sample_utils import make_sampler
 
-        from .sched.generate import generate_steps
+        from .pipeline.steps import generate_steps
 
         with self.kernel.active():
             steps = generate_steps(self.store.model, tokens[:1], max_tokens=len(tokens) - 1,
@@ -219,7 +219,7 @@ def _prefetch_builder(c: EngineConfig, trace):
     """The runtime builder of scheduled routing (prefetch, predicted) for load_store."""
     from .model.arch import read_config
     from .model.heads import HeadSet
-    from .sched.prefetch import build_prefetch_runtime
+    from .pipeline.prefetch import build_prefetch_runtime
 
     def build(reader, cdtype):
         heads = None

@@ -1,7 +1,7 @@
 """The one generation loop, shared by `edge0 run`, `edge0 serve` and `edge0 chat`: sampling, the streaming
 detokenizer, EOS, stop strings, cancellation and the figures of one generation.
 
-The token loop itself (prefill, one step per token, the runtime's hooks) is sched/generate.py.
+The token loop itself (prefill, one step per token, the runtime's hooks) is pipeline/steps.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     close (in its finally) leaves no read in flight, so the next generation starts clean."""
     from mlx_lm.sample_utils import make_sampler
 
-    from .sched.generate import StepTimes, generate_steps
+    from .pipeline.steps import StepTimes, generate_steps
 
     engine.check(req)
     store = engine.store

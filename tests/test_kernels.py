@@ -345,7 +345,7 @@ def test_greedy_decoding_agrees_with_mlx(models, arch):
     """The same prompt and forced tokens: per step, edge0's argmax equals MLX's on >= 90% of 64 steps and
     the log-probabilities are within relative L2 1e-2 (norms, RoPE, attention and products on edge0's kernels)."""
     from edge0.model.load import load_store
-    from edge0.sched.generate import generate_steps
+    from edge0.pipeline.steps import generate_steps
 
     store = models(arch)
     prompt = list(range(3, 19))

@@ -24,7 +24,7 @@ import numpy as np
 
 from .trace import NULL, now_us
 
-IO_WORKERS = 2  # pool threads; MLX's CPU backend leaves about one core free (PLATFORM.md)
+IO_WORKERS = 2  # pool threads; MLX's CPU backend leaves about one core free (docs/DESIGN.md §15)
 QUEUE_DEPTH = 64  # most fills in flight before planning waits for the oldest
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .trace import NULL, now_us
+from ..sched.trace import NULL, now_us
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
 

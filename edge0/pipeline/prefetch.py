@@ -22,8 +22,8 @@ from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..model.heads import features
-from .scheduler import IO_WORKERS, QUEUE_DEPTH, Scheduler
-from .trace import NULL, now_us
+from ..sched.scheduler import IO_WORKERS, QUEUE_DEPTH, Scheduler
+from ..sched.trace import NULL, now_us
 
 PREDICTORS = ("repeat", "next-router", "heads")
 

@@ -1,0 +1,6 @@
+"""The decode pipeline: MLX graphs meet the scheduler here (docs/DESIGN.md §2).
+
+prefetch.py: the MoE executors of scheduled routing (prefetch, predicted), which plan their reads with
+sched.Scheduler and gather from compute's banks; steps.py: the token loop (prefill, one step per token)
+and the runtime's per-generation hooks.
+"""
