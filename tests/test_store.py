@@ -221,11 +221,11 @@ def test_verify_reports_a_truncated_layer_without_traceback(models, capsys, tmp_
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--seed", "-1"], "--seed -1: must be between 0 and 2**64 - 1"),
+    (["--seed", "-1"], "--seed -1: must be at least 0"),
     (["--kernel-threads", "0"], "--kernel-threads 0: must be at least 1"),
     (["--io-workers", "0", "--routing", "prefetch"], "--io-workers 0: must be at least 1"),
-    (["--top-p", "5"], "--top-p 5.0: must be in (0, 1]"),
-    (["--temp", "-1"], "--temp -1.0: must be 0 (greedy) or more"),
+    (["--top-p", "5"], "--top-p 5.0: must be at most 1"),
+    (["--temp", "-1"], "--temp -1.0: must be at least 0 (0 is greedy)"),
     (["--routing", "prefetch", "--predictor", "repeat", "--heads", "h.safetensors"], "does not read heads"),
     (["--replay", "REPLAY_OOV"], "token id 99999999 is outside the model's vocabulary of"),
     (["--replay", "REPLAY_KEYS"], "and nothing else"),

@@ -293,3 +293,12 @@ def test_convert_refuses_an_out_that_holds_src_and_accepts_the_sources_own_setti
     assert sorted(os.listdir(outer)) == ["src"]
     code, err = cli(capsys, "convert", "--quiet", "--bits", "4", "--group-size", "64", outer / "src", tmp_path / "out")
     assert code == 0 and sound(tmp_path / "out")
+
+
+def test_a_log_line_cut_by_a_kill_does_not_stop_a_resume(tmp_path):
+    from edge0.train.base import _truncate_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    _truncate_log(log, 2)
+    assert log.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n' and leftovers(tmp_path) == []

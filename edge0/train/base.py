@@ -327,8 +327,16 @@ def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines past the checkpoint a run resumes from, so the log is the run's one curve."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-    _write_atomic(path, "".join(ln + "\n" for ln in lines))
+    kept = [ln for ln in path.read_text().splitlines() if _log_step(ln) is not None and _log_step(ln) <= step]
+    _write_atomic(path, "".join(ln + "\n" for ln in kept))
+
+
+def _log_step(line: str) -> int | None:
+    """The step of a log line; None for a line a killed run left half-written (the log is appended to)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_log(out: str | os.PathLike) -> list[dict]:
