@@ -78,18 +78,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     mx.reset_peak_memory()
     sampler = make_sampler(temp=req.temp, top_p=req.top_p if 0 < req.top_p < 1 else 0.0, top_k=req.top_k)
     times = StepTimes()
-    detok = engine.tokenizer.detokenizer
-    detok.reset()
-    detok.add_token(req.prompt[-1])  # spacing context for the first token (a streaming detokenizer trims
-    _ = detok.last_segment  # the leading space of its first token); consumed: not part of the answer
-    text: list[str] = []
-
-    def out(piece: str) -> None:
-        if piece:
-            text.append(piece)
-            emit(piece)
-
-    stops = StopFilter(req.stop)
+    text = TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit)
     fig = Figures(prompt_tokens=len(req.prompt))
     steps = generate_steps(store.model, req.prompt, max_tokens=req.max_tokens, sampler=sampler, times=times,
                            runtime=store.runtime, forced=req.forced or None)
@@ -102,10 +91,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
                 fig.finish_reason = "stop"
                 break
             fig.completion_tokens += 1
-            detok.add_token(t)
-            piece, hit = stops.feed(detok.last_segment)
-            out(piece)
-            if hit:
+            if text.add(t):
                 fig.finish_reason = "stop"
                 break
             if cancelled():
@@ -113,12 +99,8 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
                 break
     finally:
         steps.close()  # runs runtime.finish(): no read left in flight
-    if not stops.done:
-        detok.finalize()
-        piece, hit = stops.feed(detok.last_segment, final=True)
-        out(piece)
-        fig.finish_reason = "stop" if hit else fig.finish_reason
-    fig.tokens, fig.text = list(times.tokens), "".join(text)
+    fig.finish_reason = "stop" if text.finish() else fig.finish_reason
+    fig.tokens, fig.text = list(times.tokens), text.text
     fig.prefill_s, fig.decode_s = times.prefill_s, times.decode_s
     fig.prefill_tok_s, fig.decode_tok_s = times.prefill_tok_s, times.decode_tok_s
     after = _counters(store)
@@ -126,6 +108,43 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     first = first or after
     fig.prefill_stall_s, fig.stall_s = first[3] - before[3], after[3] - first[3]
     return fig
+
+
+class TextOut:
+    """Tokens to emitted text: the streaming detokenizer, then the stop strings."""
+
+    def __init__(self, detok, last_prompt_token: int, stop: list[str], emit: Callable[[str], None]):
+        self.detok, self.emit = detok, emit
+        detok.reset()
+        detok.add_token(last_prompt_token)  # spacing context for the first token (a streaming detokenizer
+        _ = detok.last_segment  # trims the leading space of its first token); consumed: not part of the answer
+        self.stops = StopFilter(stop)
+        self.pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def _out(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            self.emit(piece)
+
+    def add(self, token: int) -> bool:
+        """Emit what token completes; True when a stop string appeared."""
+        self.detok.add_token(token)
+        piece, hit = self.stops.feed(self.detok.last_segment)
+        self._out(piece)
+        return hit
+
+    def finish(self) -> bool:
+        """Emit what the detokenizer and the stop filter held back; True when that held a stop string."""
+        if self.stops.done:
+            return False
+        self.detok.finalize()
+        piece, hit = self.stops.feed(self.detok.last_segment, final=True)
+        self._out(piece)
+        return hit
 
 
 def _counters(store) -> tuple:

@@ -19,3 +19,15 @@ def undo_kernels() -> None:
 
     while _tokens:
         _active.reset(_tokens.pop())
+
+
+def run_json(*argv: str, env: dict | None = None, timeout: float = 600) -> dict:
+    """`python -m edge0.run ARGV --json` in its own process: its one JSON object (exit 0 asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "edge0.run", *argv, "--json"], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])

@@ -4,22 +4,17 @@ conftest.py pins EDGE0_KERNEL=mlx for every subprocess (mlx-lm is the oracle els
 removes it, so the default kernel choice (auto) and the default routing are what run.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import mlx.core as mx
 
 from edge0.compute import kernels
+from tests.helpers import run_json
 
 
 def test_run_with_defaults():
     env = {k: v for k, v in os.environ.items() if k != "EDGE0_KERNEL"}
-    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--max-tokens", "8", "--ignore-eos", "--json"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr
-    r = json.loads(proc.stdout.splitlines()[-1])
+    r = run_json("--max-tokens", "8", "--ignore-eos", env=env)
     # The built-in demo model ships prerouter heads, so predicted routing is its default.
     assert r["routing"] == "predicted" and r["heads"], r
     assert len(r["tokens"]) == 8

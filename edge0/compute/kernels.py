@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 # Compute threads of the kernels, the calling thread included. On a 2-core machine one thread leaves
 # the other core to the I/O workers (docs/DESIGN.md §15); EDGE0_KERNEL_THREADS overrides.
@@ -67,7 +66,9 @@ def notice() -> None:
     global _noticed
     if not _noticed and not available():
         _noticed = True
-        print(f"edge0: CPU kernels {reason()}; using MLX's kernels", file=sys.stderr)
+        from ..log import log
+
+        log.info(f"CPU kernels {reason()}; using MLX's kernels")
 
 
 def set_num_threads(n: int) -> None:

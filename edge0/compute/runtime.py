@@ -109,43 +109,57 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
             rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant)  # never written again
         return rt
 
-    per_slot = Bank.slot_bytes(m.pieces, compute_dtype)  # memory per resident bundle
+    if executor == "staged":
+        return _staged(rt, reader, exact, budget, slots, memory_budget_gib)
+    return _hot(rt, reader, exact, budget)
+
+
+def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib) -> Runtime:
+    """One bank of `slots` (default 2K) per layer; whole-layer prefill when two layers fit what is left."""
+    m, fence, cdtype = reader.manifest, rt.fence, _dtype(exact)
+    layers = list(exact)
+    per_slot = Bank.slot_bytes(m.pieces, cdtype)  # memory per resident bundle
+    s = slots or 2 * m.top_k
+    if s < m.top_k:
+        raise Edge0Error(f"--slots {s}: a staged bank needs at least K = {m.top_k} slots")
+    need = s * per_slot * len(layers)
+    if budget is not None and need > budget:
+        raise Edge0Error(f"--memory-budget {budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
+                         f"({s} slots x {len(layers)} layers); raise it, or use --executor hot")
+    if budget is None or 2 * m.num_experts * per_slot <= budget - need:
+        rt.prefill = WholeLayer(reader, fence, cdtype)
+    for layer in layers:
+        bank = Bank(m.pieces, s, fence, cdtype)
+        rt.banks.append(bank)
+        cache = SlotCache(bank, rt.stats, m.num_experts)
+        rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=False)
+    return rt
+
+
+def _hot(rt: Runtime, reader, exact: dict, budget: int | None) -> Runtime:
+    """One LRU bank shared by every layer, as large as the budget allows after the prefill banks."""
+    m, fence, cdtype = reader.manifest, rt.fence, _dtype(exact)
+    layers = list(exact)
+    per_slot = Bank.slot_bytes(m.pieces, cdtype)
     prefill_bytes = 2 * m.num_experts * per_slot
-    if executor == "staged":
-        s = slots or 2 * m.top_k
-        if s < m.top_k:
-            raise Edge0Error(f"--slots {s}: a staged bank needs at least K = {m.top_k} slots")
-        need = s * per_slot * len(layers)
-        if budget is not None and need > budget:
-            raise Edge0Error(f"--memory-budget {memory_budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
-                             f"({s} slots x {len(layers)} layers); raise it, or use --executor hot")
-        room = None if budget is None else budget - need
-        if room is None or prefill_bytes <= room:
-            rt.prefill = WholeLayer(reader, fence, compute_dtype)
-    else:
-        room = int(DEFAULT_HOT_GIB * 2**30) if budget is None else budget
-        if prefill_bytes <= room // 2:  # prefill banks take at most half of the budget from the LRU
-            rt.prefill = WholeLayer(reader, fence, compute_dtype)
-            room -= prefill_bytes
-
-    if executor == "staged":
-        for layer in layers:
-            bank = Bank(m.pieces, s, fence, compute_dtype)
-            rt.banks.append(bank)
-            cache = SlotCache(bank, rt.stats, m.num_experts)
-            rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=False)
-        return rt
-
+    room = int(DEFAULT_HOT_GIB * 2**30) if budget is None else budget
+    if prefill_bytes <= room // 2:  # prefill banks take at most half of the budget from the LRU
+        rt.prefill = WholeLayer(reader, fence, cdtype)
+        room -= prefill_bytes
     capacity = min(room // per_slot, m.num_experts * len(layers))
     if capacity < 1:
         rt.executors = {layer: _Streaming(exact[layer], rt.prefill, layer) for layer in layers}
         return rt
-    bank = Bank(m.pieces, capacity, fence, compute_dtype)
+    bank = Bank(m.pieces, capacity, fence, cdtype)
     rt.banks.append(bank)
     cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1))
     for layer in layers:
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=True)
     return rt
+
+
+def _dtype(exact: dict):
+    return next(iter(exact.values())).dtype  # the compute dtype every executor of the runtime shares
 
 
 class _Streaming:

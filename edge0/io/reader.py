@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 import time
 import zlib
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Edge0Error
+from ..log import log
 from .faults import install_from_env
 from .layerfile import check_header, round_up
 from .manifest import Manifest, read_manifest
@@ -84,8 +84,7 @@ class BundleReader:
                     try:
                         self._direct[entry.layer] = os.open(path, os.O_RDONLY | os.O_DIRECT)
                     except OSError as e:
-                        print(f"edge0: --io direct: {path.parent} refuses O_DIRECT ({e.strerror}); reading with pread",
-                              file=sys.stderr)
+                        log.info(f"--io direct: {path.parent} refuses O_DIRECT ({e.strerror}); reading with pread")
                         self.io = "pread"
             self._transfer = {"mmap": self._transfer_mmap, "direct": self._read_direct}.get(self.io,
                                                                                               self._transfer_pread)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,13 +11,14 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
-from ..compute.dense import route_dense_ops
-from ..compute.qmm import route_dense
+from ..compute.dense import use_kernel_ops
+from ..compute.qmm import use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..io.manifest import Manifest, read_manifest
 from ..io.reader import BundleReader
 from ..io.verify import check_resident
+from ..log import log
 from .arch import arch_for, read_config
 from .blocks import is_moe_block, make_block
 
@@ -46,7 +46,7 @@ class Store:
 
 
 def compute_dtype(name: str) -> mx.Dtype | None:
-    """'auto' is float32 on CPU (bf16 runs about 8x slower there, PLATFORM.md) and the stored dtype elsewhere."""
+    """'auto' is float32 on CPU (bf16 is far slower there, docs/DESIGN.md §15), the stored dtype elsewhere."""
     if name == "auto":
         return mx.float32 if mx.default_device() == mx.cpu else None
     if name == "source":
@@ -82,6 +82,38 @@ def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
                 mode=quantization.get("mode", "affine"), class_predicate=predicate)
 
 
+def _resident_weights(root: Path) -> dict:
+    resident = root / RESIDENT
+    if not resident.exists():
+        raise Edge0Error(f"{resident}: missing")
+    try:
+        return mx.load(str(resident))
+    except (RuntimeError, ValueError) as e:
+        raise Edge0Error(f"{resident}: cannot be read as safetensors ({e})") from None
+
+
+def _attach(model: nn.Module, runtime, model_type: str, root: Path) -> None:
+    """Edge0's MoE block, over the runtime's executor, in every MoE layer the manifest lists."""
+    for i, layer in enumerate(model.layers):
+        if i in runtime.executors:
+            if not is_moe_block(layer.mlp):
+                raise Edge0Error(f"{root / 'edge0.json'}: layer {i} holds experts but the model's layer {i} is dense")
+            layer.mlp = make_block(model_type, layer.mlp, runtime.executors[i])
+        elif is_moe_block(layer.mlp):
+            raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
+    runtime.link({i: model.layers[i].mlp for i in runtime.executors})
+    model.eval()
+
+
+def _tokenizer(root: Path, config: dict):
+    if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")
+    try:
+        return load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Edge0Error(f"{root}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
+
+
 def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
                memory_budget: float | None = None, io: str = "pread", io_throttle: float | None = None,
                slots: int | None = None, build=None) -> Store:
@@ -101,15 +133,8 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         raise Edge0Error(f"{root / 'edge0.json'}: arch '{manifest.arch}' disagrees with config.json model_type '{arch.model_type}'")
     if verify:  # the files loaded whole, checked before any is used; bundles are checked as they are read
         for warning in check_resident(root, manifest):
-            print(f"edge0: warning: {warning}", file=sys.stderr)
-    resident = root / RESIDENT
-    if not resident.exists():
-        raise Edge0Error(f"{resident}: missing")
-    try:
-        weights = mx.load(str(resident))
-    except (RuntimeError, ValueError) as e:
-        raise Edge0Error(f"{resident}: cannot be read as safetensors ({e})") from None
-
+            log.warning(warning)
+    weights = _resident_weights(root)
     cdtype = compute_dtype(dtype)
     model_class, args_class = _get_classes(config)
     try:
@@ -124,29 +149,16 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             runtime = build(reader, cdtype)
         else:
             runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget, slots=slots)
-        for i, layer in enumerate(model.layers):
-            if i in runtime.executors:
-                if not is_moe_block(layer.mlp):
-                    raise Edge0Error(f"{root / 'edge0.json'}: layer {i} holds experts but the model's layer {i} is dense")
-                layer.mlp = make_block(arch.model_type, layer.mlp, runtime.executors[i])
-            elif is_moe_block(layer.mlp):
-                raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
-        runtime.link({i: model.layers[i].mlp for i in runtime.executors})
-        model.eval()
+        _attach(model, runtime, arch.model_type, root)
         try:
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
-            raise Edge0Error(f"{resident}: does not match the {arch.model_type} model of config.json ({e})") from None
+            raise Edge0Error(f"{root / RESIDENT}: does not match the {arch.model_type} model of config.json ({e})") from None
         cast_floats(model, cdtype)
-        route_dense(model)  # dense quantized linears through compute.qmm too (the one call site)
-        route_dense_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
+        use_kernel_products(model)  # dense quantized linears through compute.qmm too (the one call site)
+        use_kernel_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())
-        if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-            raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")
-        try:
-            tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id"))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise Edge0Error(f"{root}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
+        tokenizer = _tokenizer(root, config)
     except BaseException:
         if runtime is not None:
             runtime.close()

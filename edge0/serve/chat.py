@@ -20,6 +20,58 @@ HELP = "/stats  figures of the last answer (and toggle them after every answer)\
        "/reset  start a new conversation\n/quit   leave (or Ctrl-D)"
 
 
+class Conversation:
+    """The state of one chat: its messages, the last answer's figures, whether figures are shown."""
+
+    def __init__(self, engine: Engine, samp, out, *, system: str | None, show: bool):
+        self.engine, self.samp, self.out, self.show = engine, samp, out, show
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.last: Figures | None = None
+
+    def command(self, cmd: str) -> bool:
+        """Run a /command; False when it ends the chat."""
+        if cmd in ("/quit", "/exit"):
+            return False
+        if cmd == "/help":
+            print(HELP, file=self.out)
+        elif cmd == "/reset":
+            self.messages = list(self.system)
+            print("(new conversation)", file=self.out)
+        elif cmd == "/stats":
+            self.show = not self.show
+            print(self.last.line() if self.last else "(no answer yet)", file=self.out)
+            print(f"(figures after every answer: {'on' if self.show else 'off'})", file=self.out)
+        else:
+            print(f"unknown command {cmd}\n{HELP}", file=self.out)
+        return True
+
+    def turn(self, text: str) -> None:
+        """The user says text; the answer streams to out."""
+        engine, samp, out = self.engine, self.samp, self.out
+        self.messages.append({"role": "user", "content": text})
+        prompt = engine.encode_chat(self.messages)
+        room = (engine.context - len(prompt)) if engine.context else samp.max_tokens
+        if room < 1:
+            print("edge0 chat: the conversation fills the model's context; /reset to start again", file=sys.stderr)
+            self.messages.pop()
+            return
+        req = GenRequest(prompt=prompt, max_tokens=min(samp.max_tokens, room), temp=samp.temp, top_p=samp.top_p,
+                         seed=samp.seed if self.last is None else None)
+
+        def emit(piece: str) -> None:
+            out.write(piece)
+            out.flush()
+
+        self.last = _answer(engine, req, emit)
+        out.write("\n")
+        self.messages.append({"role": "assistant", "content": self.last.text})
+        if self.last.finish_reason == "cancelled":
+            print("(stopped)", file=out)
+        if self.show:
+            print(f"[edge0] {self.last.line()}", file=out)
+
+
 def chat(args, *, stdin=None, out=None) -> int:
     from . import serve_configs
 
@@ -27,10 +79,7 @@ def chat(args, *, stdin=None, out=None) -> int:
     out = out or sys.stdout
     config, samp = serve_configs(args)
     engine = open_engine(config)
-    show = bool(args.stats)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(system)
-    last: Figures | None = None
+    talk = Conversation(engine, samp, out, system=args.system, show=bool(args.stats))
     interactive = stdin.isatty()
     print(f"edge0 chat: {engine.model_id} (/help for commands)", file=sys.stderr)
     try:
@@ -44,44 +93,11 @@ def chat(args, *, stdin=None, out=None) -> int:
             text = line.rstrip("\n")
             if not text.strip():
                 continue
-            cmd = text.strip()
-            if cmd in ("/quit", "/exit"):
-                break
-            if cmd == "/help":
-                print(HELP, file=out)
+            if text.strip().startswith("/"):
+                if not talk.command(text.strip()):
+                    break
                 continue
-            if cmd == "/reset":
-                messages = list(system)
-                print("(new conversation)", file=out)
-                continue
-            if cmd == "/stats":
-                show = not show
-                print(last.line() if last else "(no answer yet)", file=out)
-                print(f"(figures after every answer: {'on' if show else 'off'})", file=out)
-                continue
-            messages.append({"role": "user", "content": text})
-            prompt = engine.encode_chat(messages)
-            room = (engine.context - len(prompt)) if engine.context else samp.max_tokens
-            if room < 1:
-                print("edge0 chat: the conversation fills the model's context; /reset to start again", file=sys.stderr)
-                messages.pop()
-                continue
-            req = GenRequest(prompt=prompt, max_tokens=min(samp.max_tokens, room), temp=samp.temp, top_p=samp.top_p,
-                             seed=samp.seed if last is None else None)
-            answer: list[str] = []
-
-            def emit(piece: str) -> None:
-                answer.append(piece)
-                out.write(piece)
-                out.flush()
-
-            last = _answer(engine, req, emit)
-            out.write("\n")
-            messages.append({"role": "assistant", "content": "".join(answer)})
-            if last.finish_reason == "cancelled":
-                print("(stopped)", file=out)
-            if show:
-                print(f"[edge0] {last.line()}", file=out)
+            talk.turn(text)
     finally:
         engine.close()
     return 0

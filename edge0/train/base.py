@@ -14,7 +14,7 @@ load-balancing loss, computed from each layer's router in `forward_with_aux`, wh
 modules mlx-lm's forward does: the parameter names stay mlx-lm's. Batches are drawn from
 numpy.random.default_rng([seed, step]): a run resumed from a checkpoint sees exactly the batches and
 losses of an uninterrupted one. On CPU, training in float32 with OpenBLAS preloaded is fastest
-(PLATFORM.md); the exported weights are bfloat16 and need neither.
+(docs/DESIGN.md §15); the exported weights are bfloat16 and need neither.
 
 OUT/data     tokenizer and token streams (edge0.train.corpus)
 OUT/ckpt     step_N.safetensors (weights), step_N.opt.safetensors (AdamW state), step_N.json (last: marks it complete)

@@ -224,3 +224,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
     with atomic_path(path) as tmp:
         np.save(tmp, arr)
+
+
+def token_stream(tokenizer_dir: Path, data: str | os.PathLike | None) -> tuple[np.ndarray, str]:
+    """(token ids, description) of data (a file, a directory's .py files, a .npy of ids); None means the
+    stdlib held-out split."""
+    if data is not None:
+        return heldout_stream(tokenizer_dir, data), str(data)
+    root = stdlib_root()
+    _, heldout = split_files(stdlib_files(root))
+    tok_json = (Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8")
+    return encode_files(tok_json, root, heldout), f"stdlib held-out split ({len(heldout)} files under {root})"

@@ -29,41 +29,18 @@ from ..errors import Edge0Error
 from ..io.atomic import atomic_path, write_atomic
 from ..io.manifest import MANIFEST, record_files
 from ..model.heads import HIDDEN, HeadSet, multi_hot
+from ..model.routes import recorded_routes
 
 SEQ_LEN = 256
 
 
-def record_routing(model, layers: list[int]):
-    """Wrap each MoE block's route to record (x, logits, inds) of the last forward; returns (records, undo)."""
-    rec: dict[int, tuple] = {}
-    blocks = {i: model.layers[i].mlp for i in layers}
-
-    for i, blk in blocks.items():
-        def route(x, _blk=blk, _i=i):
-            logits = _blk.logits(x)
-            inds, scores = _blk.select(logits)
-            rec[_i] = (x, logits, inds)
-            return inds, scores
-
-        object.__setattr__(blk, "route", route)  # an instance attribute shadows the method
-
-    def undo():
-        for blk in blocks.values():
-            object.__delattr__(blk, "route")
-
-    return rec, blocks, undo
-
-
 def window_targets(model, window: np.ndarray, layers: list[int]):
     """One forward over the window; per MoE layer: h (T, D), router logits (T, E), routed ids (T, K)."""
-    rec, blocks, undo = record_routing(model, layers)
-    try:
+    with recorded_routes(model, layers) as rec:
         model(mx.array(window[None]))
-        out = {i: tuple(a[0] for a in rec[i]) for i in layers}
-        mx.eval([a for v in out.values() for a in v])
-    finally:
-        undo()
-    return out, blocks
+    out = {i: tuple(a[0] for a in rec[i][-1]) for i in layers}
+    mx.eval([a for v in out.values() for a in v])
+    return out, {i: model.layers[i].mlp for i in layers}
 
 
 def window_features(h: mx.array, inds: mx.array, experts: int) -> mx.array:
@@ -119,7 +96,7 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
                 steps: int = 300, hidden: int = HIDDEN, lr: float = 1e-3, seed: int = 0, eval_windows: int = 8,
                 resume: bool = False, progress: bool = True, seq_len: int = SEQ_LEN) -> dict:
     """Train heads for the store at K = top_k (default the model's); returns the report (also written as JSON)."""
-    from ..eval import token_stream
+    from .corpus import token_stream
     from ..model.load import load_store
 
     out = Path(out)
@@ -190,13 +167,15 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
         write_atomic(report_path, json.dumps(report, indent=1).encode())
         if (out.parent / MANIFEST).exists():  # written into a store: its manifest covers them too
             record_files(out.parent, [out.name, report_path.name])
+        if (out.parent / MANIFEST).exists():  # written into a store: its manifest covers them too
+            record_files(out.parent, [out.name, report_path.name])
         return report
     finally:
         store.close()
 
 
 def _stdlib_split(model_dir, which: str):
-    from ..eval import token_stream
+    from .corpus import token_stream
     from ..train.corpus import encode_files, split_files, stdlib_files, stdlib_root
 
     if which == "heldout":

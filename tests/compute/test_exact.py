@@ -15,7 +15,8 @@ from mlx_lm.sample_utils import make_sampler
 from edge0.model.load import cast_floats, load_store
 from edge0.pipeline.steps import generate_steps
 
-from .conftest import ARCHS
+from tests.conftest import ARCHS
+from tests.helpers import run_json
 
 PROMPT = "def fibonacci(n):\n    return"
 STEPS = 32
@@ -31,11 +32,8 @@ def mlx_lm_steps(path, dtype):
 
 
 def edge0_cli_tokens(store, dtype_flag):
-    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--model", str(store), "--prompt", PROMPT,
-                           "--max-tokens", str(STEPS), "--ignore-eos", "--routing", "native", "--executor", "exact",
-                           "--dtype", dtype_flag, "--json"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return run_json("--model", str(store), "--prompt", PROMPT, "--max-tokens", str(STEPS), "--ignore-eos",
+                    "--routing", "native", "--executor", "exact", "--dtype", dtype_flag)
 
 
 @pytest.mark.parametrize("fmt", ["mlx", "hf"])

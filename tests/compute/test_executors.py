@@ -1,21 +1,19 @@
 """Every executor path keeps the math contract, and the banks behave: in place, guarded, within budget."""
 
-import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0.compute import kernels, qmm
+from edge0.compute import kernels
 from edge0.compute.banks import Bank, BankBusy, Fence
 from edge0.compute.executors import SlotCache, SlotStats, fill_slots
 from edge0.compute.experts import switch_glu
 from edge0.io.reader import BundleReader
 from edge0.model.load import load_store
 
-from .conftest import ARCHS
+from tests.conftest import ARCHS
+from tests.helpers import run_json, use_kernel
 
 PATHS = ("exact", "staged", "hot")
 
@@ -57,7 +55,7 @@ KERNELS = ["mlx"] + (["edge0"] if kernels.available() else [])
 def test_paths_bitwise_equal_and_within_1pct_of_dequantized(models, arch, tokens, kernel):
     """Every executor gives the same bits under one kernel; MLX's within 1% of a float32 dequantized
     reference, edge0's within 3% (int8 activations at two products in a row)."""
-    qmm.set_kernel(kernel)
+    use_kernel(kernel)
     outputs = {}
     for path in PATHS:
         store = load_store(models(arch), dtype="float32", executor=path)
@@ -82,11 +80,8 @@ def test_paths_bitwise_equal_and_within_1pct_of_dequantized(models, arch, tokens
 
 
 def cli_tokens(store, *flags):
-    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--model", str(store), "--max-tokens", "32",
-                           "--ignore-eos", "--json", "--prompt", "import os\nimport sys\n" * 20, *flags],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return run_json("--model", str(store), "--max-tokens", "32", "--ignore-eos", "--prompt",
+                    "import os\nimport sys\n" * 20, *flags)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.compute import kernels, qmm
-from edge0.compute.kernel import Kernel, current
+from edge0.compute.kernel import current
 from edge0.errors import Edge0Error
 from tests.helpers import use_kernel
 

@@ -14,7 +14,7 @@ from edge0.io import faults
 from edge0.io.reader import BundleReader
 from edge0.model.demo import DEMO_STORE
 
-from .test_generations import CONFIGS, assert_clean, caches, fresh, generate, open_demo, prompts
+from tests.pipeline.test_generations import CONFIGS, assert_clean, caches, fresh, generate, open_demo, prompts
 
 BUNDLE = 55296  # the demo store's bundle bytes
 

@@ -16,7 +16,7 @@ from edge0.model.consistency import config_problems, moe_layers
 from edge0.model.heads import HeadSet
 from edge0.model.load import load_store
 
-from .conftest import ARCHS
+from tests.conftest import ARCHS
 
 
 @pytest.fixture

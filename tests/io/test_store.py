@@ -13,7 +13,7 @@ from edge0.io.manifest import read_manifest
 from edge0.io.reader import BundleReader
 from edge0.io.verify import verify_store
 
-from .conftest import ARCHS
+from tests.conftest import ARCHS
 
 
 def stacked_source(src, arch, layer):

@@ -14,6 +14,7 @@ from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
 from edge0.model.heads import HeadSet, features
 from edge0.train.heads import train_heads
+from tests import helpers
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,8 @@ def test_untrained_head_is_the_next_router_bit_for_bit(models):
 
 
 def run_json(store, *flags, trace=None):
-    cmd = [sys.executable, "-m", "edge0.run", "--model", str(store), "--max-tokens", "20", "--ignore-eos", "--json",
-           "--prompt", "def main(argv):\n    return 0\n" * 4, *flags]
-    if trace:
-        cmd += ["--trace", str(trace)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return helpers.run_json("--model", str(store), "--max-tokens", "20", "--ignore-eos", "--prompt",
+                            "def main(argv):\n    return 0\n" * 4, *flags, *(["--trace", str(trace)] if trace else []))
 
 
 def test_untrained_heads_serve_as_next_router(models, tmp_path):

@@ -1,8 +1,6 @@
 """The scheduler: prefetch keeps native outputs, fills run on the pool, plans behave, traces add up."""
 
 import json
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -15,19 +13,15 @@ from edge0.errors import Edge0Error
 from edge0.io.manifest import Piece
 from edge0.sched.scheduler import Scheduler
 
-from .conftest import ARCHS
+from tests import helpers
+from tests.conftest import ARCHS
 
 PROMPT = "import os\nimport sys\n" * 6
 
 
 def run_json(store, *flags, trace=None):
-    cmd = [sys.executable, "-m", "edge0.run", "--model", str(store), "--max-tokens", "24", "--ignore-eos", "--json",
-           "--prompt", PROMPT, *flags]
-    if trace:
-        cmd += ["--trace", str(trace)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return helpers.run_json("--model", str(store), "--max-tokens", "24", "--ignore-eos", "--prompt", PROMPT, *flags,
+                            *(["--trace", str(trace)] if trace else []))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp")
 
 from edge0.commands.run import add_run_flags, run  # noqa: E402
 from edge0.serve import add_chat_flags, add_serve_flags, serve_configs  # noqa: E402
-from edge0.serve.engine import StopFilter  # noqa: E402
+from edge0.generation import StopFilter  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n"]
