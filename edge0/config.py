@@ -20,6 +20,7 @@ DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
 IO_WORKERS = 2  # prefetch pool threads: MLX's CPU backend leaves about one core free
 MAX_IO_WORKERS = 64
+MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
 
 
@@ -42,6 +43,7 @@ class EngineConfig:
     routing: str | None = None  # native | prefetch | predicted; None: predicted when the store has heads
     predictor: str | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
+    lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
     executor: str = "auto"  # auto (staged) | exact | staged | hot | resident
     slots: int | None = None  # slots per staged bank; None: 2K
@@ -55,6 +57,8 @@ class EngineConfig:
     kernel: str | None = None  # auto | mlx | edge0; None: $EDGE0_KERNEL, else auto
     kernel_threads: int | None = None  # threads of the edge0 kernels; None: their default
     model_id: str | None = None  # the name clients use (serve); None: the store directory's name
+    prompt_cache_gib: float = 1.0  # KV caches kept for prompts that share a prefix (0: off)
+    max_batch: int = 1  # sequences decoded together in one step (serve); 1: one generation at a time
 
     def check(self) -> "EngineConfig":
         """Raise Edge0Error naming the flag of the first bad value; returns self."""
@@ -69,6 +73,9 @@ class EngineConfig:
         _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
         _int("--kernel-threads", self.kernel_threads, 1, _cores(), "the machine's cores")
         _float("--memory-budget", self.memory_budget_gib, 0.0, _memory_gib(), "the machine's memory", lo_open=False)
+        _float("--prompt-cache-gib", self.prompt_cache_gib, 0.0, _memory_gib(), "the machine's memory",
+               lo_open=False)
+        _int("--max-batch", self.max_batch, 1, MAX_BATCH)
         _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
                why=" (omit the flag for no cap)")
         return self

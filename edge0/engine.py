@@ -31,6 +31,7 @@ from .generation import Figures, GenRequest, generate
 from .log import log
 from .model.arch import text_config, vocab_size
 from .model.demo import DEMO_STORE
+from .prompt_cache import PromptCache
 from .sched.trace import NULL
 
 
@@ -56,6 +57,8 @@ def default_heads(store: Path, k: int | None) -> Path | None:
 def resolve(config: EngineConfig) -> EngineConfig:
     """The config with its defaults made explicit (store path, routing, predictor, heads), combinations
     checked. Says on stderr when the routing default comes from heads found next to the store."""
+    from .model.lora import resolve_lora
+
     config.check()
     c = config
     path = Path(c.model) if c.model else demo_store()
@@ -87,7 +90,10 @@ def resolve(config: EngineConfig) -> EngineConfig:
                 raise Edge0Error(f"{path}: no prerouter heads next to this store; pass --heads FILE "
                                  "(train them with `edge0 train heads`)")
             heads = str(found)
-    return dataclasses.replace(c, model=str(path), routing=routing, predictor=predictor, heads=heads)
+    own = default_heads(path, c.top_k)
+    lora = resolve_lora(c.lora, path, routing=routing, top_k=c.top_k,
+                        default_heads=heads is not None and own is not None and Path(heads) == own)
+    return dataclasses.replace(c, model=str(path), routing=routing, predictor=predictor, heads=heads, lora=lora)
 
 
 class Engine:
@@ -101,6 +107,8 @@ class Engine:
         self.context = text_config(store.config).get("max_position_embeddings")
         self.vocab = vocab_size(store.config)  # valid token ids: [0, vocab)
         self.top_k = config.top_k or store.manifest.top_k
+        gib = config.prompt_cache_gib
+        self.prompt_cache = PromptCache(int(gib * 2**30)) if gib else None
 
     def __enter__(self) -> "Engine":
         return self
@@ -148,6 +156,21 @@ class Engine:
         with self.kernel.active():
             return generate(self, req, emit, cancelled)
 
+    def cached_prefix(self, req: GenRequest) -> tuple[list, int]:
+        """(the KV cache to start from, prompt tokens it holds already): a fresh cache when nothing is reusable."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if self.prompt_cache is not None and req.forced is None:
+            cache, n = self.prompt_cache.take(req.prompt)
+            if cache is not None:
+                return cache, n
+        return make_prompt_cache(self.store.model), 0
+
+    def keep_prefix(self, req: GenRequest, tokens: list[int], cache: list) -> None:
+        """After a generation: keep its KV cache, which holds `tokens`, for later prompts that share them."""
+        if self.prompt_cache is not None and req.forced is None:
+            self.prompt_cache.put(tokens, cache)
+
     def forced_logprobs(self, tokens: list[int]) -> mx.array:
         """(L-1, V) log-probabilities of tokens[1:] given the tokens before, decoded step by step exactly as
         served (predicted routing at t+1 depends on t); for scoring."""
@@ -172,7 +195,8 @@ class Engine:
         """What runs: routing, predictor, heads, executor, kernel, I/O (for --json and logs)."""
         c, rt = self.config, self.store.runtime
         return {"routing": c.routing, "predictor": c.predictor if c.routing != "native" else None,
-                "heads": c.heads if c.predictor == "heads" else None, "top_k": self.top_k,
+                "heads": c.heads if c.predictor == "heads" else None,
+                "lora": None if c.lora in (None, "none") else c.lora, "top_k": self.top_k,
                 "executor": rt.executor, "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
                 "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
                 "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":
@@ -205,6 +229,10 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
                            build=_prefetch_builder(c, trace) if c.routing != "native" else None)
     try:
+        if c.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
+            from .model.lora import Adapter
+
+            Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads).attach(store.model, store.dtype)
         store.runtime.trace = trace
         if c.top_k is not None:
             for layer in store.runtime.executors:

@@ -33,6 +33,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
     p.add_argument("--heads", metavar="FILE", default=None,
                    help="prerouter heads (default: heads-k{K}.safetensors next to the store); implies --predictor heads "
                         "with --routing prefetch")
+    p.add_argument("--lora", metavar="FILE", default=None,
+                   help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
+                        "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
     p.add_argument("--slots", type=int, default=None, metavar="S",
                    help="slots per staged bank, at most the model's experts (default 2K)")
@@ -51,6 +54,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                         "AVX-512 VNNI or AVX2), mlx (MLX's own), auto (edge0 on CPU when built; default, or $EDGE0_KERNEL)")
     p.add_argument("--kernel-threads", type=int, default=None, metavar="N",
                    help="threads of the edge0 kernels, at most the machine's cores")
+    p.add_argument("--prompt-cache-gib", type=float, default=1.0, metavar="GIB",
+                   help="KV caches kept so that a prompt sharing a prefix with an earlier one (a chat's next turn) "
+                        "prefills only the rest (default 1; 0: off)")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
     p.add_argument("--verify", action="store_true",
                    help="check the resident files' checksums at load and every bundle's checksum as it is read")
@@ -72,11 +78,12 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig of `add_engine_flags`' flags, checked."""
     return EngineConfig(
-        model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, top_k=args.k,
+        model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
         executor=args.executor, slots=args.slots, memory_budget_gib=args.memory_budget, io=args.io,
         io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
-        model_id=getattr(args, "model_id", None), **overrides).check()
+        model_id=getattr(args, "model_id", None), prompt_cache_gib=args.prompt_cache_gib,
+        max_batch=getattr(args, "max_batch", 1), **overrides).check()
 
 
 def sampling(args: argparse.Namespace) -> Sampling:

@@ -32,6 +32,7 @@ class Figures:
     """What one generation produced and cost: `edge0 run --json`, the server's `usage` and `x_edge0`, chat's /stats."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, served from the prompt cache (not prefilled)
     completion_tokens: int = 0  # tokens generated (a stop string's tokens included, EOS not)
     tokens: list[int] = field(default_factory=list)  # the generated ids (EOS not)
     text: str = ""  # the generated text (a stop string and what follows cut)
@@ -72,6 +73,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
 
     engine.check(req)
     store = engine.store
+    cache, cached = engine.cached_prefix(req)
     before = _counters(store)
     if req.seed is not None:
         mx.random.seed(req.seed)
@@ -79,13 +81,15 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     sampler = make_sampler(temp=req.temp, top_p=req.top_p if 0 < req.top_p < 1 else 0.0, top_k=req.top_k)
     times = StepTimes()
     text = TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit)
-    fig = Figures(prompt_tokens=len(req.prompt))
-    steps = generate_steps(store.model, req.prompt, max_tokens=req.max_tokens, sampler=sampler, times=times,
-                           runtime=store.runtime, forced=req.forced or None)
+    fig = Figures(prompt_tokens=len(req.prompt), cached_tokens=cached)
+    steps = generate_steps(store.model, req.prompt[cached:], max_tokens=req.max_tokens, sampler=sampler,
+                           times=times, runtime=store.runtime, forced=req.forced or None, cache=cache)
     first = None  # counters when the first token came out: decode figures start there
+    yielded: list[int] = []  # every token out, EOS included: all but the last are in the KV cache
     try:
         for t, _ in steps:
             first = first or _counters(store)
+            yielded.append(t)
             if t in engine.eos and not req.ignore_eos:
                 times.tokens.pop()
                 fig.finish_reason = "stop"
@@ -99,6 +103,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
                 break
     finally:
         steps.close()  # runs runtime.finish(): no read left in flight
+    engine.keep_prefix(req, req.prompt + yielded[:-1], cache)
     fig.finish_reason = "stop" if text.finish() else fig.finish_reason
     fig.tokens, fig.text = list(times.tokens), text.text
     fig.prefill_s, fig.decode_s = times.prefill_s, times.decode_s

@@ -36,22 +36,23 @@ class StepTimes:
 
 
 def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callable[[mx.array], mx.array],
-                   times: StepTimes | None = None, runtime=None,
-                   forced: list[int] | None = None) -> Iterator[tuple[int, mx.array]]:
+                   times: StepTimes | None = None, runtime=None, forced: list[int] | None = None,
+                   cache: list | None = None) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs) for up to max_tokens steps; the caller stops early on EOS.
 
     runtime: the store's executor runtime. Each generation begins with runtime.begin() (nothing of the
     previous generation is carried), ends with runtime.finish(), and calls runtime.recover() when it
     raises, so the next one starts clean. Generations on one runtime run one at a time: a step generator
     resumed after another generation began raises. forced: replay these tokens instead of the sampled
-    ones, so that benchmark arms do identical work.
+    ones, so that benchmark arms do identical work. cache: the model's KV cache to extend (it may already
+    hold earlier tokens: then `prompt` is what follows them); default a fresh one.
     """
     if runtime is None:
-        yield from _steps(model, prompt, max_tokens, sampler, times, None, forced)
+        yield from _steps(model, prompt, max_tokens, sampler, times, None, forced, cache)
         return
     gen = runtime.begin()
     try:
-        for out in _steps(model, prompt, max_tokens, sampler, times, runtime, forced):
+        for out in _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache):
             yield out
             if runtime.generation != gen:
                 raise RuntimeError("another generation began on this runtime while this one was paused")
@@ -66,13 +67,13 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
             runtime.finish()
 
 
-def _steps(model, prompt, max_tokens, sampler, times, runtime, forced) -> Iterator[tuple[int, mx.array]]:
+def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) -> Iterator[tuple[int, mx.array]]:
     """The loop of generate_steps."""
     if forced is not None:
         max_tokens = min(max_tokens, len(forced))
     times = times if times is not None else StepTimes()
     times.prompt_tokens = len(prompt)
-    cache = make_prompt_cache(model)
+    cache = cache if cache is not None else make_prompt_cache(model)
     y = mx.array(prompt, dtype=mx.uint32)
     t0 = time.perf_counter()
     sync = runtime.fence.sync if runtime is not None else (lambda: None)

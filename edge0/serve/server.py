@@ -29,6 +29,7 @@ from ..errors import Edge0Error
 from ..engine import Engine
 from ..generation import Figures
 from ..log import log
+from . import messages
 from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, error_response
 from .validate import check_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
 
@@ -70,6 +71,7 @@ class Api:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post(messages.ROUTE, self.messages)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -81,21 +83,29 @@ class Api:
         try:
             resp = await handler(request)
         except ApiError as e:
-            resp = error_response(e.status, e.message, e.code, e.type, param=e.param, retry_after=e.retry_after)
+            resp = self._error(request, e)
         except web.HTTPException as e:  # unknown route, wrong method, body too large
-            resp = error_response(e.status, f"{request.method} {request.path[:80]}: {e.reason}",
-                                  "not_found" if e.status == 404 else None)
+            resp = self._error(request, ApiError(e.status, f"{request.method} {request.path[:80]}: {e.reason}",
+                                                 "not_found" if e.status == 404 else None))
         except Edge0Error as e:
-            resp = error_response(500, str(e), "internal_error")
+            resp = self._error(request, ApiError(500, str(e), "internal_error"))
         except Exception as e:
             log.error(f"{request.method} {request.path[:80]} failed", error=repr(e), traceback=traceback.format_exc())
-            resp = error_response(500, f"internal error ({type(e).__name__}); see the server's log", "internal_error")
+            resp = self._error(request, ApiError(500, f"internal error ({type(e).__name__}); see the server's log",
+                                                 "internal_error"))
         if not request.content.is_eof():  # a body left unread or unreadable: close rather than drain it
             request.content.feed_eof()
             resp.force_close()
         status = str(resp.status)
         self.jobs.metrics.requests[status] = self.jobs.metrics.requests.get(status, 0) + 1
         return resp
+
+    @staticmethod
+    def _error(request: web.Request, e: ApiError) -> web.Response:
+        """An error in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        if request.path == messages.ROUTE:
+            return messages.error_response(e)
+        return error_response(e.status, e.message, e.code, e.type, param=e.param, retry_after=e.retry_after)
 
     # -- GET ------------------------------------------------------------------------------------
 
@@ -125,22 +135,43 @@ class Api:
         return web.json_response({"status": "ok", **state})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        text = self.jobs.metrics.prometheus(self.jobs.waiting.qsize(), int(self.jobs.running is not None))
+        generating = int(self.jobs.running is not None)
+        text = self.jobs.metrics.prometheus(self.jobs.waiting.qsize(), generating) + self._batch_metrics(generating)
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
+
+    def _batch_metrics(self, generating: int) -> str:
+        """Batch size and prompt-cache figures, read where the queue and the engine keep them (0 before they
+        do): jobs.batch_size, engine.prompt_cache.stats (hits, tokens)."""
+        stats = getattr(getattr(self.engine, "prompt_cache", None), "stats", None)
+        get = stats.get if isinstance(stats, dict) else (lambda name, default: getattr(stats, name, default))
+        out, batch = [], getattr(self.jobs, "batch_size", generating)  # 0 or 1 while FIFO
+        for name, kind, text, value in [
+            ("batch_size", "gauge", "sequences in the running decode step", batch),
+            ("prompt_cache_hits_total", "counter", "requests whose prompt began with a cached prefix", get("hits", 0)),
+            ("prompt_cache_tokens_total", "counter", "prompt tokens served from the prompt cache", get("tokens", 0)),
+        ]:
+            out += [f"# HELP edge0_{name} {text}", f"# TYPE edge0_{name} {kind}", f"edge0_{name} {value}"]
+        return "\n".join(out) + "\n"
 
     # -- POST -----------------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, chat=True)
+        body = await self._body(request)
+        check_fields(body, chat=True)
         return await self._generate(request, body, chat_prompt(self.engine, body), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, chat=False)
+        body = await self._body(request)
+        check_fields(body, chat=False)
         return await self._generate(request, body, completion_prompt(self.engine, body), chat=False)
 
-    async def _body(self, request: web.Request, *, chat: bool) -> dict:
-        """The request's JSON object, its fields known and supported, naming this server's model."""
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await messages.answer(request, body, self.engine, self.jobs, self.defaults)
+
+    async def _body(self, request: web.Request) -> dict:
+        """The request's JSON object, naming this server's model (or none)."""
         try:
             raw = await request.read()
         except web.RequestPayloadError as e:  # say, a Content-Encoding it does not decode to
@@ -160,7 +191,6 @@ class Api:
         if name not in (None, "") and name not in self.names:
             raise ApiError(404, f"the model {show(name)} does not exist; this server has '{self.engine.model_id}'",
                            "model_not_found", param="model")
-        check_fields(body, chat=chat)
         return body
 
     async def _generate(self, request: web.Request, body: dict, prompt: list[int], *, chat: bool) -> web.StreamResponse:
@@ -177,10 +207,7 @@ class Api:
                     out.first(value)
                     text.append(value)
                 elif kind == "error":  # logged by the queue: answered here without a second traceback
-                    if isinstance(value, (ApiError, Edge0Error)):
-                        raise value
-                    raise ApiError(500, f"internal error ({type(value).__name__}); see the server's log",
-                                   "internal_error")
+                    raise messages.failure(value)
                 else:
                     return web.json_response(out.whole("".join(text), value))
         finally:
@@ -216,10 +243,7 @@ class Api:
 
 
 def stream_error(e: Exception) -> dict:
-    if isinstance(e, ApiError):
-        return e.body()
-    msg = str(e) if isinstance(e, Edge0Error) else f"internal error ({type(e).__name__}); see the server's log"
-    return ApiError(500, msg, "internal_error").body()
+    return messages.failure(e).body()
 
 
 class Output:
@@ -240,12 +264,9 @@ class Output:
 
     def figures(self, fig: Figures) -> tuple[dict, dict]:
         usage = {"prompt_tokens": fig.prompt_tokens, "completion_tokens": fig.completion_tokens,
-                 "total_tokens": fig.prompt_tokens + fig.completion_tokens}
-        x = fig.x_edge0()
-        x["queue_ms"] = round(1e3 * ((self.job.started or self.job.arrived) - self.job.arrived), 3)
-        x["ttft_ms"] = round(1e3 * self.ttft, 3) if self.ttft is not None else None
-        x["request"], x["turn"] = self.job.seq, self.job.turn
-        return usage, x
+                 "total_tokens": fig.prompt_tokens + fig.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": fig.cached_tokens}}
+        return usage, messages.x_edge0(self.job, fig, self.ttft)
 
     def whole(self, text: str, fig: Figures) -> dict:
         self.first(text)
