@@ -61,6 +61,12 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     add_bench_kernels_flags(p)
 
 
+def _export_gguf_flags(p):
+    from .export.gguf import add_export_gguf_flags
+
+    add_export_gguf_flags(p)
+
+
 def _run_flags(p):
     from .commands.run import add_run_flags
 
@@ -91,6 +97,8 @@ COMMANDS = {
     "convert": ("mlx-lm 4-bit or Hugging Face MoE checkpoint -> Edge0 store",
                 "Turn an mlx-lm (4-bit) or Hugging Face (bf16/fp16/fp32) MoE checkpoint into an Edge0 store.",
                 _convert_flags),
+    "export-gguf": ("store -> GGUF file for llama.cpp (q4_1: the same 4-bit weights)",
+                    "Write a store as a GGUF file that llama.cpp runs, tensor by tensor.", _export_gguf_flags),
     "verify": ("check every file of a store against its manifest", "Check a store's files, checksums and manifest.",
                lambda p: p.add_argument("store", metavar="STORE")),
     "make-model": ("write a random-weight MoE checkpoint of a real architecture",
@@ -127,6 +135,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return _convert(args)
     if c == "verify":
         return verify(args.store)
+    if c == "export-gguf":
+        from .export.gguf import export_gguf_cli
+
+        return export_gguf_cli(args)
     if c == "make-model":
         from .model.make import make_model
 

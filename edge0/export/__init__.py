@@ -1,0 +1,1 @@
+"""Exports of a store to other runtimes' formats (GGUF for llama.cpp); numpy only, no MLX."""
