@@ -69,6 +69,11 @@ def add_bench_flags(p) -> None:
     p.add_argument("--llama-python", metavar="PYTHON", default=None,
                    help="interpreter with llama_cpp importable, for the llama.cpp arm (default: this one)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
+    p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
+                                                        "(bench_serve.py: --clients, batched against FIFO)")
+    from .bench_serve import add_bench_serve_flags
+
+    add_bench_serve_flags(p)
 
 
 def blas_in_use() -> str:
@@ -207,6 +212,10 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48) -> dict:
 
 
 def bench_cli(args) -> int:
+    if args.serve:
+        from .bench_serve import bench_serve
+
+        return bench_serve(args)
     if args.kernels:
         from .bench_kernels import bench_kernels
 
