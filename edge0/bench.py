@@ -9,6 +9,10 @@ Cache `cold` evicts the checkpoint's files before each run; `warm` reads them on
 `llama.cpp` (optional) runs the same replay on a GGUF of the same model (--gguf) with llama-cpp-python, in
 the interpreter --llama-python names (a separate venv: tools/llama_cpp_setup.py builds it; Edge0 never
 depends on llama_cpp). Its n_threads is --threads, the edge0 kernels' thread count in the other arms.
+
+`--memory-cap GIB` runs every arm inside a memory cgroup limited to GIB, page cache included (bench_cap.py):
+a checkpoint larger than the cap behaves as on a smaller machine, and an arm killed for memory is a row of
+the table. `--replay FILE` replays given prompt ids and decode tokens (recorded by the exact path if absent).
 """
 
 from __future__ import annotations
@@ -16,21 +20,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from .bench_cap import GIB, ArmRun, MemoryCap, launch
+from .bench_table import LLAMA_ARM, summarize, table
 from .errors import Edge0Error
 from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
         "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp")
-LLAMA_ARM = "llama.cpp"
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
-FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
-           "cold_fraction", "hit_rate", "resident_expert_bytes", "stall_ms_per_token", "recall", "loads_per_step",
-           "load_cold_fraction")
 
 
 def arm_flags(arm: str) -> list[str]:
@@ -68,6 +69,12 @@ def add_bench_flags(p) -> None:
                    help=f"the llama.cpp arm's GGUF of the same model (made by {LLAMA_SETUP})")
     p.add_argument("--llama-python", metavar="PYTHON", default=None,
                    help="interpreter with llama_cpp importable, for the llama.cpp arm (default: this one)")
+    p.add_argument("--memory-cap", default=None, metavar="GIB",
+                   help="run every arm in a memory cgroup of GIB (page cache counted: a smaller machine); "
+                        "none: a cgroup without a limit, to measure each arm's peak")
+    p.add_argument("--replay", metavar="FILE", default=None,
+                   help='JSON {"prompt": [ids], "tokens": [ids]} to replay in every arm (tokens recorded by the '
+                        "exact path when absent); default: --prompt-tokens ids of Python source")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
     p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
                                                         "(bench_serve.py: --clients, batched against FIFO)")
@@ -107,11 +114,17 @@ def make_replay(args, out: Path) -> Path:
 
     from mlx_lm.utils import load_tokenizer
 
-    tok = load_tokenizer(Path(args.store))
-    text = inspect.getsource(json_mod.decoder) * 8
-    ids = tok.encode(text)[:args.prompt_tokens]
     path = out / "replay.json"
-    path.write_text(json.dumps({"prompt": ids, "tokens": []}))
+    if args.replay:
+        given = given_replay(args.replay)
+        path.write_text(json.dumps(given))
+        if given.get("tokens"):
+            return path
+        ids = given["prompt"]
+    else:
+        tok = load_tokenizer(Path(args.store))
+        ids = tok.encode(inspect.getsource(json_mod.decoder) * 8)[:args.prompt_tokens]
+        path.write_text(json.dumps({"prompt": ids, "tokens": []}))
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(args.store), "--replay", str(path), "--max-tokens",
            str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--routing", "native",
            "--executor", "exact"]
@@ -121,6 +134,21 @@ def make_replay(args, out: Path) -> Path:
     tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
     path.write_text(json.dumps({"prompt": ids, "tokens": tokens}))
     return path
+
+
+def given_replay(path: str) -> dict:
+    """--replay FILE: {"prompt": [ids], "tokens": [ids]} (tokens may be absent), checked."""
+    from .io.manifest import read_json
+
+    if not Path(path).is_file():
+        raise Edge0Error(f"--replay {path}: no such file")
+    data = read_json(Path(path))
+    ok = isinstance(data, dict) and not set(data) - {"prompt", "tokens"} and data.get("prompt") and all(
+        isinstance(data.get(k, []), list) and all(type(t) is int and t >= 0 for t in data.get(k, []))
+        for k in ("prompt", "tokens"))
+    if not ok:
+        raise Edge0Error(f"--replay {path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}}")
+    return data
 
 
 def threads(args) -> int:
@@ -157,27 +185,38 @@ def check_llama_arm(args) -> str:
 LLAMA_ARM_SCRIPT = Path(__file__).with_name("llama_arm.py")
 
 
-def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
-    resident = arm.startswith("mlx-lm")
-    path = Path(args.gguf if arm == LLAMA_ARM else args.source if resident else args.store)
-    (_evict_tree if cache == "cold" else _warm_tree)(path)
+def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
     if arm == LLAMA_ARM:
-        cmd = [llama_python(args), str(LLAMA_ARM_SCRIPT), str(path), str(replay), str(threads(args))]
-    elif resident:
+        return [llama_python(args), str(LLAMA_ARM_SCRIPT), str(path), str(replay), str(threads(args))]
+    if arm.startswith("mlx-lm"):
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
-        cmd = [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
-    else:
-        cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-               str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm),
-               "--kernel-threads", str(threads(args))]
-        if args.memory_budget is not None:
-            cmd += ["--memory-budget", str(args.memory_budget)]
-        if args.io_throttle is not None:
-            cmd += ["--io-throttle", str(args.io_throttle)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise Edge0Error(f"arm {arm} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+        return [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
+    cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm),
+           "--kernel-threads", str(threads(args))]
+    if args.memory_budget is not None:
+        cmd += ["--memory-budget", str(args.memory_budget)]
+    if args.io_throttle is not None:
+        cmd += ["--io-throttle", str(args.io_throttle)]
+    return cmd
+
+
+def run_arm(arm: str, args, cache: str, replay: Path, cap: MemoryCap | None = None) -> dict:
+    path = Path(args.gguf if arm == LLAMA_ARM else args.source if arm.startswith("mlx-lm") else args.store)
+    cmd = arm_command(arm, args, path, replay)
+    if cap is None:
+        (_evict_tree if cache == "cold" else _warm_tree)(path)
+        run = launch(cmd)
+    else:  # pages cached by an earlier reader are not charged to the arm's cgroup: read them again inside it
+        _evict_tree(path)
+        run = cap.run(cmd, warm=_files(path) if cache == "warm" else None)
+    if run.oom_killed:
+        why = f"out of memory at {cap.gib:g} GiB" if cap.gib else "out of memory"
+        return {"killed": why, "tokens": [], "dtype": "-", "kernel": "-",
+                **_run_figures(run)}
+    if run.returncode != 0:
+        raise Edge0Error(f"arm {arm} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+    res = {**json.loads(run.stdout.strip().splitlines()[-1]), **_run_figures(run)}
     if arm != LLAMA_ARM:  # the edge0 kernels run on --threads threads; MLX's own kernels on MLX's pool
         res["threads"] = threads(args) if res.get("kernel") == "edge0" else None
     steps = max(len(res.get("tokens", [])), 1)
@@ -186,6 +225,12 @@ def run_arm(arm: str, args, cache: str, replay: Path) -> dict:
     res.setdefault("stall_ms_per_token", 0.0)
     res.setdefault("load_cold_fraction", res.get("cold_fraction", 0.0))
     return res
+
+
+def _run_figures(run: ArmRun) -> dict:
+    peak = run.peak_cgroup_bytes
+    return {"major_faults": run.major_faults, "disk_read_bytes": run.disk_read_bytes,
+            "peak_cgroup_gib": peak / GIB if peak is not None else None}
 
 
 def read_cost(store: Path, throttle: float | None, samples: int = 48) -> dict:
@@ -248,6 +293,13 @@ def check_args(args) -> tuple[list[str], list[str]]:
         raise Edge0Error(f"--io-throttle {args.io_throttle}: must be a finite number more than 0 (omit it for no cap)")
     if not args.store:
         raise Edge0Error("--store: needed to record the replayed tokens")
+    if args.memory_cap is not None and args.memory_cap != "none":
+        try:
+            ok = 0 < float(args.memory_cap) < float("inf")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise Edge0Error(f"--memory-cap {args.memory_cap}: must be GiB more than 0, or none")
     return arms, caches
 
 
@@ -269,71 +321,39 @@ def bench(args) -> int:
     from .io.manifest import read_manifest
 
     read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
+    if args.replay:
+        given_replay(args.replay)
+    cap = None if args.memory_cap is None else MemoryCap(None if args.memory_cap == "none" else float(args.memory_cap))
     out = results_dir(args.out)
     replay = make_replay(args, out)
+    played = json.loads(replay.read_text())
+    args.max_tokens, args.prompt_tokens = len(played["tokens"]), len(played["prompt"])
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
         for cache in caches:
             for arm in order:
-                res = run_arm(arm, args, cache, replay)
+                res = run_arm(arm, args, cache, replay, cap)
                 runs.setdefault(f"{arm}/{cache}", []).append(res)
-                print(f"round {r + 1} {arm:10s} {cache}: {res['decode_tok_s']:.2f} tok/s decode, "
-                      f"{res['prefill_tok_s']:.1f} tok/s prefill, "
-                      f"peak MLX {res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB", file=sys.stderr)
+                print(f"round {r + 1} {arm:10s} {cache}: " + (f"killed: {res['killed']}" if "killed" in res else
+                      f"{res['decode_tok_s']:.2f} tok/s decode, {res['prefill_tok_s']:.1f} tok/s prefill, peak MLX "
+                      f"{res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB") +
+                      (f", cgroup peak {res['peak_cgroup_gib']:.2f} GiB" if res["peak_cgroup_gib"] else ""), file=sys.stderr)
     cost = read_cost(Path(args.store), args.io_throttle)
     summary = summarize(runs, cost)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
             "io_throttle_mbps": args.io_throttle, "read_cost": cost, "threads": threads(args),
-            "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version}
+            "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
+            "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
+            "replay": args.replay}
     write_atomic(out / "results.json", json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1).encode())
     lines = table(summary, meta)
     write_atomic(out / "results.md", ("\n".join(lines) + "\n").encode())
     print("\n".join(lines))
     print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)
     return 0
-
-
-def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
-    """Medians per arm/cache, with the step's read time and the pipeline's limit."""
-    summary = {key: {**{f: statistics.median(x.get(f, 0.0) or 0.0 for x in rs) for f in FIGURES},
-                     "dtype": rs[0]["dtype"], "kernel": rs[0].get("kernel", "mlx"), "threads": rs[0].get("threads")}
-               for key, rs in runs.items()}
-    for s in summary.values():
-        s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
-    for key, s in summary.items():
-        arm, cache = key.split("/")
-        cf = s["load_cold_fraction"]
-        s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost["cold_ms"] + (1 - cf) * cost["warm_ms"])
-        floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
-        if floor and arm != LLAMA_ARM:  # llama.cpp's limit is not Edge0's pipeline
-            s["compute_ms_per_step"] = floor["step_ms"]
-            s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
-    return summary
-
-
-def table(summary: dict, meta: dict) -> list[str]:
-    """The markdown table of results.md."""
-    cost = meta["read_cost"]
-    throttle = f", read throttle {meta['io_throttle_mbps']} MB/s" if meta["io_throttle_mbps"] else ""
-    lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {meta['rounds']} rounds, "
-             f"prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} decode tokens (replayed), medians{throttle}; "
-             f"one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm; "
-             f"threads: the edge0 kernels' and llama.cpp's (- : MLX's own kernels)", "",
-             "| arm | dtype | kernel | threads | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
-             "prefill tok/s | peak MLX GiB | peak RSS GiB | MiB read | cold | slot hits | resident experts MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key, s in summary.items():
-        arm, cache = key.split("/")
-        limit = f"{s['limit_ms_per_step']:.0f}" if "limit_ms_per_step" in s else "-"
-        lines.append(f"| {arm} | {s['dtype']} | {s['kernel']} | {s['threads'] or '-'} | {cache} | {s['decode_tok_s']:.2f} | {s['step_ms']:.0f} | {limit} | "
-                     f"{s['stall_ms_per_token']:.1f} | {s['recall']:.2f} | {s['loads_per_step']:.1f} | "
-                     f"{s['prefill_tok_s']:.1f} | {s['peak_mlx_gib']:.3f} | {s['peak_rss_gib']:.3f} | "
-                     f"{s['bytes_read'] / 2**20:.1f} | {s['cold_fraction']:.2f} | {s['hit_rate']:.2f} | "
-                     f"{s['resident_expert_bytes'] / 2**20:.0f} |")
-    return lines
 
 
 def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:

@@ -102,3 +102,62 @@ def test_bench_llama_arm_replays_the_same_tokens(models, tmp_path):
     (run,) = results["runs"]["llama.cpp/warm"]
     assert run["tokens"] == replay["tokens"] and run["threads"] == 1 and run["decode_tok_s"] > 0
     assert "| llama.cpp | float32 | llama.cpp Q4_0 | 1 | warm |" in (out / "results.md").read_text()
+
+
+def _cgroups_or_skip():
+    from edge0.bench_cap import MemoryCap
+    from edge0.errors import Edge0Error
+
+    try:
+        return MemoryCap(None)
+    except Edge0Error as e:
+        pytest.skip(f"no memory cgroup can be made here: {e}")
+
+
+def _bench(store, out, *flags):
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "bench", "--store", str(store), "--arms", "staged",
+                           "--rounds", "1", "--max-tokens", "4", "--prompt-tokens", "16", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (res,) = out.iterdir()
+    return json.loads((res / "results.json").read_text()), (res / "results.md").read_text()
+
+
+def test_bench_memory_cap_runs_every_arm_in_a_cgroup_and_a_killed_arm_is_a_row(models, tmp_path):
+    """A cap the arm fits in: its cgroup peak is measured and under the cap; a cap it cannot fit in (48 MiB,
+    below what Python and MLX take): the row says it was killed, and the bench still finishes."""
+    cap = _cgroups_or_skip()
+    store = models("qwen3_moe")
+    results, md = _bench(store, tmp_path / "fits", "--memory-cap", "4", "--cache", "cold,warm")
+    for key in ("staged/cold", "staged/warm"):
+        (run,) = results["runs"][key]
+        assert "killed" not in run and 0.01 < run["peak_cgroup_gib"] < 4, key
+        assert run["major_faults"] >= 0 and run["disk_read_bytes"] >= 0
+    assert results["meta"]["memory_cap_gib"] == 4 and "every arm in a memory cgroup of 4 GiB" in md
+    results, md = _bench(store, tmp_path / "killed", "--memory-cap", "0.046875")
+    (run,) = results["runs"]["staged/warm"]
+    assert run["killed"] == "out of memory at 0.046875 GiB"
+    assert "| staged | - | - | - | warm | killed: out of memory at 0.046875 GiB |" in md
+    assert not list(cap.parent.glob("edge0-bench-*"))  # every run's cgroup removed
+
+
+def test_bench_memory_cap_refused_in_one_line(models, tmp_path, capsys, monkeypatch):
+    argv = ["bench", "--store", str(models("qwen3_moe")), "--arms", "staged", "--out", str(tmp_path / "out")]
+    assert main(argv + ["--memory-cap", "-1"]) == 2
+    assert "--memory-cap -1: must be GiB more than 0, or none" in capsys.readouterr().err
+    import edge0.bench_cap as bench_cap
+
+    monkeypatch.setattr(bench_cap, "own_memory_cgroup", lambda: (tmp_path / "no-such-cgroup", False))
+    assert main(argv + ["--memory-cap", "8"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot create a memory cgroup under" in err
+    assert "systemd-run" in err and not (tmp_path / "out").exists()
+
+
+def test_bench_replays_a_given_file(models, tmp_path):
+    replay = tmp_path / "given.json"
+    replay.write_text(json.dumps({"prompt": [5, 6, 7, 8, 9, 10], "tokens": [11, 12, 13]}))
+    results, _ = _bench(models("qwen3_moe"), tmp_path / "out", "--replay", str(replay))
+    (run,) = results["runs"]["staged/warm"]
+    assert run["tokens"] == [11, 12, 13] and run["prompt_tokens"] == 6
+    assert results["meta"]["max_tokens"] == 3 and results["meta"]["prompt_tokens"] == 6
