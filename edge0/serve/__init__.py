@@ -33,6 +33,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait behind the running one; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-batch", type=int, default=1, metavar="N",
+                   help="sequences decoded together, one step per token for all (continuous batching: a new "
+                        "request joins at a step boundary, the experts a step needs are read once for the batch); "
+                        "default 1: one generation at a time, each answer exactly as it would be alone")
     p.add_argument("--model-id", default=None, metavar="NAME",
                    help="the model name clients use (default: the store directory's name)")
 

@@ -140,6 +140,8 @@ class JobQueue:
         self.max_queue = max_queue
         self.waiting: asyncio.Queue[Job] = asyncio.Queue()  # bounded by submit (0 here would mean unbounded)
         self.running: Job | None = None
+        self.active: list[Job] = []  # jobs generating now (one, or a batch's with --max-batch)
+        self.batch_size = 0  # sequences in the running decode step
         self.idle = asyncio.Event()  # set while no generation runs
         self.idle.set()
         self.arrivals = 0
@@ -150,7 +152,14 @@ class JobQueue:
         self.closing = False  # the server stops: nothing new is taken
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._serve())
+        max_batch = getattr(getattr(self.engine, "config", None), "max_batch", 1)
+        if max_batch > 1:
+            from .batched import serve_batched
+
+            serving = serve_batched(self, max_batch)
+        else:
+            serving = self._serve()
+        self.task = asyncio.get_running_loop().create_task(serving)
 
     def submit(self, req: GenRequest) -> Job:
         if self.closing:
@@ -184,11 +193,12 @@ class JobQueue:
                 continue
             self.turns += 1
             self.running, job.started, job.turn = job, time.perf_counter(), self.turns
+            self.active, self.batch_size = [job], 1
             self.idle.clear()
             try:
                 await self._generate(job)
             finally:
-                self.running = None
+                self.running, self.active, self.batch_size = None, [], 0
                 self.idle.set()
 
     async def _generate(self, job: Job) -> None:
@@ -236,12 +246,12 @@ class JobQueue:
             job = self.waiting.get_nowait()
             waiting += not job.cancel.is_set()
             job.events.put_nowait(("error", shutting_down()))
-        job = self.running
-        if job is not None:
+        running = list(self.active)
+        for job in running:
             job.shutdown = True
             job.cancel.set()
         await self.idle.wait()
-        return int(job is not None), waiting
+        return len(running), waiting
 
     async def close(self) -> None:
         if self.task is not None:

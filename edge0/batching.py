@@ -1,0 +1,197 @@
+"""Continuous batching: up to max_batch sequences decode together, one model step per token for all of them.
+
+A new sequence's prompt is prefilled alone (through the prompt cache) at a step boundary, then its KV
+cache joins the batch's (mlx-lm's BatchKVCache, left-padded); a finished or cancelled sequence leaves at
+the next boundary without stalling the others. One step feeds each sequence its next input token, so the
+routed experts of a step are the union over the batch: each layer's executor reads that union once
+(the staged banks hold 2K slots per sequence, up to E). The routing history that prerouter heads read
+follows the batch's rows (runtime.keep_rows / join); when sequences join, the step after routes every
+consumer layer with its own router.
+
+Everything here runs on the engine's one worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from .generation import Figures, GenRequest, TextOut, _counters
+
+PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
+
+
+@dataclass
+class Sequence:
+    """One request in the batch."""
+
+    req: GenRequest
+    emit: Callable[[str], None]
+    cancelled: Callable[[], bool]
+    text: TextOut
+    fig: Figures
+    key: mx.array  # this sequence's random state (sampling with temperature)
+    next_input: int  # the token the next step feeds
+    fed: list[int] = field(default_factory=list)  # tokens in its KV cache
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    done: bool = False
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """(1, V) -> (1,): greedy at temperature 0, else top-k / top-p filtered categorical with its own key."""
+        r = self.req
+        if r.temp == 0:
+            return mx.argmax(logprobs, axis=-1)
+        if r.top_k:
+            logprobs = apply_top_k(logprobs, r.top_k)
+        if 0 < r.top_p < 1:
+            logprobs = apply_top_p(logprobs, r.top_p)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1 / r.temp), key=sub)
+
+
+class BatchDecoder:
+    """The running batch of one engine."""
+
+    def __init__(self, engine, max_batch: int):
+        self.engine, self.max_batch = engine, max_batch
+        self.seqs: list[Sequence] = []
+        self.cache: list | None = None  # the batch's KV caches, one per layer
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    def admit(self, req: GenRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Sequence:
+        """Prefill req's prompt alone and join the batch at this step boundary."""
+        engine = self.engine
+        engine.check(req)
+        rt = engine.store.runtime
+        if not self.seqs:
+            rt.begin()  # an idle batch: nothing of earlier generations is carried
+        before = rt.history()
+        rt.join([])  # the prefill routes on its own: no history, nothing decided ahead
+        counters = _counters(engine.store)
+        seed = req.seed if req.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        t0 = time.perf_counter()
+        with engine.kernel.active():
+            cache, cached = engine.cached_prefix(req)
+            self._prefill(req.prompt[cached:-1], cache)
+        seq = Sequence(req, emit, cancelled, TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit),
+                       Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), mx.random.key(seed),
+                       req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
+        seq.fig.prefill_s = time.perf_counter() - t0
+        _charge([seq], counters, _counters(engine.store))
+        rt.join(([(before, len(self.seqs))] if self.seqs else []) + [(rt.history(), 1)])
+        self._merge(cache)
+        self.seqs.append(seq)
+        return seq
+
+    def _prefill(self, tokens: list[int], cache: list) -> None:
+        model, rt = self.engine.store.model, self.engine.store.runtime
+        y = mx.array(tokens, dtype=mx.uint32)
+        while y.size:
+            n = min(PREFILL_STEP, y.size)
+            model(y[:n][None], cache=cache)
+            mx.eval([c.state for c in cache])
+            rt.fence.sync()
+            y = y[n:]
+        rt.end_prefill()
+
+    def _merge(self, cache: list) -> None:
+        """Join a sequence's KV cache (one row) to the batch's."""
+        one = [type(c).merge([c]) if hasattr(type(c), "merge") else c for c in cache]
+        if self.cache is None:
+            self.cache = one
+        else:
+            for mine, theirs in zip(self.cache, one):
+                mine.extend(theirs)
+
+    def step(self) -> list[Sequence]:
+        """One decode step for every sequence; returns the sequences that finished (and left the batch)."""
+        engine, seqs = self.engine, self.seqs
+        rt = engine.store.runtime
+        counters = _counters(engine.store)
+        with engine.kernel.active():
+            inputs = mx.array([[s.next_input] for s in seqs], dtype=mx.uint32)  # (B, 1)
+            logits = engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(seqs)])  # (B,)
+            mx.eval(sampled)
+        rt.fence.sync()
+        rt.next_step()
+        _charge(seqs, counters, _counters(engine.store))
+        now = time.perf_counter()
+        for s, t in zip(seqs, sampled.tolist()):  # SYNC: the batch's tokens to the host, once per step
+            s.fed.append(s.next_input)
+            self._take(s, t, now)
+        finished = [s for s in seqs if s.done]
+        if finished:
+            self._leave(finished)
+        return finished
+
+    def _take(self, s: Sequence, t: int, now: float) -> None:
+        """Sequence s sampled token t."""
+        fig = s.fig
+        if s.first_token is None:
+            s.first_token = now
+            fig.prefill_s = now - s.started  # until the first token, as a generation alone counts it
+        if t in self.engine.eos and not s.req.ignore_eos:
+            fig.finish_reason, s.done = "stop", True
+            return
+        fig.completion_tokens += 1
+        fig.tokens.append(t)
+        s.next_input = t
+        if s.text.add(t):
+            fig.finish_reason, s.done = "stop", True
+        elif fig.completion_tokens >= s.req.max_tokens:
+            fig.finish_reason, s.done = "length", True
+        elif s.cancelled():
+            fig.finish_reason, s.done = "cancelled", True
+
+    def _leave(self, finished: list[Sequence]) -> None:
+        keep = [i for i, s in enumerate(self.seqs) if not s.done]
+        for s in finished:
+            if s.text.finish():
+                s.fig.finish_reason = "stop"
+            s.fig.text = s.text.text
+            s.fig.decode_s = time.perf_counter() - (s.first_token or time.perf_counter())
+            n = len(s.fig.tokens) - 1
+            s.fig.decode_tok_s = n / s.fig.decode_s if n > 0 and s.fig.decode_s else 0.0
+            s.fig.prefill_tok_s = (s.fig.prompt_tokens - s.fig.cached_tokens) / s.fig.prefill_s if s.fig.prefill_s else 0.0
+            self._keep_cache(s, self.seqs.index(s))
+        self.seqs = [self.seqs[i] for i in keep]
+        if not self.seqs:
+            self.cache = None
+            self.engine.store.runtime.finish()
+            return
+        for c in self.cache:
+            c.filter(mx.array(keep))
+        self.engine.store.runtime.keep_rows(keep)
+
+    def _keep_cache(self, s: Sequence, row: int) -> None:
+        """Its KV cache, out of the batch's, into the prompt cache (where the cache types allow it)."""
+        if self.engine.prompt_cache is None or s.req.forced is not None:
+            return
+        if all(hasattr(c, "extract") for c in self.cache):
+            self.engine.keep_prefix(s.req, s.fed, [c.extract(row) for c in self.cache])
+
+    def abandon(self) -> list[Sequence]:
+        """After an error: every sequence leaves (the caller answers them); the runtime is recovered."""
+        seqs, self.seqs, self.cache = self.seqs, [], None
+        self.engine.store.runtime.recover()
+        return seqs
+
+
+def _charge(seqs: list[Sequence], before: tuple, after: tuple) -> None:
+    """The reads of a step (or a prefill), shared evenly by the sequences it served."""
+    share = [(a - b) / len(seqs) for a, b in zip(after, before)]
+    for s in seqs:
+        s.fig.bytes_read += int(share[0])
+        s.fig.cold_bytes += share[1]
+        s.fig.reads += int(share[2])
+        s.fig.stall_s += share[3]
