@@ -220,12 +220,12 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
     if c.kernel_threads:
         kernels.set_num_threads(c.kernel_threads)
     path = Path(c.model)
-    _check_store_limits(c, path)
+    slots = _slots(c, path)
     if c.cold and path.is_dir():
         for f in path.rglob("*.safetensors"):
             evict(f)
     with kernel.active():
-        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=c.executor, slots=c.slots,
+        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=c.executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
                            build=_prefetch_builder(c, trace) if c.routing != "native" else None)
     try:
@@ -259,17 +259,22 @@ def _prefetch_builder(c: EngineConfig, trace):
     return build
 
 
-def _check_store_limits(c: EngineConfig, path: Path) -> None:
-    """Limits that need the store's manifest, before anything is allocated: K and slots at most E."""
+def _slots(c: EngineConfig, path: Path) -> int | None:
+    """Slots per staged bank, checked against the store before anything is allocated (K and slots at most
+    E); a batch of B sequences gets 2K per sequence by default, up to E. None: the executors' default."""
     from .io.manifest import read_manifest
 
-    if c.top_k is None and c.slots is None:
-        return
-    e = read_manifest(path).num_experts
+    if not (path / "edge0.json").exists():
+        return c.slots  # not a store: load_store says so
+    m = read_manifest(path)
+    e, k = m.num_experts, c.top_k or m.top_k
     if c.top_k is not None and c.top_k > e:
         raise Edge0Error(f"--k {c.top_k}: must be between 1 and the model's {e} experts")
     if c.slots is not None and c.slots > e:
         raise Edge0Error(f"--slots {c.slots}: at most the model's {e} experts (more slots never hold more)")
+    if c.slots is None and c.max_batch > 1:
+        return min(e, 2 * k * c.max_batch)
+    return c.slots
 
 
 def memory_figures() -> dict:

@@ -64,6 +64,16 @@ class Runtime:
             self.prefill.release()
 
     # Hooks of a scheduled pipeline; the native executors need none.
+    def history(self) -> dict:
+        """The routing history's rows (pipeline/prefetch.py); none here."""
+        return {}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+    def join(self, histories: list) -> None:
+        pass
+
     def next_step(self) -> None:
         pass
 

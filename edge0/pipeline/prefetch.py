@@ -65,7 +65,7 @@ class PrefetchExperts:
         if self.next is not None and self.head is not None and inds.shape[-2] == 1:
             router = self.next_block.logits(x)  # (1, 1, E) layer L+1's router on layer L's input
             feats = features(x, inds, self.prev_inds, self.num_experts)
-            predicted, scores = self.next_block.select(self.head(feats, router))
+            predicted, scores = self.next_block.select(_per_row(self.head, feats, router))
         elif self.next is not None and self.predictor in ("next-router", "heads"):
             predicted = self.next_block.route(x)[0]  # (1, T, K)
         self.prev_inds = inds[..., -1:, :]
@@ -95,6 +95,15 @@ class PrefetchExperts:
         return y
 
 
+def _per_row(head, feats: mx.array, router: mx.array) -> mx.array:
+    """The head on each sequence of a batch apart: MLX's float matmul over B rows rounds differently from one
+    row's, and a head's top-k flips on such a difference, so a batched sequence would route (and answer)
+    otherwise than alone. Heads are small: B nodes per layer cost little."""
+    if feats.shape[0] == 1:
+        return head(feats, router)
+    return mx.concatenate([head(feats[i:i + 1], router[i:i + 1]) for i in range(feats.shape[0])])
+
+
 class PrefetchRuntime(Runtime):
     """A Runtime whose decode steps are driven by the scheduler."""
 
@@ -114,6 +123,33 @@ class PrefetchRuntime(Runtime):
 
     heads = None  # HeadSet when predicting with trained heads
     predicted_routing = False
+
+    # -- batches (serve --max-batch): the routing history's rows follow the batch's sequences ------------
+
+    def history(self) -> dict:
+        """Each layer's routed ids at the previous token, (B, 1, K) or None (no previous token)."""
+        return {layer: ex.prev_inds for layer, ex in self.executors.items()}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Sequences left the batch: keep the history and the routing decided ahead of the others."""
+        idx = mx.array(rows)
+        for ex in self.executors.values():
+            ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
+            ex.decided = {s: (inds[idx], scores[idx]) for s, (inds, scores) in ex.decided.items()}
+
+    def join(self, histories: list[tuple[dict, int]]) -> None:
+        """The batch becomes the concatenation of (history, rows) parts (each a history() and its row count);
+        a part without a previous token gets rows naming no expert. Routing decided ahead is dropped: the
+        consumer layers route the next step with their own routers."""
+        for layer, ex in self.executors.items():
+            known = [h[layer] for h, _ in histories if h[layer] is not None]
+            if not known:
+                ex.prev_inds = None
+            else:
+                k, dtype = known[0].shape[-1], known[0].dtype
+                ex.prev_inds = mx.concatenate([h[layer] if h[layer] is not None else
+                                               mx.full((n, 1, k), ex.num_experts, dtype=dtype) for h, n in histories])
+            ex.decided.clear()
 
     def link(self, blocks: dict) -> None:
         """Give each layer its successor and the successor's router; heads to their owners; with predicted
