@@ -50,6 +50,11 @@ def fit_load_cost(ms: np.ndarray, cold: np.ndarray) -> dict:
             "max_residual_ms": float(np.abs(resid).max())}
 
 
+def _within(e: dict, starts: np.ndarray, ends: np.ndarray) -> bool:
+    i = np.searchsorted(starts, e["ts"], side="right") - 1
+    return i >= 0 and e["ts"] <= ends[i]
+
+
 def summarize(data: dict) -> dict:
     """Figures of the decode steps: events outside every step span (prompt processing) are left out."""
     spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
@@ -80,11 +85,16 @@ def summarize(data: dict) -> dict:
     eval_ms = sum(e["dur"] for e in by["eval"]) / 1e3
     stall_ms = sum(e["dur"] for e in by["stall"]) / 1e3
     head_ms = sum(e["dur"] for e in by["head+sample"]) / 1e3
+    # stall per decode step, as `edge0 run --json` counts it: the steps after the first token's
+    decode = [e for e in steps if e.get("args", {}).get("step", 0) >= 1]
+    d_starts, d_ends = np.array([e["ts"] for e in decode]), np.array([e["ts"] + e["dur"] for e in decode])
+    in_decode = [e for e in by["stall"] if decode and _within(e, d_starts, d_ends)]
     return {
         "steps": n,
         "tok_s": 1e3 * n / step_ms if step_ms else 0.0,
         "step_ms": step_ms / n if n else 0.0,
-        "stall_ms_per_token": stall_ms / n if n else 0.0,
+        "stall_ms_per_token": sum(e["dur"] for e in in_decode) / 1e3 / len(decode) if decode else 0.0,
+        "prefill_stall_ms": (stall_ms - sum(e["dur"] for e in in_decode) / 1e3),
         "loads": len(reads),
         "loads_per_step": len(reads) / n if n else 0.0,
         "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
