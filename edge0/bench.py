@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
-from .bench_table import LLAMA_ARM, summarize, table
+from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .errors import Edge0Error
 from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp")
+        "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp", "llama.cpp:no-mmap")
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
 
@@ -186,8 +186,9 @@ LLAMA_ARM_SCRIPT = Path(__file__).with_name("llama_arm.py")
 
 
 def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
-    if arm == LLAMA_ARM:
-        return [llama_python(args), str(LLAMA_ARM_SCRIPT), str(path), str(replay), str(threads(args))]
+    if is_llama(arm):  # llama.cpp:no-mmap reads the whole GGUF into memory at load instead of mapping it
+        mmap = "no-mmap" if arm.endswith(":no-mmap") else "mmap"
+        return [llama_python(args), str(LLAMA_ARM_SCRIPT), str(path), str(replay), str(threads(args)), mmap]
     if arm.startswith("mlx-lm"):
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         return [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
@@ -202,7 +203,7 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
 
 
 def run_arm(arm: str, args, cache: str, replay: Path, cap: MemoryCap | None = None) -> dict:
-    path = Path(args.gguf if arm == LLAMA_ARM else args.source if arm.startswith("mlx-lm") else args.store)
+    path = Path(args.gguf if is_llama(arm) else args.source if arm.startswith("mlx-lm") else args.store)
     cmd = arm_command(arm, args, path, replay)
     if cap is None:
         (_evict_tree if cache == "cold" else _warm_tree)(path)
@@ -217,7 +218,7 @@ def run_arm(arm: str, args, cache: str, replay: Path, cap: MemoryCap | None = No
     if run.returncode != 0:
         raise Edge0Error(f"arm {arm} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
     res = {**json.loads(run.stdout.strip().splitlines()[-1]), **_run_figures(run)}
-    if arm != LLAMA_ARM:  # the edge0 kernels run on --threads threads; MLX's own kernels on MLX's pool
+    if not is_llama(arm):  # the edge0 kernels run on --threads threads; MLX's own kernels on MLX's pool
         res["threads"] = threads(args) if res.get("kernel") == "edge0" else None
     steps = max(len(res.get("tokens", [])), 1)
     res["loads_per_step"] = res.get("loads", 0) / steps
@@ -276,9 +277,9 @@ def check_args(args) -> tuple[list[str], list[str]]:
     for a in arms:
         base, _, kernel = a.partition("@")
         if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
-                                                                                   or base == LLAMA_ARM)):
+                                                                                   or is_llama(base))):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
-        if base != LLAMA_ARM and not (args.source if base.startswith("mlx-lm") else args.store):
+        if not is_llama(base) and not (args.source if base.startswith("mlx-lm") else args.store):
             raise Edge0Error(f"--arms {base}: needs --{'source' if base.startswith('mlx-lm') else 'store'}")
     for c in caches:
         if c not in ("cold", "warm"):
@@ -317,7 +318,7 @@ def results_dir(root: str) -> Path:
 
 def bench(args) -> int:
     arms, caches = check_args(args)
-    llama_version = check_llama_arm(args) if LLAMA_ARM in arms else None
+    llama_version = check_llama_arm(args) if any(map(is_llama, arms)) else None
     from .io.manifest import read_manifest
 
     read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written

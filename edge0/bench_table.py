@@ -5,6 +5,12 @@ from __future__ import annotations
 import statistics
 
 LLAMA_ARM = "llama.cpp"
+
+
+def is_llama(arm: str) -> bool:
+    """llama.cpp or llama.cpp:no-mmap."""
+    return arm.split(":")[0] == LLAMA_ARM
+
 FIGURES = ("decode_tok_s", "prefill_tok_s", "peak_mlx_gib", "peak_rss_gib", "file_rss_gib", "bytes_read",
            "cold_fraction", "hit_rate", "resident_expert_bytes", "stall_ms_per_token", "recall", "loads_per_step",
            "load_cold_fraction", "peak_cgroup_gib", "major_faults", "disk_read_bytes")
@@ -27,7 +33,7 @@ def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
         cf = s["load_cold_fraction"]
         s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost["cold_ms"] + (1 - cf) * cost["warm_ms"])
         floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
-        if floor and arm != LLAMA_ARM and not floor["killed"]:  # llama.cpp's limit is not Edge0's pipeline
+        if floor and not is_llama(arm) and not floor["killed"]:  # llama.cpp's limit is not Edge0's pipeline
             s["compute_ms_per_step"] = floor["step_ms"]
             s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
     return summary

@@ -1,4 +1,4 @@
-"""The llama.cpp arm of `edge0 bench`, run as `LLAMA_PYTHON llama_arm.py GGUF REPLAY THREADS` in an
+"""The llama.cpp arm of `edge0 bench`, run as `LLAMA_PYTHON llama_arm.py GGUF REPLAY THREADS [mmap|no-mmap]` in an
 interpreter that has llama_cpp (a separate venv: tools/llama_cpp_setup.py builds it); it imports only
 llama_cpp and numpy, never Edge0. Prefill evaluates the prompt ids in one batch until the last
 position's logits; decode evaluates the forced tokens one at a time, as Edge0's decode loop times them.
@@ -16,11 +16,11 @@ import numpy as np
 GIB = 2**30
 
 
-def load(gguf: str, prompt: list[int], tokens: list[int], n_threads: int):
+def load(gguf: str, prompt: list[int], tokens: list[int], n_threads: int, use_mmap: bool = True):
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + len(tokens) + 8, n_batch=max(len(prompt), 8),
                           n_ubatch=max(len(prompt), 8), n_threads=n_threads, n_threads_batch=n_threads,
-                          use_mmap=True, logits_all=False, verbose=False)
+                          use_mmap=use_mmap, logits_all=False, verbose=False)
     if max(prompt + tokens) >= llm.n_vocab():
         sys.exit(f"{gguf}: vocabulary of {llm.n_vocab()} tokens, the replay uses id {max(prompt + tokens)}")
     return llm, time.perf_counter() - t
@@ -58,13 +58,15 @@ def rss_file_gib() -> float:
 
 def main() -> None:
     gguf, replay_path, n_threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    use_mmap = (sys.argv[4] if len(sys.argv) > 4 else "mmap") == "mmap"
     with open(replay_path) as f:
         data = json.load(f)
     prompt, tokens = data["prompt"], data["tokens"]
-    llm, load_s = load(gguf, prompt, tokens, n_threads)
+    llm, load_s = load(gguf, prompt, tokens, n_threads, use_mmap)
     quant = quant_name(llm)
     prefill_s, decode_s, agree = replay(llm, prompt, tokens)
-    print(json.dumps({"tokens": tokens, "dtype": "float32", "kernel": f"llama.cpp {quant}", "quant": quant,
+    print(json.dumps({"tokens": tokens, "dtype": "float32", "kernel": f"llama.cpp {quant}" + ("" if use_mmap else " no-mmap"),
+                      "quant": quant, "mmap": use_mmap,
                       "threads": n_threads, "llama_cpp": llama_cpp.__version__, "load_s": load_s,
                       "prompt_tokens": len(prompt), "prefill_tok_s": len(prompt) / prefill_s,
                       "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else 0.0,

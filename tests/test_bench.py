@@ -57,6 +57,8 @@ def test_bench_refuses_the_llama_arm_without_a_gguf(capsys, tmp_path):
     assert "no such file" in capsys.readouterr().err
     assert main(["bench", "--store", str(tmp_path), "--arms", "llama.cpp@edge0"]) == 2
     assert "unknown arm 'llama.cpp@edge0'" in capsys.readouterr().err
+    assert main(["bench", "--store", str(tmp_path), "--arms", "llama.cpp:no-mmap", "--out", str(tmp_path)]) == 2
+    assert "needs --gguf FILE" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before anything ran
 
 

@@ -1,9 +1,18 @@
 #!/usr/bin/env python3
 """Set up the optional llama.cpp arm of `edge0 bench`: a separate venv with llama-cpp-python built from
-source, and GGUF files of the same Hugging Face checkpoint the Edge0 store was converted from.
+source, and GGUF files of the same model as an Edge0 store.
 
+    # the store's own weights, exported by `edge0 export-gguf` (no torch, no bf16 copy; any size):
+    python3 tools/llama_cpp_setup.py --sdist llama_cpp_python-0.3.36.tar.gz --venv ~/llama-venv \\
+        --store /data/q3-paper.edge0 --types q4_1
+    # or a Hugging Face bf16 checkpoint through llama.cpp's own converter and quantizer:
     python3 tools/llama_cpp_setup.py --sdist llama_cpp_python-0.3.36.tar.gz --venv ~/llama-venv \\
         --torch torch==2.13.0 /data/q3-small-hf
+    # or only build the venv (for EDGE0_LLAMA_PYTHON in the tests):
+    python3 tools/llama_cpp_setup.py --sdist llama_cpp_python-0.3.36.tar.gz --venv ~/llama-venv
+
+With --store, the GGUFs are OUT/model-{type}.gguf (OUT defaults to STORE-gguf), written by `edge0
+export-gguf` with this interpreter, and the venv needs only numpy beside the build.
 
 What it needs:
   * the llama-cpp-python source distribution (`pip download --no-binary :all: --no-deps llama-cpp-python`);
@@ -14,8 +23,8 @@ What it needs:
     e.g. --torch "torch --index-url https://download.pytorch.org/whl/cpu");
   * disk: one bf16/f16 GGUF (the size of the checkpoint) plus one file per --quant.
 
-Steps, each skipped when already done: (1) make the venv, (2) `pip install SDIST` there (the build),
-(3) install the converter's needs there, (4) extract the converter from the sdist into OUT/llama.cpp-src,
+Steps of the Hugging Face route, each skipped when already done: (1) make the venv, (2) `pip install
+SDIST` there (the build), (3) install the converter's needs there, (4) extract the converter from the sdist into OUT/llama.cpp-src,
 (5) convert HF_DIR to OUT/model-{outtype}.gguf, (6) quantize it to OUT/model-{Q}.gguf for each --quant with
 llama_cpp.llama_model_quantize, (7) print the `edge0 bench` command. Edge0 itself never imports llama_cpp;
 the venv is only the bench arm's interpreter (--llama-python).
@@ -113,40 +122,20 @@ def quantize_in_venv(src: str, dst: str, quant: str, threads: int) -> None:
         sys.exit(f"llama_cpp_setup: quantizing {src} to {quant} failed (llama_model_quantize returned {rc})")
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "_convert":  # inside the venv
-        convert_in_venv(*sys.argv[2:6])
-        return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "_quantize":
-        quantize_in_venv(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint (edge0 make-model --format hf ...)")
-    p.add_argument("--sdist", required=True, metavar="TAR.GZ", help="llama-cpp-python source distribution")
-    p.add_argument("--venv", required=True, metavar="DIR", help="venv for llama.cpp (made when absent)")
-    p.add_argument("--out", metavar="DIR", help="directory for the GGUF files (default HF_DIR-gguf)")
-    p.add_argument("--outtype", default="bf16", choices=["bf16", "f16", "f32"], help="the converted GGUF (default bf16)")
-    p.add_argument("--quant", default="Q4_0,Q4_K_M", help="comma-separated llama.cpp quantizations (default Q4_0,Q4_K_M)")
-    p.add_argument("--torch", default="torch", metavar="REQ", help="pip requirement for torch (default: torch)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build and quantize threads (default: all)")
-    args = p.parse_args()
-
-    sdist, hf = Path(args.sdist).resolve(), Path(args.hf_dir).resolve()
-    out = Path(args.out).resolve() if args.out else hf.with_name(hf.name + "-gguf")
-    venv = Path(args.venv).resolve()
-    if not sdist.is_file():
-        sys.exit(f"llama_cpp_setup: --sdist {sdist}: no such file")
-    if not (hf / "config.json").is_file():
-        sys.exit(f"llama_cpp_setup: {hf}: no config.json (a Hugging Face checkpoint directory is needed)")
+def build(sdist: Path, venv: Path, jobs: int) -> Path:
+    """The venv's python, with llama_cpp built from the sdist (skipped when it imports already)."""
     py = venv / "bin" / "python"
     if not py.exists():
         run([sys.executable, "-m", "venv", str(venv)])
     if not can_import(py, "llama_cpp"):
-        say(f"building llama.cpp from {sdist.name} with {args.jobs} jobs (several minutes)")
-        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(args.jobs))}
-        run([str(py), "-m", "pip", "install", str(sdist)], env=env)
+        say(f"building llama.cpp from {sdist.name} with {jobs} jobs (several minutes; about an hour on 2 cores)")
+        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(jobs))}
+        run([str(py), "-m", "pip", "install", str(sdist), "numpy"], env=env)
+    return py
+
+
+def from_hf(args, py: Path, sdist: Path, hf: Path, out: Path) -> list[Path]:
+    """Convert HF_DIR with llama.cpp's converter, then quantize: [the converted GGUF, one per --quant]."""
     missing = [req for mod, req in CONVERTER_NEEDS.items() if not can_import(py, mod)]
     if not can_import(py, "torch"):
         missing += shlex.split(args.torch)
@@ -163,12 +152,69 @@ def main() -> int:
         if not dst.is_file():
             run([str(py), str(Path(__file__).resolve()), "_quantize", str(base), str(dst), q, str(args.jobs)])
         made.append(dst)
+    return made
+
+
+def from_store(store: Path, out: Path, types: str) -> list[Path]:
+    """`edge0 export-gguf STORE OUT/model-{type}.gguf` for each type (this interpreter's edge0)."""
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    for t in [t for t in types.split(",") if t]:
+        dst = out / f"model-{t}.gguf"
+        if not dst.is_file():
+            run([sys.executable, "-m", "edge0.cli", "export-gguf", str(store), str(dst), "--type", t])
+        made.append(dst)
+    return made
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("hf_dir", metavar="HF_DIR", nargs="?", help="Hugging Face checkpoint (edge0 make-model --format hf)")
+    p.add_argument("--store", metavar="DIR", help="Edge0 store to export with `edge0 export-gguf` instead of HF_DIR")
+    p.add_argument("--types", default="q4_1", help="with --store: comma-separated export types (default q4_1)")
+    p.add_argument("--sdist", required=True, metavar="TAR.GZ", help="llama-cpp-python source distribution")
+    p.add_argument("--venv", required=True, metavar="DIR", help="venv for llama.cpp (made when absent)")
+    p.add_argument("--out", metavar="DIR", help="directory for the GGUF files (default HF_DIR-gguf or STORE-gguf)")
+    p.add_argument("--outtype", default="bf16", choices=["bf16", "f16", "f32"], help="the converted GGUF (default bf16)")
+    p.add_argument("--quant", default="Q4_0,Q4_K_M", help="comma-separated llama.cpp quantizations (default Q4_0,Q4_K_M)")
+    p.add_argument("--torch", default="torch", metavar="REQ", help="pip requirement for torch (default: torch)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build and quantize threads (default: all)")
+    return p.parse_args()
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_convert":  # inside the venv
+        convert_in_venv(*sys.argv[2:6])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "_quantize":
+        quantize_in_venv(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return 0
+    args = parse_args()
+    sdist = Path(args.sdist).resolve()
+    if not sdist.is_file():
+        sys.exit(f"llama_cpp_setup: --sdist {sdist}: no such file")
+    if args.store and args.hf_dir:
+        sys.exit("llama_cpp_setup: give HF_DIR or --store, not both")
+    src = Path(args.store or args.hf_dir).resolve() if (args.store or args.hf_dir) else None
+    if args.hf_dir and not (src / "config.json").is_file():
+        sys.exit(f"llama_cpp_setup: {src}: no config.json (a Hugging Face checkpoint directory is needed)")
+    if args.store and not (src / "edge0.json").is_file():
+        sys.exit(f"llama_cpp_setup: --store {src}: no edge0.json (an Edge0 store is needed)")
+    py = build(sdist, Path(args.venv).resolve(), args.jobs)
+    if src is None:
+        say(f"built: {py} (EDGE0_LLAMA_PYTHON={py}; bench: --llama-python {py})")
+        return 0
+    out = Path(args.out).resolve() if args.out else src.with_name(src.name + "-gguf")
+    made = from_store(src, out, args.types) if args.store else from_hf(args, py, sdist, src, out)
     for f in made:  # llama.cpp must load what was written (its vocabulary included)
         run([str(py), "-c", "import sys, llama_cpp; llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, "
                              "verbose=False)", str(f)])
         say(f"{f} ({f.stat().st_size / 2**20:.0f} MiB)")
-    gguf = made[1] if len(made) > 1 else made[0]
-    print(f"edge0 bench --source {hf} --store STORE --arms staged@edge0,llama.cpp --gguf {gguf} --llama-python {py}")
+    gguf = made[1] if len(made) > 1 and not args.store else made[0]
+    store = src if args.store else "STORE"
+    print(f"edge0 bench --store {store} --arms staged@edge0,llama.cpp --gguf {gguf} --llama-python {py}")
     return 0
 
 
