@@ -177,6 +177,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 CASES = [
     ("POST", b"{not json", 400, "invalid_request_error", "not valid JSON"),
     ("POST", b"[1]", 400, "invalid_request_error", "must be a JSON object"),
+    ("POST", b'{"messages": ' + b"[" * 100_000, 400, "invalid_request_error", "nested too deeply"),
     ("POST", json.dumps({"messages": HI}).encode(), 400, "invalid_request_error", "'max_tokens': required"),
     ("POST", msg(max_tokens=None), 400, "invalid_request_error", "'max_tokens': required"),
     ("POST", msg(max_tokens=0), 400, "invalid_request_error", "'max_tokens': 0 is out of range [1, 4096]"),
@@ -270,6 +271,7 @@ def test_metrics_batch_queue_and_prompt_cache(setup, monkeypatch):
     for name in ("batch_size", "queue_waiting", "generating"):
         assert metric(srv, name) == 0
     # one long generation and one more request: each is either in the running step or waiting
+    cancelled = metric(srv, "cancelled_total")
     s = claude.messages.stream(model=model, max_tokens=4000, messages=HI).__enter__()
     next(iter(s.text_stream))
     done = {}
@@ -283,6 +285,7 @@ def test_metrics_batch_queue_and_prompt_cache(setup, monkeypatch):
     t.join(DEADLINE)
     assert done["m"].usage.output_tokens == 2
     wait_for(lambda: metric(srv, "batch_size") == 0, "the server to be idle")
+    assert metric(srv, "cancelled_total") == cancelled + 1  # the closed stream stopped its generation
 
     # the prompt-cache counters are the engine's (0 without a prompt cache)
     stats = getattr(getattr(srv.server.engine, "prompt_cache", None), "stats", None)
