@@ -1,15 +1,15 @@
 """The streaming executor paths beyond exact: staged slot banks, the hot LRU, whole-layer prefill.
 
 All of them compute switch_glu (experts.py) over a bank of slots with the same kernel, so they are
-bitwise equal to exact on the same inputs. Fills are plain (slot, expert) lists, applied by
-`fill_slots`, so a worker pool can run them unchanged.
+bitwise equal to exact on the same inputs. Fills are plain (slot, expert) lists, read by the store's I/O
+pool (io/pool.py) one task per bundle, in parallel, by `fill_slots`.
 
 Shapes: T tokens, K routed, U unique experts of a step, S slots, E experts.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,6 +40,7 @@ class SlotCache:
         self.slot_of = np.full(num_keys, -1, dtype=np.int64)  # key -> slot, -1 when not held
         self.used = np.zeros(bank.slots, dtype=np.int64)  # clock of each slot's last use
         self.filling = np.zeros(bank.slots, dtype=bool)  # a read into the slot is in flight (scheduler's)
+        self.reserved = np.zeros(bank.slots, dtype=bool)  # planned for a step that has not read it yet (scheduler's)
         self.clock = 0
 
     def assign(self, keys: np.ndarray, *, count: bool = True) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
@@ -50,7 +51,7 @@ class SlotCache:
         n_miss = int(miss.sum())
         fills: list[tuple[int, int]] = []
         if n_miss:
-            free = self.bank.writable_slots() & ~self.filling
+            free = self.bank.writable_slots() & ~self.filling & ~self.reserved
             free[slots[~miss]] = False
             free = np.flatnonzero(free)
             if len(free) < n_miss:
@@ -78,13 +79,14 @@ class SlotCache:
         self.used[slots] = 0
 
 
-def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None) -> None:
-    """Read each (slot, key) bundle straight into the bank's memory: one preadv per bundle, no MLX op."""
-    for slot, key in fills:
-        expert = key % num_experts if num_experts else key
-        reader.read_into(layer, expert, bank.write_buffers(slot))
-    if fills:
-        bank.commit([slot for slot, _ in fills])
+def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None,
+               step: int = -1) -> None:
+    """Read each (slot, key) bundle straight into the bank's memory, all of them at once on the I/O pool (one
+    preadv per bundle, no MLX op), and wait for them; a failed read raises once every read has stopped."""
+    if not fills:
+        return
+    items = [(key % num_experts if num_experts else key, bank.write_buffers(slot)) for slot, key in fills]
+    reader.pool.read_bundles(layer, items, commit=lambda i: bank.commit([fills[i][0]]), step=step)
 
 
 class SlottedExperts:
@@ -131,7 +133,8 @@ class WholeLayer:
     """Prefill: each MoE layer's experts read whole (one preadv per layer, or a few), used for every
     prompt token, the next layer's read running on a worker thread while this layer computes.
 
-    Two E-slot banks alternate between layers; they exist only during prefill (`release`).
+    Two E-slot banks alternate between layers; they exist only during prefill (`release`). The reads run
+    on the store's I/O pool as demand reads.
     """
 
     def __init__(self, reader, fence: Fence, compute_dtype):
@@ -143,10 +146,11 @@ class WholeLayer:
         self.min_rows = m.num_experts  # T*K at which a step touches about every expert
         self.banks: list[Bank] = []
         self.pending: dict[int, tuple[Bank, Future]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-prefill")
 
     def wants(self, inds: mx.array) -> bool:
-        return inds.size >= self.min_rows
+        """A prompt chunk touching about every expert; never a decode step, even a batch's (B rows of one
+        token each): its experts are the batch's union, read into the slot banks."""
+        return inds.ndim >= 2 and inds.shape[-2] > 1 and inds.size >= self.min_rows
 
     def _start(self, layer: int, in_use: Bank | None = None) -> None:
         if not self.banks:
@@ -158,12 +162,9 @@ class WholeLayer:
             raise BankBusy(f"whole-layer prefill of layer {layer}: both prefill banks are pending or read by an "
                            "unevaluated graph")
         buffers = [bank.write_buffers(e) for e in range(bank.slots)]  # checked here, on the main thread
-        self.pending[layer] = (bank, self.pool.submit(self._read, layer, bank, buffers))
-
-    def _read(self, layer: int, bank: Bank, buffers: list) -> None:
-        """On the worker thread: bytes only, no MLX op."""
-        self.reader.read_layer_into(layer, buffers)
-        bank.commit(np.arange(bank.slots))
+        # on a pool thread: bytes only, no MLX op
+        self.pending[layer] = (bank, self.reader.pool.submit_layer(layer, buffers,
+                                                                   commit=lambda: bank.commit(np.arange(bank.slots))))
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         if layer not in self.pending:
@@ -195,4 +196,3 @@ class WholeLayer:
 
     def close(self) -> None:
         self.abandon()
-        self.pool.shutdown(wait=True)

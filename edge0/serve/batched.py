@@ -45,7 +45,7 @@ async def serve_batched(queue, max_batch: int) -> None:
         for seq in finished:
             job = jobs.pop(id(seq))
             queue.metrics.add(seq.fig)
-            job.events.put_nowait(("error", _shutdown_error()) if job.shutdown else ("done", seq.fig))
+            job.events.put_nowait(("error", queue.shutdown_error()) if job.shutdown else ("done", seq.fig))
         _set_running(queue, batch, jobs)
 
 
@@ -61,7 +61,7 @@ async def _take(queue, batch: BatchDecoder, *, block: bool) -> list:
             job.events.put_nowait(("error", queue._unhealthy_error()))
             continue
         if queue.closing:
-            job.events.put_nowait(("error", _shutdown_error()))
+            job.events.put_nowait(("error", queue.shutdown_error()))
             continue
         queue.turns += 1
         job.started, job.turn = time.perf_counter(), queue.turns
@@ -92,9 +92,3 @@ def _set_running(queue, batch: BatchDecoder, jobs: dict) -> None:
         queue.idle.set()
     else:
         queue.idle.clear()
-
-
-def _shutdown_error():
-    from .jobs import shutting_down
-
-    return shutting_down()

@@ -175,6 +175,10 @@ class JobQueue:
         self.waiting.put_nowait(job)
         return job
 
+    @staticmethod
+    def shutdown_error() -> ApiError:
+        return shutting_down()
+
     def _unhealthy_error(self) -> ApiError:
         return ApiError(503, f"the server is unhealthy: {self.unhealthy}; see its log", "engine_unhealthy",
                         retry_after=RETRY_AFTER_S)
