@@ -18,7 +18,7 @@ EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
 IO_MODES = ("pread", "mmap", "direct")
 DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
-IO_WORKERS = 2  # prefetch pool threads: MLX's CPU backend leaves about one core free
+IO_WORKERS = 8  # I/O pool threads (every read): they block in the kernel, so more than cores (docs/results/pipeline.md)
 MAX_IO_WORKERS = 64
 MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
@@ -49,7 +49,7 @@ class EngineConfig:
     slots: int | None = None  # slots per staged bank; None: 2K
     memory_budget_gib: float | None = None  # most expert bytes held resident
     io: str = "pread"  # pread | mmap | direct
-    io_workers: int = IO_WORKERS  # prefetch pool threads
+    io_workers: int = IO_WORKERS  # I/O pool threads
     io_throttle_mbps: float | None = None  # cap on read bandwidth (experiments); None: none
     verify: bool = False  # check every bundle's and the resident files' checksums
     cold: bool = False  # evict the store from the page cache before loading

@@ -234,6 +234,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
 
             Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads).attach(store.model, store.dtype)
         store.runtime.trace = trace
+        store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
         if c.top_k is not None:
             for layer in store.runtime.executors:
                 store.model.layers[layer].mlp.top_k = c.top_k
@@ -254,7 +255,7 @@ def _prefetch_builder(c: EngineConfig, trace):
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
-                                      slots=c.slots, workers=c.io_workers, trace=trace, heads=heads,
+                                      slots=c.slots, trace=trace, heads=heads,
                                       predicted_routing=c.routing == "predicted")
     return build
 

@@ -44,7 +44,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
     p.add_argument("--io", choices=IO_MODES, default="pread",
                    help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
     p.add_argument("--io-workers", type=int, default=IO_WORKERS, metavar="N",
-                   help=f"I/O pool threads for prefetch (default {IO_WORKERS})")
+                   help=f"I/O pool threads, every read of the store (default {IO_WORKERS})")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
                    help="cap read bandwidth at MBPS MB/s, more than 0 (an experiment knob: a slow disk on a fast machine)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",

@@ -153,10 +153,9 @@ class TextOut:
 
 
 def _counters(store) -> tuple:
-    """Cumulative (bytes, cold bytes, reads, stall seconds) of the store's reader and scheduler."""
+    """Cumulative (bytes, cold bytes, reads, stall seconds) of the store's reader and its I/O pool."""
     stats = store.reader.stats
-    sched = getattr(store.runtime, "sched", None)
-    return stats.bytes, stats.cold_bytes, stats.reads, sched.stats.stall_s if sched else 0.0
+    return stats.bytes, stats.cold_bytes, stats.reads, store.reader.pool.waited_s  # stalls: waits on reads, any routing
 
 
 class StopFilter:

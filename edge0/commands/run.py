@@ -118,12 +118,20 @@ def _result(engine, fig, load_s: float, memory: dict) -> dict:
         "hit_rate": rt.stats.hit_rate, "resident_expert_bytes": rt.resident_expert_bytes,
         "stall_ms_per_token": 1e3 * fig.stall_s / steps, "prefill_stall_ms": 1e3 * fig.prefill_stall_s,
         "recall": sched.stats.recall if sched else None,
-        "loads": sched.stats.loads if sched else stats.reads,
-        "demand_loads": sched.stats.demand_loads if sched else stats.reads,
-        "load_bytes": sched.stats.bytes if sched else stats.bytes,
-        "load_cold_fraction": sched.stats.cold_fraction if sched else stats.cold_fraction,
+        **_loads(engine.store.reader.pool, rt, steps),
         "load_s": load_s, **engine.describe(),
     }
+
+
+def _loads(pool, rt, steps: int) -> dict:
+    """Bundle reads through the I/O pool (every routing; whole-layer prefill reads apart) and, for scheduled
+    routing, the scheduler's time on the graph-building thread."""
+    s = pool.stats
+    out = {"loads": s.loads, "demand_loads": s.demand_loads, "load_bytes": s.bytes,
+           "load_cold_fraction": s.cold_fraction, "io_workers": pool.workers}
+    if getattr(rt, "sched", None) is not None:
+        out.update(sched_ms_per_token=1e3 * rt.sched_s / steps, pull_ms_per_token=1e3 * rt.pull_s / steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,10 +75,10 @@ class ExactExperts:
         bank = {p.name: mx.zeros((u, *p.shape), dtype=MLX_DTYPES[p.dtype]) for p in self.pieces}
         mx.eval(list(bank.values()))
         flat = [memoryview(bank[p.name]).cast("B") for p in self.pieces]
-        for slot, expert in enumerate(ids.tolist()):
-            bufs = [f[slot * p.nbytes:(slot + 1) * p.nbytes] for f, p in zip(flat, self.pieces)]
-            self.reader.read_into(self.layer, expert, bufs)
-        del flat  # release the buffer exports before MLX reads the arrays
+        items = [(expert, [f[slot * p.nbytes:(slot + 1) * p.nbytes] for f, p in zip(flat, self.pieces)])
+                 for slot, expert in enumerate(ids.tolist())]
+        self.reader.pool.read_bundles(self.layer, items)  # all at once on the I/O pool
+        del flat, items  # release the buffer exports before MLX reads the arrays
         if self.dtype is not None:
             for name, arr in bank.items():
                 if arr.dtype != self.dtype and mx.issubdtype(arr.dtype, mx.floating):

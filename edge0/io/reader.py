@@ -21,7 +21,10 @@ from .faults import install_from_env
 from .layerfile import check_header, round_up
 from .manifest import Manifest, read_manifest
 from .pagecache import Residency, evict
+from .pool import IO_WORKERS, ReadPool
 from .throttle import Throttle
+
+DIRECT_CHUNK = 16 << 20  # most bytes of one O_DIRECT transfer through a thread's bounce buffer
 
 
 @dataclass
@@ -47,8 +50,10 @@ class BundleReader:
     IOV_MAX = 1024  # iovecs per preadv (Linux's limit)
 
     def __init__(self, root: str | os.PathLike, manifest: Manifest | None = None, *, verify: bool = False,
-                 probe: bool = True, io: str = "pread", throttle_mbps: float | None = None):
+                 probe: bool = True, io: str = "pread", throttle_mbps: float | None = None, workers: int = IO_WORKERS):
         self.root = Path(root)
+        self.workers = workers  # threads of the I/O pool every executor reads through
+        self._pool: ReadPool | None = None
         self.throttle = Throttle(throttle_mbps) if throttle_mbps else None
         self.manifest = manifest or read_manifest(root)
         self.verify = verify
@@ -92,6 +97,13 @@ class BundleReader:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def pool(self) -> ReadPool:
+        """The store's I/O pool (io/pool.py), started at its first read."""
+        if self._pool is None:
+            self._pool = ReadPool(self, self.workers)
+        return self._pool
 
     def path(self, layer: int) -> Path:
         return self.root / self._entries[layer].file
@@ -166,12 +178,21 @@ class BundleReader:
         return _scatter(memoryview(self._maps[layer])[offset:max(offset, min(offset + length, size))], iov)
 
     def _read_direct(self, layer: int, offset: int, length: int, iov: list) -> int:
-        size = round_up(length)
+        """O_DIRECT through this thread's aligned bounce buffer, at most DIRECT_CHUNK bytes at a time (a
+        whole-layer read on any pool thread must not give every thread a layer-sized buffer)."""
+        size = min(round_up(length), DIRECT_CHUNK)
         bounce = getattr(self._bounce, "buf", None)
         if bounce is None or len(bounce) < size:
             bounce = self._bounce.buf = mmap.mmap(-1, size)  # anonymous mappings are page-aligned
-        n = os.preadv(self._direct[layer], [memoryview(bounce)[:size]], offset)
-        return _scatter(memoryview(bounce)[:min(n, length)], iov)
+        out, done = _Scatter(iov), 0
+        while done < length:  # offset + done stays aligned: every chunk but the last is whole
+            want = min(length - done, size)
+            n = min(os.preadv(self._direct[layer], [memoryview(bounce)[:round_up(want)]], offset + done), want)
+            out.write(memoryview(bounce)[:n])
+            done += n
+            if n < want:
+                break
+        return done
 
     def evict(self) -> None:
         """Drop every layer file of the store from the page cache."""
@@ -179,6 +200,9 @@ class BundleReader:
             evict(self.root / entry.file)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()  # no worker reads a descriptor closed below
+            self._pool = None
         for mm in self._maps.values():
             mm.close()
         for fd in self._direct.values():
@@ -191,6 +215,24 @@ class BundleReader:
             os.close(fd)
         self._fds.clear()
         self._residency.clear()
+
+
+class _Scatter:
+    """Consecutive writes into a list of buffers, continuing where the last write stopped."""
+
+    def __init__(self, iov: list):
+        self.iov, self.i, self.at = iov, 0, 0
+
+    def write(self, src: memoryview) -> None:
+        pos = 0
+        while pos < len(src) and self.i < len(self.iov):
+            buf = self.iov[self.i]
+            n = min(len(buf) - self.at, len(src) - pos)
+            buf[self.at:self.at + n] = src[pos:pos + n]
+            pos += n
+            self.at += n
+            if self.at == len(buf):
+                self.i, self.at = self.i + 1, 0
 
 
 def _scatter(src: memoryview, iov: list) -> int:

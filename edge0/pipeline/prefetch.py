@@ -8,10 +8,21 @@ Predictors (given what is known at layer L of step s, name a layer's experts for
   repeat       layer L at s+1 uses what it used at s (known once layer L has routed at s).
   next-router  layer L+1's own router applied to layer L's MoE input at s: what an untrained
                prerouter head computes (known at layer L of step s, a full layer earlier).
-  heads        trained prerouter heads for consumer layers; next-router for the others.
+  heads        trained prerouter heads: each owned by one MoE layer and consumed by another at the next
+               step (the layer after it, or the first layer for a head owned by the last); next-router
+               for layers without one.
+
+Host round trips. A prediction is a graph node; it is scheduled with its layer's experts
+(`mx.async_eval`, prediction first) and brought to the host by the next MoE layer (`pull`), by which time
+the stream has usually computed it, or at the end of the step. Pulling an already scheduled array
+waits for that array only, never drains the work queued after it. A layer whose routing its owner's
+head decided a step ahead (predicted routing) knows its ids and slots on the host already: its graph is
+built with no host round trip at all. Only layers that route with their own router sync (`SYNC`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -22,77 +33,117 @@ from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..model.heads import features
-from ..sched.scheduler import IO_WORKERS, QUEUE_DEPTH, Scheduler
+from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
 
 PREDICTORS = ("repeat", "next-router", "heads")
 
 
+@dataclass
+class Decided:
+    """A layer's routing for one step, decided a step ahead by its owner's head (predicted routing)."""
+
+    inds: mx.array  # (B, 1, K) routed ids, evaluated
+    plan: mx.array  # what the block's `planned` hook returns beside them (weights, or logits)
+    host: np.ndarray  # inds on the host
+    ids: np.ndarray  # their unique ids
+
+
+@dataclass
+class Prediction:
+    """A prediction of one layer's experts for one step, still a graph node."""
+
+    consumer: "PrefetchExperts"  # the layer it names experts for
+    step: int  # the step it is for
+    inds: mx.array  # (B, T, K) predicted ids
+    plan: mx.array | None  # the consumer block's decision beside them (predicted routing), else None
+
+
 class PrefetchExperts:
     """One MoE layer under the scheduler: gather from its bank, prefetched during the step before."""
 
-    def __init__(self, layer: int, cache: SlotCache, sched: Scheduler, fence: Fence, exact: ExactExperts,
-                 prefill: WholeLayer | None, predictor: str, trace=NULL):
-        self.layer, self.cache, self.sched, self.fence = layer, cache, sched, fence
-        self.exact, self.prefill, self.predictor, self.trace = exact, prefill, predictor, trace
+    def __init__(self, layer: int, cache: SlotCache, rt: "PrefetchRuntime", exact: ExactExperts,
+                 prefill: WholeLayer | None, predictor: str):
+        self.layer, self.cache, self.rt = layer, cache, rt
+        self.exact, self.prefill, self.predictor = exact, prefill, predictor
         self.quant = exact.quant
         self.num_experts = exact.num_experts
-        self.next: PrefetchExperts | None = None  # the next MoE layer's executor
-        self.next_block = None  # the next MoE layer's block (its router: logits, select)
-        self.head = None  # the prerouter head this layer owns (for self.next), if any
+        self.block = None  # this layer's MoE block (its router: logits, select, decide)
+        self.next: PrefetchExperts | None = None  # the next MoE layer's executor (next-router predicts it)
+        self.heads: list[tuple] = []  # (head, consumer executor) of the heads this layer owns
         self.prev_inds = None  # this layer's routed ids at the previous token (head features)
-        self.predicted_routing = False  # the next layer routes with this layer's head (routing=predicted)
-        self.decided: dict[int, tuple] = {}  # step -> (inds, scores) decided for this layer by its owner's head
+        self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
+        self.answered = -1  # the step whose block call took the decided routing (`planned`)
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
         self.prev_inds = None
         self.decided.clear()
+        self.answered = -1
 
     def planned(self):
-        """Routing decided for this layer at the step before (predicted routing), for the step now built."""
-        step = self.sched.step
+        """The block's hook: routing decided for this layer at the step before, for the step now built."""
+        step = self.rt.sched.step
         for old in [s for s in self.decided if s < step]:
             del self.decided[old]
-        return self.decided.get(step)
+        d = self.decided.get(step)
+        if d is None:
+            return None
+        self.answered = step
+        return d.inds, d.plan
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self.prefill is not None and self.prefill.wants(inds):
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
-        sched = self.sched
-        predicted, scores = None, None
-        if self.next is not None and self.head is not None and inds.shape[-2] == 1:
-            router = self.next_block.logits(x)  # (1, 1, E) layer L+1's router on layer L's input
-            feats = features(x, inds, self.prev_inds, self.num_experts)
-            predicted, scores = self.next_block.select(_per_row(self.head, feats, router))
-        elif self.next is not None and self.predictor in ("next-router", "heads"):
-            predicted = self.next_block.route(x)[0]  # (1, T, K)
-        self.prev_inds = inds[..., -1:, :]
-        t0 = now_us()
-        mx.eval(*(a for a in (inds, predicted, scores) if a is not None))  # SYNC: ids to the host
-        if self.trace.on:
-            self.trace.span(f"eval L{self.layer}", "compute", t0, now_us(), layer=self.layer, step=sched.step)
-        self.fence.sync()
-        host = np.array(inds, copy=False)
-        ids = np.unique(host)
-        plan = sched.ready(self.layer)  # the prefetch made during the step before has landed
-        sched.count(plan, ids)
-        cache = self.cache
-        slots = sched.demand(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None  # misses read now
-        if slots is None:
+        rt, sched, step = self.rt, self.rt.sched, self.rt.sched.step
+        d = self.decided.get(step) if self.answered == step else None
+        if d is not None:  # decided a step ahead: ids and slots are on the host already
+            host, ids = d.host, d.ids
+        else:
+            t0 = now_us()
+            mx.eval(inds)  # SYNC: the routed ids to the host (this layer routes with its own router)
+            rt.span(f"eval L{self.layer}", "compute", t0)
+            rt.fence.sync()
+            host = np.array(inds, copy=False)
+            ids = np.unique(host)
+        with rt.scheduling(self.layer):
+            rt.pull()  # the predictions made at earlier layers become plans
+            plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
+            sched.count(plan, ids)
+            cache = self.cache
+            slots = sched.demand(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
+        if slots is None:  # more experts than slots, or too few writable: read them the exact way
+            self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
-        arrays = cache.bank.read(slots)  # marked read before the next fills are planned: they avoid these slots
-        if predicted is not None:
-            nxt = self.next
-            sched.prefetch(nxt.layer, nxt.cache, np.unique(np.array(predicted, copy=False)))
-            if scores is not None and self.predicted_routing:
-                nxt.decided[sched.step + 1] = (predicted, scores)
-        elif self.predictor == "repeat":
-            sched.prefetch(self.layer, cache, ids)  # all held already: the reuse is the prediction
+        arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
+        predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
+        self.prev_inds = inds[..., -1:, :]
         y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
-        mx.async_eval(y)  # as SlottedExperts: the experts compute while the next layer's graph is built
+        mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None), y)  # predictions first
         return y
+
+    def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
+        """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan."""
+        rt, step = self.rt, self.rt.sched.step
+        out = []
+        for head, consumer in self.heads:
+            blk = consumer.block
+            router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
+            feats = features(x, inds, self.prev_inds, self.num_experts)
+            decide = getattr(blk, "decide", None) or blk.select
+            p_inds, plan = decide(_per_row(head, feats, router))
+            out.append(Prediction(consumer, step + 1, p_inds, plan if consumer.predicted_routing else None))
+        owned = {c.layer for _, c in self.heads}
+        if self.next is not None and self.next.layer not in owned and self.predictor in ("next-router", "heads"):
+            out.append(Prediction(self.next, step + 1, self.next.block.route(x)[0], None))  # (B, T, K)
+        elif self.predictor == "repeat":
+            with rt.scheduling(self.layer):
+                rt.sched.prefetch(self.layer, self.cache, ids)  # all held already: the reuse is the prediction
+        rt.pending.extend(out)
+        return out
+
+    predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
 
 
 def _per_row(head, feats: mx.array, router: mx.array) -> mx.array:
@@ -108,21 +159,51 @@ class PrefetchRuntime(Runtime):
     """A Runtime whose decode steps are driven by the scheduler."""
 
     sched: Scheduler = None
+    heads = None  # HeadSet when predicting with trained heads
+    predicted_routing = False
+    pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
+    sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
+    pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
+
+    def pull(self) -> None:
+        """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        t0 = now_us()
+        mx.eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
+        self.pull_s += (now_us() - t0) / 1e6
+        self.span("pull", "compute", t0)
+        for p in pending:
+            host = np.array(p.inds, copy=False)
+            ids = np.unique(host)
+            c = p.consumer
+            self.sched.prefetch(c.layer, c.cache, ids, step=p.step)
+            if p.plan is not None:
+                c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
+
+    def span(self, name: str, cat: str, t0: float, **args) -> None:
+        if self.trace is not None and self.trace.on:
+            self.trace.span(name, cat, t0, now_us(), step=self.sched.step, **args)
+
+    def scheduling(self, layer: int) -> "_Scheduling":
+        return _Scheduling(self, layer)
 
     def next_step(self) -> None:
-        self.sched.next_step()
+        with self.scheduling(-1):
+            self.pull()  # the last layers' predictions: the step's evaluation computed them
+            self.sched.next_step()
 
     def finish(self) -> None:
+        self.pending = []
         self.sched.cancel()
 
     def reset_pipeline(self) -> None:
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
+        self.pending = []
         self.sched.reset()
         for ex in self.executors.values():
             ex.reset()
-
-    heads = None  # HeadSet when predicting with trained heads
-    predicted_routing = False
 
     # -- batches (serve --max-batch): the routing history's rows follow the batch's sequences ------------
 
@@ -135,7 +216,8 @@ class PrefetchRuntime(Runtime):
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
-            ex.decided = {s: (inds[idx], scores[idx]) for s, (inds, scores) in ex.decided.items()}
+            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], np.unique(d.host[rows]))
+                          for s, d in ex.decided.items()}
 
     def join(self, histories: list[tuple[dict, int]]) -> None:
         """The batch becomes the concatenation of (history, rows) parts (each a history() and its row count);
@@ -152,31 +234,50 @@ class PrefetchRuntime(Runtime):
             ex.decided.clear()
 
     def link(self, blocks: dict) -> None:
-        """Give each layer its successor and the successor's router; heads to their owners; with predicted
-        routing, consumer blocks take the routing their owner's head decided."""
+        """Give each layer its block and its successor; heads to their owners; with predicted routing,
+        consumer blocks take the routing their owner's head decided (the block's `planned` hook)."""
         order = sorted(self.executors)
+        for layer in order:
+            self.executors[layer].block = blocks[layer]
         for a, b in zip(order, order[1:]):
             self.executors[a].next = self.executors[b]
-            self.executors[a].next_block = blocks[b]
         if self.heads is None:
             return
-        for consumer, owner in self.heads.owners.items():
-            if owner not in self.executors or self.executors[owner].next is not self.executors.get(consumer):
-                raise Edge0Error(f"head for layer {consumer} is owned by layer {owner}, which does not precede it")
-            self.executors[owner].head = self.heads.heads[consumer]
-            self.executors[owner].predicted_routing = self.predicted_routing
+        for consumer, owner in sorted(self.heads.owners.items()):
+            if owner not in self.executors or consumer not in self.executors:
+                raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")
+            ex = self.executors[consumer]
+            self.executors[owner].heads.append((self.heads.heads[consumer], ex))
+            ex.predicted_routing = self.predicted_routing
             if self.predicted_routing:
-                blocks[consumer].planned = self.executors[consumer].planned
+                blocks[consumer].planned = ex.planned
 
     def close(self) -> None:
         self.sched.close()
         super().close()
 
 
+class _Scheduling:
+    """Times the scheduler's work on the graph-building thread (a `sched` span), its stalls left out."""
+
+    def __init__(self, rt: PrefetchRuntime, layer: int):
+        self.rt, self.layer = rt, layer
+
+    def __enter__(self):
+        self.t0, self.waits0 = now_us(), self.rt.sched.stats.stall_s + self.rt.pull_s
+
+    def __exit__(self, *exc):
+        rt = self.rt
+        spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
+        rt.sched_s += spent
+        if rt.trace is not None and rt.trace.on:
+            rt.trace.span("sched", "sched", self.t0, self.t0 + spent * 1e6, layer=self.layer, step=rt.sched.step)
+
+
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
-                           slots: int | None = None, workers: int = IO_WORKERS, queue_depth: int = QUEUE_DEPTH,
-                           trace=NULL, heads=None, predicted_routing: bool = False) -> PrefetchRuntime:
-    """One bank per MoE layer (as staged) filled by the scheduler's pool, whole-layer prefill.
+                           slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
+                           predicted_routing: bool = False, **_) -> PrefetchRuntime:
+    """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one)."""
     if predictor not in PREDICTORS:
@@ -184,14 +285,13 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     if (predictor == "heads" or predicted_routing) and heads is None:
         raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
-    sched = Scheduler(reader, workers=workers, queue_depth=queue_depth, trace=trace)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
-    rt.sched = sched
+    rt.pending = []
+    rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
+    reader.pool.trace = trace
     rt.trace = trace
     rt.heads = heads
     rt.predicted_routing = predicted_routing
     for layer, staged in base.executors.items():
-        rt.executors[layer] = PrefetchExperts(layer, staged.cache, sched, base.fence, staged.exact, base.prefill,
-                                              predictor, trace)
+        rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor)
     return rt
-

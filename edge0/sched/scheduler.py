@@ -1,35 +1,40 @@
-"""The I/O scheduler: one-token-ahead reads into idle slot banks, filled by a worker pool.
+"""The I/O scheduler: one-token-ahead fills of idle slots, read by the store's I/O pool.
 
 The rule of the pipeline, written once:
   Layer L owns one bank of S slots (default 2K). During step s, as soon as a prediction of layer L's
-  experts for step s+1 exists (next-router or a head: at layer L-1 of step s; repeat: at layer L), the
-  scheduler plans the fill: predicted experts already held are kept, the others go into the least
-  recently used slots that no pending graph reads (`Bank.write_buffers` checks it per slot) and no read
-  is filling. It takes the write buffers on this thread and submits the reads to the pool. Workers only
-  read bytes and widen scales; they return records. At layer L of step s+1 the scheduler runs the event
-  loop until that fill has landed (a stall if it has not), then reads any routed expert the prediction
-  missed, also through the pool; a routed expert whose slot is still filling is waited for.
+  experts for step s+1 is on the host (a head or next-router, made at the MoE layer before L, or at the
+  last layer for the first one; repeat: at layer L itself), the scheduler plans the fill: predicted
+  experts already held stay; the others go into the least recently used slots that no pending graph reads
+  (the write rule, `Bank.write_buffers`), no read is filling and no plan has reserved for step s. A plan's
+  slots stay reserved until its step consumes them. Each bundle is one task on the I/O pool (io/pool.py),
+  so a layer's fills run at a queue depth of up to the pool's threads. At layer L of step s+1 the
+  graph-building thread waits for that plan only if its reads have not landed (a stall), then reads what
+  the prediction missed as demand reads, which the pool runs before any prefetch.
 
-Plans are plain dataclasses; only the scheduler, on the loop's thread, changes them.
+Threads: there is no event loop. Planning and collecting run on the graph-building thread, between
+  graphs: numpy on arrays of a few ids, microseconds per bundle (the executors draw it as the `sched`
+  span of the trace). Workers read bytes into slots, widen bf16 scales, and hand a ReadRecord back through
+  a Future; they never touch plans or caches. A planned read that cannot start now (too few free slots,
+  QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer reads its experts on demand.
+
+Plans are plain dataclasses; only this class changes them, on the graph-building thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace import NULL, now_us
+from .trace import NULL
 
-IO_WORKERS = 2  # pool threads; MLX's CPU backend leaves about one core free (docs/DESIGN.md §15)
-QUEUE_DEPTH = 64  # most fills in flight before planning waits for the oldest
+QUEUE_DEPTH = 64  # most prefetch reads in flight; a plan beyond it is dropped (the layer reads on demand)
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where installed, else asyncio's default loop."""
+    """uvloop where installed, else asyncio's default loop (the server's loop)."""
     try:
         import uvloop
 
@@ -39,38 +44,17 @@ def new_loop() -> asyncio.AbstractEventLoop:
 
 
 @dataclass
-class Fill:
-    """One bundle read planned into one slot."""
+class LayerPlan:
+    """The reads that make one layer's bank hold a set of experts for one step."""
 
     layer: int  # MoE layer
-    expert: int  # expert id
-    slot: int  # slot of the bank
-    queued_us: float  # when it was submitted
-
-
-@dataclass
-class ReadRecord:
-    """What a worker reports back for one fill."""
-
-    fill: Fill
-    start_us: float
-    end_us: float
-    nbytes: int
-    cold: float  # fraction of the bundle's pages not in the page cache before the read
-    thread: str
-
-
-@dataclass
-class LayerPlan:
-    """The fill of one layer's bank for one step."""
-
-    layer: int
-    step: int  # the decode step this bank serves
-    predicted: np.ndarray  # expert ids the prediction named
-    cache: object = None  # the SlotCache filled
-    fills: list[Fill] = field(default_factory=list)
-    future: asyncio.Future | None = None  # done when every fill has landed
-    demand: bool = False  # on-demand reads of misses (not a prediction)
+    step: int  # the decode step it serves
+    predicted: np.ndarray  # expert ids (unique) the plan makes the bank hold
+    cache: object  # the SlotCache filled
+    slots: np.ndarray  # slot of each id of `predicted`
+    fills: list[tuple[int, int]] = field(default_factory=list)  # (slot, expert) of each read
+    futures: list[Future] = field(default_factory=list)  # one per fill, until collected
+    demand: bool = False  # read for the step being built (misses), not ahead
 
 
 @dataclass
@@ -78,12 +62,13 @@ class SchedStats:
     """Counters of one generation, reported in --json and reproduced by `trace summarize`."""
 
     loads: int = 0  # bundles read by the scheduler (prefetch and on-demand)
-    demand_loads: int = 0  # of those, read on demand after a misprediction
+    demand_loads: int = 0  # of those, read for the step being built (the prediction missed them)
     bytes: int = 0
     cold_bytes: float = 0.0
-    stall_s: float = 0.0  # time the graph-building thread waited on the pool
+    stall_s: float = 0.0  # time the graph-building thread waited on reads
     predicted: int = 0  # routed experts that the prediction had named (hits)
     routed: int = 0  # routed experts at layers that had a prediction
+    dropped: int = 0  # plans not made: too few free slots or too many reads in flight
 
     @property
     def recall(self) -> float:
@@ -95,115 +80,132 @@ class SchedStats:
 
 
 class Scheduler:
-    """Plans, submits and collects the fills of every prefetching layer; drives its own event loop."""
+    """Plans, submits and collects the fills of every prefetching layer."""
 
-    def __init__(self, reader, *, workers: int = IO_WORKERS, queue_depth: int = QUEUE_DEPTH, trace=NULL):
-        self.reader = reader
-        self.loop = new_loop()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge0-io")
-        # misses the step is waiting for never queue behind reads for the next step
-        self.demand_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-io-demand")
+    def __init__(self, pool, *, queue_depth: int = QUEUE_DEPTH, trace=NULL):
+        self.pool = pool  # io.pool.ReadPool
         self.queue_depth = queue_depth
         self.trace = trace
         self.step = 0  # decode step now being built
-        self.plans: dict[tuple[int, int], LayerPlan] = {}  # (layer, step) -> plan
+        self.plans: dict[tuple[int, int], LayerPlan] = {}  # (layer, step) -> plan not consumed yet
         self.stats = SchedStats()
-        self.in_flight = 0
+        self.in_flight = 0  # reads submitted and not yet collected
 
-    # -- planning (graph-building thread) ---------------------------------------------------------
+    # -- planning -------------------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, cache, ids: np.ndarray) -> None:
-        """Plan and submit the fill of layer's `cache` with the experts predicted for step + 1."""
-        key = (layer, self.step + 1)
-        if key in self.plans or len(ids) > cache.bank.slots:  # a multi-token step's union does not fit: skip
-            return
-        plan = LayerPlan(layer, self.step + 1, ids, cache)
-        if self._submit(plan, cache, ids, count=False) is not None:
-            self.plans[key] = plan
+    def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None) -> LayerPlan | None:
+        """Plan and submit the fill of layer's `cache` with experts `ids` (unique) for `step` (default the next)."""
+        step = self.step + 1 if step is None else step
+        key = (layer, step)
+        if key in self.plans:
+            return None
+        self._harvest(layer)
+        got = None
+        if len(ids) <= cache.bank.slots and self.in_flight < self.queue_depth:
+            got = cache.assign(ids, count=False)
+        if got is None:  # a multi-token step's union that does not fit, or no free slots now
+            self.stats.dropped += 1
+            return None
+        plan = LayerPlan(layer, step, ids, cache, got[0], got[1])
+        self._submit(plan, demand=False)
+        cache.reserved[plan.slots] = True
+        self.plans[key] = plan
+        return plan
 
     def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray | None:
-        """Make `cache` hold `ids` now (misses read through the pool, waited for); returns their slots, or
-        None when the bank cannot take them now (the caller reads them the exact way)."""
-        plan = LayerPlan(layer, self.step, ids, cache, demand=True)
-        slots = self._submit(plan, cache, ids)
-        if slots is None:
-            return None
-        if plan.future is not None:
-            self._wait(plan, "demand")
-        ahead = self.plans.get((layer, self.step + 1))  # the only other plan that fills this layer's bank
-        if ahead is not None and ahead.future is not None and not ahead.future.done() \
-                and cache.filling[slots].any():  # a routed expert's slot is still being filled: wait for it
-            self._wait(ahead, "prefetch")
-        return slots
-
-    def _submit(self, plan: LayerPlan, cache, ids: np.ndarray, count: bool = True) -> np.ndarray | None:
-        got = cache.assign(ids, count=count)
+        """Make `cache` hold `ids` (unique) now: misses read on demand, in parallel, and waited for; returns
+        their slots, or None when the bank cannot take them now (the caller reads them the exact way)."""
+        self._harvest(layer)
+        got = cache.assign(ids)
         if got is None:
             return None
         slots, fills = got
-        if not fills:
-            return slots
-        t = now_us()
-        plan.fills = [Fill(plan.layer, expert, slot, t) for slot, expert in fills]
-        try:
-            buffers = [cache.bank.write_buffers(f.slot) for f in plan.fills]  # the write rule is checked here
-            while self.in_flight >= self.queue_depth:
-                self._drain_one()
-        except BaseException:
-            cache.forget([f.slot for f in plan.fills])  # assigned, never to be read
-            raise
-        self.in_flight += 1
-        cache.filling[[f.slot for f in plan.fills]] = True
-        pool = self.demand_pool if plan.demand else self.pool
-        plan.future = self.loop.run_in_executor(pool, _read_fills, self.reader, cache.bank, plan.fills, buffers)
-        plan.future.add_done_callback(lambda fut, p=plan: self._collected(p, fut))
+        if cache.filling[slots].any():  # a routed expert's slot is still being filled for a later step
+            self._wait_filling(layer, cache, slots)
+        if fills:
+            plan = LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True)
+            self._submit(plan, demand=True)
+            self._collect(plan, "demand")
         return slots
 
-    # -- collecting (the loop's callbacks, on this same thread) ---------------------------------
+    def _submit(self, plan: LayerPlan, demand: bool) -> None:
+        cache, bank = plan.cache, plan.cache.bank
+        try:
+            buffers = [bank.write_buffers(slot) for slot, _ in plan.fills]  # the write rule is checked here
+        except BaseException:
+            cache.forget([slot for slot, _ in plan.fills])  # assigned, never to be read
+            raise
+        for (slot, expert), bufs in zip(plan.fills, buffers):
+            plan.futures.append(self.pool.submit_bundle(plan.layer, expert, bufs, demand=demand, step=plan.step,
+                                                        commit=lambda s=slot: bank.commit([s])))
+        cache.filling[[slot for slot, _ in plan.fills]] = True
+        self.in_flight += len(plan.fills)
 
-    def _collected(self, plan: LayerPlan, fut: asyncio.Future) -> None:
-        self.in_flight -= 1
-        slots = [f.slot for f in plan.fills]
-        plan.cache.filling[slots] = False
-        if fut.cancelled() or fut.exception() is not None:
-            plan.cache.forget(slots)  # the worker stopped before committing: no slot of the plan holds its bundle
+    # -- collecting -----------------------------------------------------------------------------------
+
+    def _collect(self, plan: LayerPlan, why: str | None) -> None:
+        """Apply a plan's finished reads (waiting for them first, as a stall when `why` names one); a failed
+        read empties its slot, and the first error is raised once every read of the plan has stopped."""
+        futures = plan.futures
+        if not futures:
             return
-        for r in fut.result():
+        if why is not None:
+            before = self.pool.waited_s
+            try:
+                self.pool.wait(futures, layer=plan.layer, why=why)
+            except BaseException:
+                pass  # raised below, after the plan's slots are consistent
+            self.stats.stall_s += self.pool.waited_s - before
+        error = None
+        for (slot, _), fut in zip(plan.fills, futures):
+            err = fut.exception()  # waits when not done (cancel)
+            if err is not None:
+                plan.cache.forget([slot])  # the worker stopped before committing: the slot holds no bundle
+                error = error or err
+                continue
+            r = fut.result()
             self.stats.loads += 1
             self.stats.demand_loads += plan.demand
             self.stats.bytes += r.nbytes
             self.stats.cold_bytes += r.cold * r.nbytes
-            if self.trace.on:
-                self.trace.span("read", "io", r.start_us, r.end_us, layer=r.fill.layer, expert=r.fill.expert,
-                                bytes=r.nbytes, cold=r.cold, queued_us=r.fill.queued_us - self.trace.t0,
-                                wait_ms=(r.start_us - r.fill.queued_us) / 1e3, demand=plan.demand, step=plan.step,
-                                thread=r.thread)
+        plan.cache.filling[[slot for slot, _ in plan.fills]] = False
+        plan.futures = []
+        self.in_flight -= len(futures)
+        if error is not None:
+            self._unreserve(plan)
+            raise error
 
-    def _drain_one(self) -> None:
-        pending = [p.future for p in self.plans.values() if p.future is not None and not p.future.done()]
-        if pending:
-            self.loop.run_until_complete(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+    def _harvest(self, layer: int) -> None:
+        """Collect this layer's plans whose reads have all landed: their slots stop counting as filling."""
+        for plan in self.plans.values():
+            if plan.layer == layer and plan.futures and all(f.done() for f in plan.futures):
+                self._collect(plan, None)
 
-    def _wait(self, plan: LayerPlan, why: str) -> None:
-        fut = plan.future
-        t0 = now_us()
-        waited = not fut.done()
-        self.loop.run_until_complete(fut) if not fut.done() else None
-        fut.result()  # re-raise a worker's Edge0Error here, on the main thread
-        t1 = now_us()
-        if waited:
-            self.stats.stall_s += (t1 - t0) / 1e6
-            if self.trace.on:
-                self.trace.span("stall", "stall", t0, t1, layer=plan.layer, why=why)
+    def _wait_filling(self, layer: int, cache, slots: np.ndarray) -> None:
+        for plan in list(self.plans.values()):
+            if plan.layer == layer and plan.futures and np.isin(slots, [s for s, _ in plan.fills]).any():
+                self._collect(plan, "prefetch")
 
-    # -- consuming ---------------------------------------------------------------------------------
+    # -- consuming ------------------------------------------------------------------------------------
 
     def ready(self, layer: int) -> LayerPlan | None:
-        """Before layer `layer` gathers in this step: wait for its prefetch, if one was planned."""
+        """Before layer `layer` gathers in this step: its planned fill, landed (waited for if not)."""
         plan = self.plans.pop((layer, self.step), None)
-        if plan is not None and plan.future is not None:
-            self._wait(plan, "prefetch")
+        if plan is None:
+            return None
+        try:
+            self._collect(plan, "prefetch")
+        finally:
+            self._unreserve(plan)  # the caller reads them now: the write rule protects them from here
         return plan
+
+    def _unreserve(self, plan: LayerPlan) -> None:
+        """Release a plan's slots, except those another plan of the same bank still holds for its step."""
+        cache = plan.cache
+        cache.reserved[plan.slots] = False
+        for other in self.plans.values():
+            if other.cache is cache and other is not plan:
+                cache.reserved[other.slots] = True
 
     def count(self, plan: LayerPlan | None, ids: np.ndarray) -> None:
         if plan is None:
@@ -212,52 +214,39 @@ class Scheduler:
         self.stats.predicted += hit
         self.stats.routed += len(ids)
         if self.trace.on:
-            self.trace.instant("prediction", "predict", layer=plan.layer, step=plan.step, hits=hit, misses=len(ids) - hit)
+            self.trace.instant("prediction", "predict", layer=plan.layer, step=plan.step, hits=hit,
+                               misses=len(ids) - hit)
 
     def next_step(self) -> None:
-        """Called after a decode step has been evaluated."""
-        self.loop.run_until_complete(_done())  # run completions that arrived meanwhile
+        """Called after a decode step has been evaluated: plans of this step that no layer consumed are dropped."""
+        for key in [k for k in self.plans if k[1] <= self.step]:
+            self._drop(self.plans.pop(key))  # popped first: _unreserve keeps only the others' slots
         self.step += 1
 
+    def _drop(self, plan: LayerPlan) -> None:
+        try:
+            self._collect(plan, None)
+        except BaseException:
+            pass  # nobody consumes this plan: its failed slots were emptied
+        self._unreserve(plan)
+
     def cancel(self) -> None:
-        """Abandon planned fills (a generation ended early); wait for reads in flight so no worker writes later.
-        A failed read's error is dropped here (its slots were emptied): nobody consumes that plan."""
-        futures = [p.future for p in self.plans.values() if p.future is not None]
-        if futures:
-            self.loop.run_until_complete(asyncio.wait(futures))
-            for fut in futures:
-                fut.cancelled() or fut.exception()  # retrieved: asyncio logs no "never retrieved" later
+        """Abandon every plan (a generation ended); waits for reads in flight so no worker writes later. A
+        failed read's error is dropped here (its slot was emptied): nobody consumes that plan."""
+        plans = list(self.plans.values())
         self.plans.clear()
+        for plan in plans:
+            self._drop(plan)
 
     def reset(self) -> None:
-        """A new generation: nothing planned or in flight, step 0 (plans and decided routings are keyed by step)."""
+        """A new generation: nothing planned or in flight, step 0."""
         self.cancel()
         self.step = 0
 
     @property
     def pending(self) -> int:
-        return sum(1 for p in self.plans.values() if p.future is not None and not p.future.done())
+        """Plans with a read still running."""
+        return sum(1 for p in self.plans.values() if any(not f.done() for f in p.futures))
 
     def close(self) -> None:
         self.cancel()
-        self.pool.shutdown(wait=True)
-        self.demand_pool.shutdown(wait=True)
-        self.loop.close()
-
-
-async def _done() -> None:
-    return None
-
-
-def _read_fills(reader, bank, fills: list[Fill], buffers: list) -> list[ReadRecord]:
-    """Worker thread: read each bundle into its slot's buffers, widen the landed slots. Bytes only."""
-    import threading
-
-    name = threading.current_thread().name
-    records = []
-    for f, bufs in zip(fills, buffers):
-        t0 = time.perf_counter() * 1e6
-        n, cold = reader.read_bundle(f.layer, f.expert, bufs)
-        records.append(ReadRecord(f, t0, time.perf_counter() * 1e6, n, cold, name))
-    bank.commit([f.slot for f in fills])
-    return records

@@ -56,9 +56,10 @@ def _within(e: dict, starts: np.ndarray, ends: np.ndarray) -> bool:
 
 
 def summarize(data: dict) -> dict:
-    """Figures of the decode steps: events outside every step span (prompt processing) are left out."""
+    """Figures of the decode steps (step 1 on: step 0 is the prompt's last token, as in `edge0 run --json`);
+    load counts and bytes are every bundle read (whole-layer prefill reads apart), as --json's."""
     spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-    steps = sorted((e for e in spans if e["name"] == "step"), key=lambda e: e["ts"])
+    steps = sorted((e for e in spans if e["name"] == "step" and e["args"].get("step", 1) >= 1), key=lambda e: e["ts"])
     starts = np.array([e["ts"] for e in steps])
     ends = np.array([e["ts"] + e["dur"] for e in steps])
 
@@ -66,57 +67,77 @@ def summarize(data: dict) -> dict:
         i = np.searchsorted(starts, e["ts"], side="right") - 1
         return i >= 0 and e["ts"] <= ends[i]
 
-    by = defaultdict(list)  # compute spans inside decode steps; reads and stalls wherever they happened
+    by = defaultdict(list)  # spans inside decode steps, by kind
     for e in spans:
-        if e["name"].startswith("eval L") or e["name"] == "head+sample":
-            if in_steps(e):
-                by["eval" if e["name"].startswith("eval L") else e["name"]].append(e)
-        elif e["name"] != "step":
-            by[e["name"]].append(e)
+        if e["name"] != "step" and in_steps(e):
+            kind = "eval" if e["name"].startswith("eval L") or e["name"] == "pull" else e["name"]
+            by[kind].append(e)
     n = len(steps)
-    reads = by["read"]
+    reads = [e for e in spans if e["name"] == "read" and not e["args"].get("whole_layer")]
     ms = np.array([e["dur"] / 1e3 for e in reads])
     cold = np.array([e["args"].get("cold", 0.0) for e in reads])
     nbytes = np.array([e["args"].get("bytes", 0) for e in reads], dtype=np.float64)
     predictions = [e for e in data["traceEvents"] if e.get("ph") == "i" and e.get("name") == "prediction"]
     hits = sum(e["args"]["hits"] for e in predictions)
     routed = hits + sum(e["args"]["misses"] for e in predictions)
+    total = {k: sum(e["dur"] for e in v) / 1e3 for k, v in by.items()}
     step_ms = sum(e["dur"] for e in steps) / 1e3
-    eval_ms = sum(e["dur"] for e in by["eval"]) / 1e3
-    stall_ms = sum(e["dur"] for e in by["stall"]) / 1e3
-    head_ms = sum(e["dur"] for e in by["head+sample"]) / 1e3
-    # stall per decode step, as `edge0 run --json` counts it: the steps after the first token's
-    decode = [e for e in steps if e.get("args", {}).get("step", 0) >= 1]
-    d_starts, d_ends = np.array([e["ts"] for e in decode]), np.array([e["ts"] + e["dur"] for e in decode])
-    in_decode = [e for e in by["stall"] if decode and _within(e, d_starts, d_ends)]
+    per = (lambda x: x / n) if n else (lambda x: 0.0)
+    decode_reads = [e for e in by["read"] if not e["args"].get("whole_layer")]
+    busy_ms, depth = _busy(decode_reads)
+    decode_bytes = sum(e["args"].get("bytes", 0) for e in decode_reads)
+    mbps = decode_bytes / 1e3 / busy_ms if busy_ms else 0.0  # MB/s while any decode read was running
     return {
         "steps": n,
         "tok_s": 1e3 * n / step_ms if step_ms else 0.0,
-        "step_ms": step_ms / n if n else 0.0,
-        "stall_ms_per_token": sum(e["dur"] for e in in_decode) / 1e3 / len(decode) if decode else 0.0,
-        "prefill_stall_ms": (stall_ms - sum(e["dur"] for e in in_decode) / 1e3),
+        "step_ms": per(step_ms),
+        "stall_ms_per_token": per(total.get("stall", 0.0)),
+        "sched_ms_per_token": per(total.get("sched", 0.0)),
         "loads": len(reads),
-        "loads_per_step": len(reads) / n if n else 0.0,
+        "loads_per_step": per(len(decode_reads)),
         "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
         "mib_per_load": float(nbytes.mean() / 2**20) if len(reads) else 0.0,
         "load_bytes": int(nbytes.sum()),
         "cold_fraction": float((cold * nbytes).sum() / nbytes.sum()) if nbytes.sum() else 0.0,
-        "eval_ms_per_step": eval_ms / n if n else 0.0,
-        "graph_build_ms_per_step": max(step_ms - eval_ms - stall_ms - head_ms, 0.0) / n if n else 0.0,
+        "read_mb_s": mbps,
+        "read_depth": depth,
+        "read_ms_per_step": per(busy_ms),
+        "eval_ms_per_step": per(total.get("eval", 0.0)),
+        "graph_build_ms_per_step": per(max(step_ms - sum(total.get(k, 0.0) for k in ("eval", "stall", "sched",
+                                                                                    "head+sample")), 0.0)),
         "recall": hits / routed if routed else None,
         "load_cost_fit": fit_load_cost(ms, cold),
     }
 
 
+def _busy(reads: list[dict]) -> tuple[float, float]:
+    """(ms during which at least one read ran, mean reads in flight over that time)."""
+    if not reads:
+        return 0.0, 0.0
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in reads)
+    busy, (a, b) = 0.0, iv[0]
+    for s, t in iv[1:]:
+        if s > b:
+            busy, a, b = busy + b - a, s, t
+        else:
+            b = max(b, t)
+    busy += b - a
+    return busy / 1e3, sum(t - s for s, t in iv) / busy if busy else 0.0
+
+
 def print_summary(s: dict) -> None:
     fit = s["load_cost_fit"]
     rows = [
-        ("steps", f"{s['steps']}"),
+        ("steps", f"{s['steps']} decode steps"),
         ("decode", f"{s['tok_s']:.2f} tok/s ({s['step_ms']:.1f} ms/step)"),
-        ("stall", f"{s['stall_ms_per_token']:.2f} ms/token"),
+        ("stall", f"{s['stall_ms_per_token']:.2f} ms/token (the graph-building thread waiting on reads)"),
+        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread"),
         ("loads", f"{s['loads_per_step']:.1f}/step, {s['mib_per_load']:.2f} MiB/load, {100 * s['cold_fraction']:.0f}% cold, "
                   f"{s['demand_loads']} on demand"),
-        ("compute", f"{s['eval_ms_per_step']:.1f} ms/step in layer evals, graph build {s['graph_build_ms_per_step']:.1f} ms/step"),
+        ("reads", f"{s['read_ms_per_step']:.1f} ms/step with a read in flight, {s['read_depth']:.1f} in flight on "
+                  f"average, {s['read_mb_s']:.0f} MB/s"),
+        ("compute", f"{s['eval_ms_per_step']:.1f} ms/step waiting for MLX, graph build {s['graph_build_ms_per_step']:.1f} "
+                    "ms/step"),
         ("recall", "-" if s["recall"] is None else f"{100 * s['recall']:.1f}%"),
     ]
     if fit["a_ms"] is not None:
@@ -143,7 +164,7 @@ def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
     first = step_spans[min(1, len(step_spans) - 1)]  # skip the step that follows prefill
     t0 = first["ts"]
     t1 = step_spans[min(len(step_spans) - 1, steps)]["ts"] + step_spans[min(len(step_spans) - 1, steps)]["dur"]
-    colors = {"compute": "tab:blue", "io": "tab:orange", "stall": "tab:red", "sample": "tab:green"}
+    colors = {"compute": "tab:blue", "io": "tab:orange", "stall": "tab:red", "sample": "tab:green", "sched": "tab:purple"}
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [2, 1]})
     order = sorted(lanes)
     for e in events:
@@ -153,8 +174,9 @@ def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
         ax.barh(y, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, color=colors[e["cat"]], height=0.6)
     ax.set_yticks(range(len(order)), [lanes[t] for t in order])
     ax.set_xlabel("ms")
-    ax.set_title("decode timeline: compute (blue), reads (orange), stalls (red), head+sample (green)")
-    reads = [e for e in events if e.get("ph") == "X" and e["name"] == "read"]
+    ax.set_title("decode timeline: waits for MLX (blue), reads (orange), stalls (red), scheduler (purple), "
+                 "head+sample (green)")
+    reads = [e for e in events if e.get("ph") == "X" and e["name"] == "read" and not e["args"].get("whole_layer")]
     cold = np.array([e["args"].get("cold", 0.0) for e in reads])
     ms = np.array([e["dur"] / 1e3 for e in reads])
     bx.scatter(cold, ms, s=8, alpha=0.5)

@@ -11,6 +11,7 @@ from edge0.compute.banks import Bank, Fence
 from edge0.compute.executors import SlotCache, SlotStats
 from edge0.errors import Edge0Error
 from edge0.io.manifest import Piece
+from edge0.io.pool import ReadPool
 from edge0.sched.scheduler import Scheduler
 
 from tests import helpers
@@ -29,7 +30,7 @@ def test_prefetch_gives_native_tokens(models, arch):
     store = models(arch)
     want = run_json(store, "--routing", "native", "--executor", "staged")["tokens"]
     for flags in (["--predictor", "repeat"], ["--predictor", "next-router", "--io-workers", "1"],
-                  ["--predictor", "next-router", "--io-workers", "3", "--cold"]):
+                  ["--predictor", "next-router", "--io-workers", "3", "--cold", "--io-throttle", "5"]):
         got = run_json(store, "--routing", "prefetch", *flags)
         assert got["tokens"] == want, flags
         assert got["loads"] > 0 and 0 < got["recall"] <= 1
@@ -83,11 +84,17 @@ class FakeReader:
         return 16, 0.0
 
 
-def fake_setup(slots=2):
+def fake_setup(slots=2, workers=1):
     reader = FakeReader()
     fence = Fence()
     caches = [SlotCache(Bank([reader.piece], slots, fence), SlotStats(), 8) for _ in range(2)]
-    return reader, fence, caches, Scheduler(reader, workers=1)
+    return reader, fence, caches, Scheduler(ReadPool(reader, workers))
+
+
+def held(cache) -> dict[int, int]:
+    """expert -> the first byte its slot holds."""
+    arr = np.array(cache.bank.arrays["w"])
+    return {int(e): int(arr[s, 0]) for s, e in enumerate(cache.bank.holds) if e >= 0}
 
 
 def test_prefetch_is_submitted_ahead_and_consumed_only_when_landed():
@@ -97,16 +104,60 @@ def test_prefetch_is_submitted_ahead_and_consumed_only_when_landed():
     reader.release.set()
     sched.next_step()
     plan = sched.ready(1)  # step 1 consumes it: returns only after the fill landed
-    assert plan.future.done() and sorted(e for _, e, _ in reader.log) == [2, 3]
+    assert plan.futures == [] and sorted(e for _, e, _ in reader.log) == [2, 3]  # collected
     assert all(name.startswith("edge0-io") for _, _, name in reader.log)
-    arr = np.array(caches[1].bank.arrays["w"])
-    assert sorted(arr[:, 0].tolist()) == [16 + 2, 16 + 3]
+    assert held(caches[1]) == {2: 16 + 2, 3: 16 + 3}
     slots = sched.demand(1, caches[1], np.array([3, 5]))  # one hit, one miss read on demand
     assert sorted(e for _, e, _ in reader.log) == [2, 3, 5]
     assert np.array(caches[1].bank.arrays["w"])[slots[1], 0] == 16 + 5
     sched.count(plan, np.array([3, 5]))
     assert sched.stats.recall == 0.5
+    assert sched.pool.stats.loads == 3 and sched.pool.stats.demand_loads == 1
     sched.close()
+    sched.pool.close()
+
+
+def test_ready_waits_for_a_read_in_flight():
+    """ready() returns only once the planned bytes are in the slot: the read is held until released."""
+    reader, fence, caches, sched = fake_setup()
+    sched.prefetch(1, caches[1], np.array([4]))
+    sched.next_step()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(plan=sched.ready(1)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and reader.log == []  # still waiting: the read has not happened
+    reader.release.set()
+    t.join()
+    assert held(caches[1]) == {4: 16 + 4} and sched.stats.stall_s > 0.2
+    sched.close()
+    sched.pool.close()
+
+
+def test_a_slot_being_filled_is_never_given_to_another_read_and_its_expert_is_waited_for():
+    """While a prefetch into a slot is in flight, a demand read takes another slot, and a demand for the
+    expert in flight waits for that read (it does not read it again, nor gather before it landed)."""
+    reader, fence, caches, sched = fake_setup(slots=2, workers=2)
+    cache = caches[0]
+    sched.prefetch(0, cache, np.array([6]))  # for step 1; its read blocks
+    filling = int(cache.slot_of[6])
+    assert cache.filling[filling] and cache.reserved[filling]
+    slots = None
+    got = {}
+    t = threading.Thread(target=lambda: got.update(slots=sched.demand(0, cache, np.array([1]))))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # its read is blocked too, on another slot
+    reader.release.set()
+    t.join()
+    slots = got["slots"]
+    assert slots[0] != filling and held(cache) == {6: 6, 1: 1}
+    sched.next_step()
+    reader.release.clear()
+    assert sched.demand(0, cache, np.array([6])).tolist() == [filling]  # landed before: a hit, no read
+    assert sorted(e for _, e, _ in reader.log) == [1, 6]
+    sched.close()
+    sched.pool.close()
 
 
 def test_cancel_leaves_no_pending_reads():
@@ -116,9 +167,11 @@ def test_cancel_leaves_no_pending_reads():
     assert sched.pending == 2
     reader.release.set()
     sched.cancel()
-    assert sched.pending == 0 and sched.plans == {}
+    assert sched.pending == 0 and sched.plans == {} and sched.in_flight == 0
     assert len(reader.log) == 3  # every read in flight finished before cancel returned: no late writes
+    assert not caches[0].reserved.any() and not caches[1].reserved.any()
     sched.close()
+    sched.pool.close()
 
 
 def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
@@ -132,16 +185,35 @@ def test_prefetch_never_fills_a_slot_a_pending_graph_reads():
     sched.prefetch(1, cache, np.array([1, 2]))  # for step 1: 1 is held; 2 may only go to the third slot
     sched.cancel()
     assert cache.bank.holds[slots].tolist() == [0, 1] and sorted(cache.bank.holds.tolist()) == [0, 1, 2]
-    sched.plans.clear()
     sched.step += 1
     sched.prefetch(1, cache, np.array([3, 4]))  # needs two slots, only one can be written: not planned
     assert (1, 2) not in sched.plans and sorted(cache.bank.holds.tolist()) == [0, 1, 2]
+    assert sched.stats.dropped == 1
     mx.eval(pending)
     fence.sync()
     sched.prefetch(1, cache, np.array([3, 4]))  # evaluated: every slot is writable again
     sched.cancel()
     assert {3, 4} <= set(cache.bank.holds.tolist())
     sched.close()
+    sched.pool.close()
+
+
+def test_a_plan_for_the_next_step_keeps_the_slots_this_step_will_read():
+    """Predicted routing plans step s+1 before layer L has read its step-s slots: those are reserved."""
+    reader, fence, caches, sched = fake_setup(slots=4)
+    reader.release.set()
+    cache = caches[0]
+    sched.prefetch(0, cache, np.array([0, 1]), step=1)  # planned at step 0 for step 1
+    sched.next_step()
+    now = set(cache.slot_of[[0, 1]].tolist())
+    sched.prefetch(0, cache, np.array([2, 3]))  # for step 2, before step 1's layer 0 consumed its plan
+    assert sorted(cache.bank.holds.tolist()) == [0, 1, 2, 3] and set(cache.slot_of[[0, 1]].tolist()) == now
+    assert sched.prefetch(0, cache, np.array([4, 5]), step=3) is None  # no free slot: dropped, nothing evicted
+    plan = sched.ready(0)
+    assert plan.step == 1 and held(cache) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert cache.reserved[cache.slot_of[[2, 3]]].all() and not cache.reserved[cache.slot_of[[0, 1]]].any()
+    sched.close()
+    sched.pool.close()
 
 
 def test_a_failed_fill_empties_its_slots_and_reset_starts_over():
@@ -159,8 +231,9 @@ def test_a_failed_fill_empties_its_slots_and_reset_starts_over():
     sched.prefetch(1, cache, np.array([5]))  # fails again, and nobody consumes it
     sched.reset()  # a new generation
     assert sched.step == 0 and sched.plans == {} and sched.pending == 0 and sched.in_flight == 0
-    assert cache.slot_of[5] == -1 and not cache.filling.any()
+    assert cache.slot_of[5] == -1 and not cache.filling.any() and not cache.reserved.any()
     reader.fail = set()
     slots = sched.demand(1, cache, np.array([5]))
     assert np.array(cache.bank.arrays["w"])[slots[0], 0] == 16 + 5
     sched.close()
+    sched.pool.close()
