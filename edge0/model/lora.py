@@ -1,0 +1,250 @@
+"""The recovery adapter: an unmerged LoRA served beside the int4 weights (docs/DESIGN.md §10).
+
+    y = W_int4 x + (alpha / r) B A x
+
+as a parallel branch of every dense projection of a decoder layer: attention (q/k/v/o), linear
+attention, shared experts and dense MLPs. Routers and the streamed routed experts never carry one.
+Merging the delta into W and requantizing would erase most of it (the delta is far below the int4
+step), so it stays a separate low-rank product. An adapter is trained on the served path, predicted
+routing by one set of heads included (`edge0 train lora`), so a file is bound to its store and its head
+file by fingerprints and refused with anything else.
+
+File: safetensors with `layers.{i}.{path}.lora_a` (D_in, r) and `.lora_b` (r, D_out), and the layout
+in its metadata (format, rank, alpha, fingerprint, heads, top_k).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import Edge0Error
+from ..io.atomic import atomic_path
+from .heads import model_fingerprint
+
+FORMAT = "edge0-lora-1"
+RANK = 16
+ALPHA = 32.0
+ROUTERS = ("gate", "shared_expert_gate")  # an MoE block's routing linears (mlp.gate, mlp.gate.gate_proj, ...)
+
+
+class LoRALinear(nn.Module):
+    """base(x) + scale * (x @ lora_a) @ lora_b; the base is any linear (quantized as served, dense in training)."""
+
+    def __init__(self, base: nn.Module, lora_a: mx.array, lora_b: mx.array, scale: float):
+        super().__init__()
+        self.base = base
+        self.lora_a = lora_a  # (D_in, r)
+        self.lora_b = lora_b  # (r, D_out)
+        self.scale = scale
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.addmm(self.base(x), x @ self.lora_a, self.lora_b, alpha=self.scale)  # two nodes per projection
+
+
+def kind_of(rel: str) -> str | None:
+    """What a projection at `rel` (a path inside a decoder layer) is, or None when it takes no adapter."""
+    parts = rel.split(".")
+    if parts[0] in ("self_attn", "attention"):
+        return "attention"
+    if parts[0] == "linear_attn":
+        return "linear_attention"
+    if parts[0] == "mlp" and len(parts) > 1:
+        if parts[1] in ROUTERS:
+            return None
+        return "shared_expert" if parts[1].startswith("shared_expert") else "dense_mlp"
+    return None
+
+
+def targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """{"layers.{i}.{path}": (linear, kind)} of every projection that takes an adapter, in layer order."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for rel, m in layer.named_modules():
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not rel.endswith(".base"):
+                kind = kind_of(rel)
+                if kind is not None:
+                    out[f"layers.{i}.{rel}"] = (m, kind)
+    return out
+
+
+def _dims(m: nn.Module) -> tuple[int, int]:
+    """(D_in, D_out) of a dense or quantized linear."""
+    out_dims, packed = m.weight.shape
+    return (packed * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else packed), out_dims
+
+
+def _set(model: nn.Module, key: str, module: nn.Module) -> None:
+    _, i, *path = key.split(".")
+    parent = model.layers[int(i)]
+    for p in path[:-1]:
+        parent = parent[p]
+    setattr(parent, path[-1], module)
+
+
+def heads_fingerprint(path: str | Path) -> str:
+    """What an adapter is bound to besides its store: the bytes of the head file its routing came from."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Adapter:
+    """One model's adapter: per projection (lora_a, lora_b), with what it is bound to."""
+
+    weights: dict  # "layers.{i}.{path}" -> (lora_a (D_in, r), lora_b (r, D_out))
+    rank: int
+    alpha: float
+    fingerprint: str  # the store's (model/heads.py model_fingerprint)
+    heads: str  # heads_fingerprint of the head file it was trained with
+    top_k: int  # K of those heads
+    meta: dict = field(default_factory=dict)  # anything else the file's metadata holds (its training report)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def create(cls, model: nn.Module, *, rank: int = RANK, alpha: float = ALPHA, fingerprint: str, heads: str,
+               top_k: int, seed: int = 0) -> "Adapter":
+        """A fresh adapter: lora_a drawn uniform in +-1/sqrt(D_in), lora_b zero, so it starts as no change."""
+        key = mx.random.key(seed)
+        weights = {}
+        for name, (m, _) in targets(model).items():
+            d_in, d_out = _dims(m)
+            key, sub = mx.random.split(key)
+            bound = 1 / math.sqrt(d_in)
+            weights[name] = (mx.random.uniform(-bound, bound, (d_in, rank), key=sub), mx.zeros((rank, d_out)))
+        return cls(weights, rank, alpha, fingerprint, heads, top_k)
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {f"{k}.lora_{ab}": w for k, pair in self.weights.items() for ab, w in zip("ab", pair)}
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        """safetensors with the binding in its metadata; written atomically."""
+        meta = {"format": FORMAT, "rank": str(self.rank), "alpha": repr(float(self.alpha)),
+                "fingerprint": self.fingerprint, "heads": self.heads, "top_k": str(self.top_k),
+                **{k: v for k, v in self.meta.items() if isinstance(v, str)}, **(extra or {})}
+        with atomic_path(Path(path)) as tmp:
+            mx.save_safetensors(str(tmp), {k: v.astype(mx.float32) for k, v in self.arrays().items()}, metadata=meta)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Adapter":
+        """The file as it is, unchecked against any store (see `load`)."""
+        path = Path(path)
+        if not path.is_file():
+            raise Edge0Error(f"{path}: no such adapter file")
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+        except (RuntimeError, ValueError) as e:
+            raise Edge0Error(f"{path}: not a safetensors adapter file ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise Edge0Error(f"{path}: not an Edge0 adapter (metadata format {meta.get('format')!r})")
+        try:
+            rank, alpha, top_k = int(meta["rank"]), float(meta["alpha"]), int(meta["top_k"])
+            fingerprint, heads = meta["fingerprint"], meta["heads"]
+        except (KeyError, ValueError) as e:
+            raise Edge0Error(f"{path}: damaged adapter metadata ({e!r})") from None
+        pairs: dict = {}
+        for name, w in arrays.items():
+            stem, _, ab = name.rpartition(".lora_")
+            if ab not in ("a", "b") or not stem:
+                raise Edge0Error(f"{path}: unexpected tensor {name}")
+            pairs.setdefault(stem, [None, None])["ab".index(ab)] = w
+        for stem, (a, b) in pairs.items():
+            if a is None or b is None or a.shape[1] != rank or b.shape[0] != rank:
+                raise Edge0Error(f"{path}: {stem} does not hold a rank-{rank} pair lora_a (D_in, r), lora_b (r, D_out)")
+        rest = {k: v for k, v in meta.items() if k not in ("format", "rank", "alpha", "fingerprint", "heads", "top_k")}
+        return cls({k: tuple(v) for k, v in pairs.items()}, rank, alpha, fingerprint, heads, top_k, rest)
+
+    @classmethod
+    def load(cls, path: str | Path, manifest, config: dict, *, heads_file: str | Path | None) -> "Adapter":
+        """The file, checked against the store and the head file a run routes with (None: not predicted)."""
+        a = cls.read(path)
+        want = model_fingerprint(manifest, config)
+        if a.fingerprint != want:
+            raise Edge0Error(f"{path}: adapter trained for another model (fingerprint {a.fingerprint}, this store is "
+                             f"{want})")
+        if heads_file is None:
+            raise Edge0Error(f"{path}: the adapter was trained with predicted routing (heads for K={a.top_k}); this "
+                             "run does not route with heads: use --routing predicted, or --lora none")
+        got = heads_fingerprint(heads_file)
+        if a.heads != got:
+            raise Edge0Error(f"{path}: the adapter was trained with other heads (K={a.top_k}, heads {a.heads}); this "
+                             f"run routes with {heads_file} ({got}): pass the adapter trained with it, or --lora none")
+        return a
+
+    def attach(self, model: nn.Module, dtype: mx.Dtype | None = None) -> int:
+        """Wrap each adapted projection of `model` in LoRALinear (shapes checked); returns how many."""
+        found = targets(model)
+        missing = sorted(set(self.weights) - set(found))
+        if missing:
+            raise Edge0Error(f"adapter: {missing[0]} is not an adaptable projection of this model")
+        for name, (a, b) in self.weights.items():
+            base, _ = found[name]
+            if (a.shape[0], b.shape[1]) != _dims(base):
+                raise Edge0Error(f"adapter: {name} is {a.shape[0]} -> {b.shape[1]}, the model's is "
+                                 f"{' -> '.join(map(str, _dims(base)))}")
+            a, b = (w.astype(dtype) for w in (a, b)) if dtype is not None else (a, b)
+            _set(model, name, LoRALinear(base, a, b, self.scale))
+        mx.eval([m.parameters() for m in adapted(model).values()])
+        return len(self.weights)
+
+    def kinds(self, model: nn.Module) -> dict[str, int]:
+        """Adapted projections per kind (attention, linear_attention, shared_expert, dense_mlp)."""
+        out: dict[str, int] = {}
+        for name in self.weights:
+            kind = kind_of(name.split(".", 2)[2])
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
+def adapted(model: nn.Module) -> dict[str, LoRALinear]:
+    """{"layers.{i}.{path}": LoRALinear} of the model's adapted projections."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for rel, m in layer.named_modules():
+            if isinstance(m, LoRALinear):
+                out[f"layers.{i}.{rel}"] = m
+    return out
+
+
+def read_weights(model: nn.Module) -> dict:
+    """The adapted projections' (lora_a, lora_b), as Adapter.weights holds them."""
+    return {k: (m.lora_a, m.lora_b) for k, m in adapted(model).items()}
+
+
+def report_of(path: str | Path) -> dict:
+    """The training report an adapter file carries in its metadata ({} when none)."""
+    try:
+        return json.loads(Adapter.read(path).meta.get("report", "{}"))
+    except ValueError:
+        return {}
+
+
+def resolve_lora(lora: str | None, store: Path, *, routing: str, default_heads: bool, top_k: int | None) -> str:
+    """The adapter a run uses, or "none": --lora FILE as given (checked against the routing here, against the
+    store when opened); no flag: lora-k{K}.safetensors next to the store, when the run routes predicted with
+    the store's own heads-k{K}.safetensors."""
+    from ..io.manifest import read_manifest
+
+    if lora == "none":
+        return lora
+    if lora is not None:
+        if routing != "predicted":
+            raise Edge0Error(f"--lora {lora}: an adapter is trained with predicted routing; --routing {routing} "
+                             "does not apply (use --routing predicted, or --lora none)")
+        return lora
+    if routing != "predicted" or not default_heads:
+        return "none"
+    found = store / f"lora-k{top_k or read_manifest(store).top_k}.safetensors"
+    return str(found) if found.exists() else "none"
