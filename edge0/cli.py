@@ -36,13 +36,14 @@ def _make_model_flags(p: argparse.ArgumentParser) -> None:
 def _train_flags(p: argparse.ArgumentParser) -> None:
     from .train.base import add_train_base_flags
     from .train.heads import add_train_heads_flags
+    from .train.distill import add_train_distill_flags
+    from .train.lora import add_train_lora_flags
 
     train = p.add_subparsers(dest="phase", required=True, metavar="PHASE")
     add_train_base_flags(train.add_parser("base", help="train a small MoE LM from scratch on the stdlib's source"))
     add_train_heads_flags(train.add_parser("heads", help="distil prerouter heads on a store (Phase 1)"))
-    for phase in ("lora", "distill"):
-        q = train.add_parser(phase, help=f"{phase} (not available yet)")
-        q.add_argument("rest", nargs=argparse.REMAINDER)
+    add_train_lora_flags(train.add_parser("lora", help="train the recovery adapter on the student path (Phase 2)"))
+    add_train_distill_flags(train.add_parser("distill", help="distil the adapter on-policy from the teacher (Phase 3)"))
 
 
 def _trace_flags(p: argparse.ArgumentParser) -> None:
@@ -103,8 +104,9 @@ COMMANDS = {
                lambda p: p.add_argument("store", metavar="STORE")),
     "make-model": ("write a random-weight MoE checkpoint of a real architecture",
                    "Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.", _make_model_flags),
-    "train": ("train: base (the demo model), heads (Phase 1)",
-              "Training phases. LoRA (Phase 2) and distillation (Phase 3) are not available yet.", _train_flags),
+    "train": ("train: base (the demo model), heads (Phase 1), lora (Phase 2), distill (Phase 3)",
+              "Training phases: the base model, prerouter heads, the recovery adapter and its on-policy distillation.",
+              _train_flags),
     "eval": ("quality of the served path: perplexity, top-1 agreement and KL vs a teacher",
              "Evaluate a store as served (or an mlx-lm checkpoint) on held-out text.", _eval_flags),
     "trace": ("read a timeline trace: breakdown, load-cost fit, plot",
@@ -190,7 +192,15 @@ def _train(args) -> int:
         from .train.heads import train_heads_cli
 
         return train_heads_cli(args)
-    raise Edge0Error(f"`edge0 train {args.phase}`: not available yet")
+    if args.phase == "lora":
+        from .train.lora import train_lora_cli
+
+        return train_lora_cli(args)
+    if args.phase == "distill":
+        from .train.distill import train_distill_cli
+
+        return train_distill_cli(args)
+    raise Edge0Error(f"`edge0 train {args.phase}`: unknown phase")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,7 +94,7 @@ def _windows(stream: np.ndarray, seq_len: int) -> list[np.ndarray]:
 
 def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=None, heldout=None, top_k: int | None = None,
                 steps: int = 300, hidden: int = HIDDEN, lr: float = 1e-3, seed: int = 0, eval_windows: int = 8,
-                resume: bool = False, progress: bool = True, seq_len: int = SEQ_LEN) -> dict:
+                resume: bool = False, progress: bool = True, seq_len: int = SEQ_LEN, consumers=None) -> dict:
     """Train heads for the store at K = top_k (default the model's); returns the report (also written as JSON)."""
     from .corpus import token_stream
     from ..model.load import load_store
@@ -125,7 +125,7 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
             raise Edge0Error("not enough text for one training and one held-out window")
         data_hash = hashlib.sha256(train_stream.tobytes()).hexdigest()[:16]
         mx.random.seed(seed)  # fc1's initial draw
-        heads = HeadSet.create(m, store.config, top_k=k, hidden=hidden)
+        heads = HeadSet.create(m, store.config, top_k=k, hidden=hidden, consumers=consumers)  # None: the default layout
         heads.data_hash = data_hash
         module = heads.module()
         opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)

@@ -1,0 +1,77 @@
+"""`edge0 make-workload`: a trained store widened with zero neurons computes the base's logits exactly, its
+bundles grow by width / H, it verifies, and its heads (every MoE layer) route as the base's."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.errors import Edge0Error
+from edge0.io.manifest import read_manifest
+from edge0.model.workload import hidden_of, make_workload
+
+
+@pytest.fixture(scope="module")
+def made(models, tmp_path_factory):
+    base = models("qwen3_moe")
+    out = tmp_path_factory.mktemp("w") / "wide"
+    h = hidden_of(read_manifest(base))
+    info = make_workload(str(out), base=str(base), width=3 * h, heads_steps=2, progress=False)
+    return base, out, info
+
+
+def test_widened_store_is_the_base_with_larger_bundles(made):
+    base, out, info = made
+    mb, mw = read_manifest(base), read_manifest(out)
+    h = hidden_of(mb)
+    assert hidden_of(mw) == 3 * h and info["expert_width"] == 3 * h
+    assert mw.bundle_bytes == 3 * mb.bundle_bytes and mw.num_experts == mb.num_experts
+    assert info["logits_max_abs_diff"] == 0.0  # zero neurons add exactly zero
+    assert info["consumers"] == [e.layer for e in mb.layers]  # every MoE layer consumes a head
+    assert info["owners"][str(mb.layers[0].layer)] == mb.layers[-1].layer  # the first one's, owned by the last
+    replay = json.loads((out / "workload" / "replay.json").read_text())
+    assert len(replay["prompt"]) == 128 and len(replay["tokens"]) == 256
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "verify", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
+    base, out, _ = made
+    replay = json.loads((out / "workload" / "replay.json").read_text())
+    ids = replay["prompt"][:6] + replay["tokens"][:10]
+    got = []
+    for config in (EngineConfig(model=str(out)),  # predicted by default: the heads next to the store
+                   EngineConfig(model=str(base), routing="predicted",
+                                heads=str(next((out / "workload").glob("heads-k*-base.safetensors"))))):
+        with open_engine(config) as engine:
+            assert engine.config.routing == "predicted"
+            got.append(np.array(engine.forced_logprobs(ids)))
+    assert np.array_equal(got[0], got[1])
+
+
+def test_bad_requests_are_one_line(made, tmp_path):
+    base, out, _ = made
+    h = hidden_of(read_manifest(base))
+    with pytest.raises(Edge0Error, match="exists and is not empty; pass --force"):
+        make_workload(str(out), base=str(base), width=2 * h, heads_steps=1, progress=False)
+    with pytest.raises(Edge0Error, match=f"--expert-width {h + 1}: must be at least the base's {h} and a multiple of"):
+        make_workload(str(tmp_path / "x"), base=str(base), width=h + 1, heads_steps=1, progress=False)
+    with pytest.raises(Edge0Error, match="not every MoE layer"):
+        default_heads = base / f"heads-k{read_manifest(base).top_k}.safetensors"
+        make_workload(str(tmp_path / "y"), base=str(base), width=2 * h, progress=False,
+                      base_heads_file=str(default_heads) if default_heads.exists() else str(_default_layout(base, tmp_path)))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def _default_layout(base, tmp_path):
+    """Heads in the default layout (not the first layers): what --base-heads must refuse."""
+    from edge0.model.arch import read_config
+    from edge0.model.heads import HeadSet
+
+    path = tmp_path / "default.safetensors"
+    HeadSet.create(read_manifest(base), read_config(base), top_k=read_manifest(base).top_k).save(path)
+    return path
