@@ -187,6 +187,10 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
         raise Edge0Error(f"{heads_file}: no prerouter heads for K={k}; the adapter trains on predicted routing, so "
                          f"train the heads first: edge0 train heads --model {store_dir} --out {heads_file} --k {k}")
     heads = HeadSet.load(heads_file, manifest, config, top_k=top_k)
+    late = sorted(c for c, o in heads.owners.items() if o >= c)
+    if late:  # the consumer's routing at t would need a later layer at t - 1: not one parallel forward
+        raise Edge0Error(f"{heads_file}: the head of layer {late[0]} is owned by a later layer; the student path "
+                         "trains heads owned by an earlier layer only")
     kernel = Kernel.choose("mlx")
     with kernel.active():
         store = load_store(store_dir, dtype="float32", executor="resident")

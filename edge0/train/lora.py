@@ -1,0 +1,219 @@
+"""Phase 2: the recovery adapter, fine-tuned on the student path (`edge0 train lora`).
+
+    edge0 train lora --model edge0/model/demo/store --out edge0/model/demo/store/lora-k4.safetensors
+
+The base is the int4 store dequantized and frozen, routed exactly as served: predicted by the store's
+trained heads at K (edge0/train/student.py). The text is the teacher's: prompts of the training split
+continued by sampling the float checkpoint (--data adds text of one's own), and the loss is next-token
+cross-entropy, so the adapter learns to repay what int4 and predicted routing cost. The heads come
+first (Phase 1: the adapter's signal would otherwise swallow theirs); without them this refuses with
+the command that trains them. Checkpoints go to OUT.ckpt (--resume continues them); the held-out
+perplexity on the student path is printed every --eval-every steps, beside the no-adapter figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..model.lora import ALPHA, RANK
+from .loop import (World, card, check_out, heldout_windows, load_checkpoint, progress_bar, save_checkpoint,
+                   schedule, windows_of, write_outputs)
+from .student import Student, load_student, mlx_kernel, new_adapter
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The settings a run's checkpoint must be resumed with."""
+
+    steps: int = 300  # optimizer steps
+    batch: int = 8  # windows per step (over all ranks)
+    seq_len: int = 256  # tokens per window
+    rank: int = RANK  # r
+    alpha: float = ALPHA  # the branch is scaled by alpha / r
+    lr: float = 1e-3  # peak AdamW learning rate (warmup then cosine to lr / 10)
+    seed: int = 0  # adapter initialisation, prompts, sampling, batch order
+    temp: float = 1.0  # the teacher's sampling temperature
+    samples: int = 0  # windows the teacher writes, drawn from in turn (0: steps x batch, each used once)
+    top_k: int = 0  # K of the heads (set from them)
+
+
+def next_token_loss(student: Student, tokens: mx.array) -> mx.array:
+    """Mean cross-entropy of (B, T + 1) windows on the student path (position 0 routed natively)."""
+    return nn.losses.cross_entropy(student.logits(tokens[:, :-1]), tokens[:, 1:], reduction="mean")
+
+
+def heldout_ppl(student: Student, windows: np.ndarray, world: World, native: bool = False) -> float:
+    """Perplexity of the held-out windows on the student path (native: every position by its own router);
+    the windows are shared out over the ranks."""
+    nll, n = mx.array(0.0), mx.array(0.0)
+    for w in world.share(list(windows)):
+        tokens = mx.array(w[None])
+        logits = student.logits(tokens[:, :-1], prefix=w.size - 1 if native else 1)
+        nll = nll + nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="sum")
+        n = n + w.size - 1
+    return math.exp((world.sum(nll) / world.sum(n)).item())  # SYNC: once per evaluation
+
+
+def data_windows(model_dir: Path, hp: Hyper, *, teacher, data, world: World, cache_dir: Path, progress: bool):
+    """(windows, description, teacher): the teacher's continuations of prompts cut from the training text (--data,
+    else the stdlib train split), plus --data's own windows."""
+    from .corpus import train_stream
+    from .teacher import GEN_BATCH, load_teacher, resolve_teacher, teacher_windows
+    from ..model.arch import read_config, vocab_size
+
+    path = resolve_teacher(model_dir, teacher)
+    model = load_teacher(path, vocab_size(read_config(model_dir)))
+    stream, what = train_stream(model_dir, data)  # the prompts' text
+    n = hp.samples or hp.steps * hp.batch
+    bar = progress_bar(world, -(-n // GEN_BATCH), 0, "teacher text", progress)
+    with mlx_kernel():
+        windows = teacher_windows(path, model, stream, n=n, length=hp.seq_len + 1, temp=hp.temp, seed=hp.seed,
+                                  world=world, cache_dir=cache_dir, progress=bar)
+    bar.close()
+    desc = f"{len(windows)} windows sampled from {path} (temperature {hp.temp:g})"
+    if data is not None:
+        windows = np.concatenate([windows, windows_of(stream, hp.seq_len + 1)])
+        desc += f" + {what}"
+    return windows, desc, str(path)
+
+
+def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=None, top_k: int | None = None,
+               steps: int = 300, batch: int = 8, seq_len: int = 256, rank: int = RANK, alpha: float = ALPHA,
+               lr: float = 1e-3, seed: int = 0, temp: float = 1.0, samples: int = 0, eval_every: int = 50,
+               eval_windows: int = 4, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
+    """Train the adapter of `model_dir` for its heads at K = top_k (default the store's); returns the report
+    (also written to OUT.json). See the module docstring. stop_at: stop after this step with a checkpoint and
+    no output (an interruption, for tests)."""
+    out, model_dir = Path(out), Path(model_dir)
+    report_path = check_out(out, resume, steps)
+    hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples)
+    world = World.init()
+    world.check_batch(batch)
+    student = load_student(model_dir, heads, top_k)
+    try:
+        hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k})
+        pool, desc, teacher_path = data_windows(model_dir, hp, teacher=teacher, data=data, world=world,
+                                                cache_dir=out.with_name(out.name + ".data"), progress=progress)
+        held, held_desc = heldout_windows(model_dir, heldout, seq_len, eval_windows)
+        adapter = new_adapter(student, rank=rank, alpha=alpha, seed=seed)
+        student.adapter(adapter)
+        before = {"predicted": heldout_ppl(student, held, world), "native": heldout_ppl(student, held, world, True)}
+        run = _fit(student, hp, pool, held, world, out.with_name(out.name + ".ckpt"), resume, eval_every, progress,
+                   stop_at)
+        report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file), **asdict(hp),
+                  "ranks": world.size, "train": desc, "heldout": held_desc, "heldout_windows": len(held),
+                  "heldout_ppl_before": before, **run}
+        if world.writer and run["steps_done"] == hp.steps:
+            adapter.weights = {k: (m.lora_a, m.lora_b) for k, m in _adapted(student).items()}
+            write_outputs(out, report_path, report, lambda p: adapter.save(p, {"report": card(report)}))
+        return report
+    finally:
+        student.close()
+
+
+def _adapted(student: Student) -> dict:
+    from ..model.lora import adapted
+
+    return adapted(student.model)
+
+
+def _fit(student: Student, hp: Hyper, pool: np.ndarray, held: np.ndarray, world: World, ckpt: Path, resume: bool,
+         eval_every: int, progress: bool, stop_at: int | None = None) -> dict:
+    """The optimisation loop; returns the run's figures (losses, held-out curve, time)."""
+    opt = optim.AdamW(learning_rate=schedule(hp.lr, hp.steps, hp.steps // 10), weight_decay=0.0)
+    state = {"step": 0, "losses": [], "curve": [], "train_s": 0.0}
+    loaded = load_checkpoint(ckpt, opt, asdict(hp)) if resume else None
+    if loaded is not None:
+        weights, saved = loaded
+        student.model.load_weights(list(weights.items()), strict=False)
+        state.update({k: saved[k] for k in state})
+    loss_grad = nn.value_and_grad(student.model, lambda _, tokens: next_token_loss(student, tokens))
+    order = np.random.default_rng(hp.seed).permutation(len(pool))
+    bar = progress_bar(world, hp.steps, state["step"], f"lora K={hp.top_k}", progress)
+    t0 = time.perf_counter() - state["train_s"]
+    while state["step"] < min(hp.steps, stop_at or hp.steps):
+        step = state["step"]
+        rows = [order[(step * hp.batch + j) % len(order)] for j in range(hp.batch)]
+        loss, grads = loss_grad(student.model, mx.array(pool[world.share(rows)]))
+        grads, _ = optim.clip_grad_norm(world.mean(grads), 1.0)
+        opt.update(student.model, grads)
+        mx.eval(student.model.trainable_parameters(), opt.state, loss)
+        state["losses"].append(world.sum(loss).item() / world.size)  # SYNC: once per step, for the log
+        state["step"] = step + 1
+        if state["step"] % eval_every == 0 or state["step"] == hp.steps:
+            state["curve"].append([state["step"], heldout_ppl(student, held, world)])
+        state["train_s"] = time.perf_counter() - t0
+        if world.writer and (state["step"] % 25 == 0 or state["step"] in (hp.steps, stop_at)):
+            save_checkpoint(ckpt, dict(tree_flatten(student.model.trainable_parameters())), opt,
+                            {**asdict(hp), **state})
+        bar.update(1)
+        bar.set_postfix(loss=f"{state['losses'][-1]:.3f}", heldout=f"{state['curve'][-1][1]:.2f}" if state["curve"] else "-")
+    bar.close()
+    return {"phase": 2, "steps_done": state["step"], "tokens": state["step"] * hp.batch * hp.seq_len,
+            "losses": state["losses"], "heldout_curve": state["curve"],
+            "heldout_ppl": state["curve"][-1][1] if state["curve"] else None, "train_s": round(state["train_s"], 1)}
+
+
+def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
+    h = Hyper()
+    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the adapter serves")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="adapter to write (safetensors); STORE/lora-k{K}.safetensors is the one served by default")
+    p.add_argument("--heads", metavar="FILE", help="the heads that route it (default STORE/heads-k{K}.safetensors)")
+    p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
+    p.add_argument("--teacher", metavar="DIR",
+                   help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
+    p.add_argument("--data", metavar="FILE_OR_DIR", help="text of one's own (.py files or .npy ids): the prompts come from it, and it is trained on "
+                        "besides the teacher's text (default: prompts from the stdlib train split)")
+    p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
+    p.add_argument("--steps", type=int, default=h.steps, help=f"optimizer steps (default {h.steps})")
+    p.add_argument("--batch", type=int, default=h.batch, help=f"windows per step (default {h.batch})")
+    p.add_argument("--seq-len", type=int, default=h.seq_len, help=f"tokens per window (default {h.seq_len})")
+    p.add_argument("--rank", type=int, default=h.rank, help=f"LoRA rank r (default {h.rank})")
+    p.add_argument("--alpha", type=float, default=h.alpha, help=f"LoRA alpha; the branch is scaled by alpha/r (default {h.alpha:g})")
+    p.add_argument("--lr", type=float, default=h.lr, help=f"peak learning rate (default {h.lr:g})")
+    p.add_argument("--temp", type=float, default=h.temp, help="the teacher's sampling temperature (default 1)")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="windows the teacher writes, drawn from in turn (default steps x batch: each used once)")
+    p.add_argument("--seed", type=int, default=h.seed)
+    p.add_argument("--eval-every", type=int, default=50, metavar="N", help="held-out perplexity every N steps (default 50)")
+    p.add_argument("--eval-windows", type=int, default=4, metavar="N", help="held-out windows scored (default 4)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
+
+
+def check_flags(args) -> None:
+    from ..errors import Edge0Error
+
+    for flag, value, lo in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2), ("--rank", args.rank, 1),
+                            ("--samples", args.samples, 0),
+                            ("--eval-every", args.eval_every, 1), ("--eval-windows", args.eval_windows, 1)):
+        if value < lo:
+            raise Edge0Error(f"{flag} {value}: must be at least {lo}")
+    for flag, value in (("--alpha", args.alpha), ("--lr", args.lr), ("--temp", args.temp)):
+        if not (math.isfinite(value) and value > 0):
+            raise Edge0Error(f"{flag} {value}: must be a positive number")
+
+
+def train_lora_cli(args) -> int:
+    check_flags(args)
+    r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
+                   top_k=args.k, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
+                   alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples, eval_every=args.eval_every,
+                   eval_windows=args.eval_windows, resume=args.resume)
+    b = r["heldout_ppl_before"]
+    print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
+    print(f"held-out ppl on the student path: native {b['native']:.2f}, predicted {b['predicted']:.2f}, "
+          f"predicted + adapter {r['heldout_ppl']:.2f}")
+    return 0
+

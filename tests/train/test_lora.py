@@ -1,0 +1,139 @@
+"""Phases 2 and 3 on a tiny store: heads first, the adapter trained on teacher text and served, checkpoints and
+--resume, on-policy distillation from the Phase 2 adapter, its loss, and data parallel over two processes."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.errors import Edge0Error
+from edge0.io.manifest import read_manifest
+from edge0.model.arch import read_config
+from edge0.model.heads import HeadSet
+from edge0.model.lora import Adapter
+from edge0.train.distill import reverse_kl, train_distill
+from edge0.train.lora import train_lora
+
+SMALL = dict(steps=4, batch=2, seq_len=32, samples=4, eval_every=2, eval_windows=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def phase(models, tmp_path_factory):
+    """(store with heads-k{K}, its bf16 teacher, a text file for prompts and held-out scoring)."""
+    root = tmp_path_factory.mktemp("phase")
+    store = root / "store"
+    shutil.copytree(models("qwen3_moe", "hf"), store)
+    m = read_manifest(store)
+    mx.random.seed(0)
+    HeadSet.create(m, read_config(store), top_k=m.top_k, hidden=16).save(store / f"heads-k{m.top_k}.safetensors")
+    text = root / "text.py"
+    text.write_text("".join(f"def f{i}(x, y):\n    return x * {i} + y  # sum {i}\n\n" for i in range(60)))
+    return store, models("qwen3_moe", "hf", "src"), text
+
+
+def lora(phase, out, **kw):
+    store, teacher, text = phase
+    return train_lora(store, out, teacher=str(teacher), data=str(text), heldout=str(text), **{**SMALL, **kw})
+
+
+def test_heads_come_first(models, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(models("qwen3_moe", "hf"), store)
+    k = read_manifest(store).top_k
+    with pytest.raises(Edge0Error, match=f"train the heads first: edge0 train heads --model {store} --out "
+                                         f"{store / f'heads-k{k}.safetensors'} --k {k}"):
+        train_lora(store, tmp_path / "a.safetensors", teacher=str(models("qwen3_moe", "hf", "src")), **SMALL)
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_phase2_trains_an_adapter_the_engine_serves(phase):
+    store, _, _ = phase
+    k = read_manifest(store).top_k
+    out = store / f"lora-k{k}.safetensors"
+    try:
+        r = lora(phase, out)
+        assert r["phase"] == 2 and r["steps_done"] == 4 and len(r["losses"]) == 4 and r["top_k"] == k
+        assert [s for s, _ in r["heldout_curve"]] == [2, 4] and r["heldout_ppl"] == r["heldout_curve"][-1][1]
+        assert set(r["heldout_ppl_before"]) == {"native", "predicted"}
+        saved = json.loads(out.with_name(out.name + ".json").read_text())
+        assert saved["losses"] == r["losses"]
+        assert {out.name, out.name + ".json"} <= set(read_manifest(store).files)  # the manifest covers them
+        a = Adapter.read(out)
+        assert a.rank == 16 and json.loads(a.meta["report"])["phase"] == 2
+        assert any(np.abs(np.array(b)).max() > 0 for _, b in a.weights.values())  # it moved from zero
+        with open_engine(EngineConfig(model=str(store))) as e:  # the default adapter, beside the store
+            assert e.describe()["lora"] == str(out) and e.config.routing == "predicted"
+    finally:
+        out.unlink(missing_ok=True)
+        out.with_name(out.name + ".json").unlink(missing_ok=True)
+
+
+def test_resume_continues_the_same_run(phase, tmp_path):
+    whole = lora(phase, tmp_path / "whole.safetensors")
+    part = tmp_path / "part.safetensors"
+    r = lora(phase, part, stop_at=2)
+    assert r["steps_done"] == 2 and not part.exists()
+    with pytest.raises(Edge0Error, match="--rank 16 \\(now 8\\)"):
+        lora(phase, part, rank=8, resume=True)
+    resumed = lora(phase, part, resume=True)
+    assert np.allclose(resumed["losses"], whole["losses"], rtol=1e-4)
+    assert np.allclose(resumed["heldout_ppl"], whole["heldout_ppl"], rtol=1e-4)
+    with pytest.raises(Edge0Error, match="exists; pass --resume"):
+        lora(phase, part)
+
+
+def test_reverse_kl_over_top_k_and_tail():
+    rng = np.random.default_rng(0)
+    s = mx.array(rng.normal(size=(3, 50)) * 2)
+    t = mx.array(rng.normal(size=(3, 50)) * 2)
+    s_lp, t_lp = s - mx.logsumexp(s, -1, keepdims=True), t - mx.logsumexp(t, -1, keepdims=True)
+    full = np.array((mx.exp(s_lp) * (s_lp - t_lp)).sum(-1))
+    assert np.allclose(np.array(reverse_kl(s_lp, t_lp, 50)), full, atol=1e-5)  # every token: the exact KL
+    part = np.array(reverse_kl(s_lp, t_lp, 8))
+    assert np.all(part >= -1e-6) and np.all(part <= full + 1e-5)  # a coarser partition: a lower bound
+    assert np.allclose(np.array(reverse_kl(t_lp, t_lp, 8)), 0, atol=1e-6)
+
+
+def test_phase3_starts_from_the_phase2_adapter(phase, tmp_path):
+    store, teacher, text = phase
+    kw = dict(teacher=str(teacher), data=str(text), heldout=str(text), steps=2, batch=2, new=6, eval_every=1,
+              eval_windows=1, progress=False)
+    with pytest.raises(Edge0Error, match="no Phase 2 adapter to start from; train it first: edge0 train lora"):
+        train_distill(store, tmp_path / "d.safetensors", **kw)
+    lora(phase, tmp_path / "p2.safetensors")
+    r = train_distill(store, tmp_path / "d.safetensors", init=str(tmp_path / "p2.safetensors"), **kw)
+    assert r["phase"] == 3 and len(r["losses"]) == 2 and all(x >= 0 for x in r["losses"])
+    for figures in (r["heldout_before"], r["heldout_after"]):
+        assert set(figures) == {"ppl", "reverse_kl", "top1_agreement"} and figures["reverse_kl"] >= 0
+    a = Adapter.read(tmp_path / "d.safetensors")
+    p2 = Adapter.read(tmp_path / "p2.safetensors")
+    assert a.heads == p2.heads and any(not np.array_equal(np.array(a.weights[k][1]), np.array(p2.weights[k][1]))
+                                       for k in a.weights)
+
+
+def test_two_processes_average_their_gradients(phase, tmp_path):
+    """mlx.launch with two local ranks: each takes half of every batch; the adapter equals one process's."""
+    store, teacher, text = phase
+    flags = ["--model", str(store), "--teacher", str(teacher), "--data", str(text), "--heldout", str(text),
+             "--steps", "3", "--batch", "2", "--seq-len", "32", "--samples", "4", "--eval-every", "3",
+             "--eval-windows", "2"]
+    one = tmp_path / "one.safetensors"
+    two = tmp_path / "two.safetensors"
+    subprocess.run([sys.executable, "-m", "edge0.cli", "train", "lora", *flags, "--out", str(one)], check=True,
+                   capture_output=True, timeout=600)
+    launch = shutil.which("mlx.launch", path=str(__import__("pathlib").Path(sys.executable).parent))
+    proc = subprocess.run([launch, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "edge0.cli", "train",
+                           "lora", *flags, "--out", str(two)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = Adapter.read(one), Adapter.read(two)
+    for k in a.weights:
+        for x, y in zip(a.weights[k], b.weights[k]):
+            assert np.allclose(np.array(x), np.array(y), atol=1e-5)
+    assert json.loads(two.with_name("two.safetensors.json").read_text())["ranks"] == 2
+    assert not list(tmp_path.glob("*.edge0-tmp-*"))
