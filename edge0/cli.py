@@ -25,7 +25,8 @@ def _convert_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _make_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", required=True, help="qwen3_moe | qwen3_5_moe | bailing_moe")
+    p.add_argument("--arch", required=True, help="an MoE family by mlx-lm's module name: qwen3_moe, qwen3_5_moe, "
+                   "bailing_moe (all presets), mixtral, deepseek_v3, gpt_oss, ... (tiny; README lists them)")
     p.add_argument("--preset", default="tiny", help="tiny (tests) | small (benchmarks) | paper-35b (paper shapes, ~19 GB)")
     p.add_argument("--format", default="mlx", choices=["mlx", "hf"], help="mlx: mlx-lm 4-bit (default); hf: Hugging Face bf16")
     p.add_argument("--seed", type=int, default=0)

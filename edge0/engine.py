@@ -236,8 +236,10 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         store.runtime.trace = trace
         store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
         if c.top_k is not None:
-            for layer in store.runtime.executors:
-                store.model.layers[layer].mlp.top_k = c.top_k
+            from .model.routes import moe_blocks
+
+            for block in moe_blocks(store.model).values():
+                block.top_k = c.top_k
     except BaseException:
         store.close()
         raise

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
+from . import expert_math
 from .banks import MLX_DTYPES
 from .qmm import gather_glu, gather_qmm
 
@@ -27,6 +28,9 @@ class Quant:
 
 def switch_glu(x: mx.array, inds: mx.array, bank: dict[str, mx.array], q: Quant) -> mx.array:
     """x (..., D), inds (..., K) indexing the bank's first axis -> (..., K, D)."""
+    fn = expert_math.current()
+    if fn is not None:  # not a plain SwiGLU: the family's own activation, biases (compute/expert_math.py)
+        return expert_math.apply(fn, x, inds, bank, q)
     y = gather_glu(x, inds, bank, group_size=q.group_size, bits=q.bits, mode=q.mode)
     if y is not None:  # the edge0 kernel: the three products and the SwiGLU in one node
         return y

@@ -66,3 +66,44 @@ def combine(y: mx.array, scores: mx.array, *, cast_back: bool) -> mx.array:
 def combine_compiled(y, scores):
     """Bailing compiles its aggregation; compiled and eager sums may round differently."""
     return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def topk_routing(logits: mx.array, k: int, *, score: str = "softmax", bias: mx.array | None = None,
+                 groups: tuple[int, int] | None = None, group_rule: str = "top2", norm: bool = False,
+                 scale: float = 1.0, softcap: float = 0.0) -> tuple[mx.array, mx.array]:
+    """The routing most mlx-lm MoE families compute from their router logits (T, E) -> (T, K), (T, K).
+
+    score: "softmax" | "sigmoid" | "sqrtsoftplus" | "none" (the logits themselves); bias: added to the
+    scores for selection only; groups: (n_group, topk_group), keeping the topk_group groups whose top-2
+    sum (group_rule "top2") or maximum ("max") is largest (the others' scores set to 0, as mlx-lm does); the weights are the unbiased scores of the
+    chosen experts, renormalised when `norm`, times `scale`. Families that select on the top-K logits
+    and then softmax them choose the same set as score "softmax" with norm.
+    """
+    x = logits.astype(mx.float32)
+    if softcap > 0:
+        x = mx.tanh(x / softcap) * softcap
+    if score == "softmax":
+        scores = mx.softmax(x, axis=-1, precise=True)
+    elif score == "sigmoid":
+        scores = mx.sigmoid(x)
+    elif score == "sqrtsoftplus":
+        scores = mx.sqrt(mx.logaddexp(x, 0.0))
+    else:
+        scores = x
+    chosen = scores if bias is None else scores + bias
+    if groups is not None and groups[0] > 1 and groups[1] < groups[0]:
+        n_group, topk_group = groups
+        chosen = mx.unflatten(chosen, axis=-1, shape=(n_group, -1))  # (T, G, E/G)
+        if group_rule == "max":
+            group_scores = chosen.max(axis=-1, keepdims=True)
+        else:
+            group_scores = mx.topk(chosen, 2, axis=-1).sum(axis=-1, keepdims=True)
+        drop = n_group - topk_group
+        group_idx = mx.argpartition(group_scores, kth=drop - 1, axis=-2)[..., :drop, :]
+        chosen = mx.put_along_axis(chosen, mx.stop_gradient(group_idx), mx.array(0.0, chosen.dtype), axis=-2)
+        chosen = mx.flatten(chosen, -2, -1)
+    inds = mx.stop_gradient(mx.argpartition(-chosen, kth=k - 1, axis=-1)[..., :k])  # (T, K)
+    weights = mx.take_along_axis(scores, inds, axis=-1)
+    if norm:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, weights * scale

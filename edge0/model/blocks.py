@@ -37,6 +37,8 @@ class SoftmaxMoeBlock(nn.Module):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.select(self.logits(x))
 
+    decide = select  # predicted routing decides (inds, weights) ahead
+
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = _routing(self, x)
         y = combine(self.executor(x, inds), scores, cast_back=self.cast_back)  # (T, D)
@@ -73,6 +75,8 @@ class SigmoidGroupMoeBlock(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.select(self.logits(x))
+
+    decide = select  # predicted routing decides (inds, weights) ahead
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = _routing(self, x)

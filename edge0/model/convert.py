@@ -27,12 +27,14 @@ from ..errors import Edge0Error
 from ..io.atomic import atomic_dir, free_bytes, no_space
 from ..io.layerfile import LayerFileWriter, bundle_layout
 from ..io.manifest import FORMAT_VERSION, MANIFEST, LayerEntry, Manifest, file_entry, write_manifest
-from .arch import arch_for, read_config, routing_constants, text_config
-from .blocks import is_moe_block
+from .adapter import expert_slots, get_path
+from .arch import arch_for, mlx_lm_module, read_config, routing_constants, text_config
 from .load import RESIDENT, cast_floats
+from .routers import ROUTERS
 
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint8: "U8"}
 PROJS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJS = ("fc1", "fc2")
 KINDS = ("weight", "scales", "biases", "bias")
 _SKIP = re.compile(r"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$|^\.)")
 _CONVERSION_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -113,23 +115,25 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, bits: int | None 
 
 def _write_store(src: Path, tmp: Path, model_type: str, bits: int, group_size: int, mode: str, progress: bool) -> None:
     model, config, quantized_here = _load_source(src, bits, group_size, mode)
-    layers = [(i, layer) for i, layer in enumerate(model.layers) if is_moe_block(layer.mlp)]
-    if not layers:
+    slots = expert_slots(model)
+    if not slots:
         raise Edge0Error(f"{src}: config declares no MoE layers")
+    switch_paths = tuple(f"{path}.{attr}." for path, _, attr in slots.values())
     params = dict(tree_flatten(model.parameters()))
-    resident = {k: v for k, v in params.items() if ".switch_mlp." not in k}
+    resident = {k: v for k, v in params.items() if not k.startswith(switch_paths)}
     del params
     mx.save_safetensors(str(tmp / RESIDENT), resident, metadata={"format": "mlx"})
     del resident
-    first = _expert_pieces(layers[0][1].mlp.switch_mlp)
-    if "gate_proj.scales" not in first:
-        raise Edge0Error(f"{src}: routed expert weights are not quantized")
-    sm = layers[0][1].mlp.switch_mlp.gate_proj
-    quant = {"bits": sm.bits, "group_size": sm.group_size, "mode": sm.mode}
-    num_experts = first["gate_proj.weight"].shape[0]
+    layer0, (path0, block0, attr0) = next(iter(slots.items()))
+    first = _expert_pieces(block0[attr0], f"{src}: {model_type} layer {layer0}")
+    proj = next(iter(first)).split(".")[0]
+    pm = block0[attr0][proj]
+    quant = {"bits": pm.bits, "group_size": pm.group_size, "mode": pm.mode}
+    num_experts = first[f"{proj}.weight"].shape[0]
+    top_k = top_k_of(model_type, block0, config)
     pieces, bundle_bytes, stride = bundle_layout(
         [(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape[1:])) for name, a in first.items()])
-    entries = _write_experts(src, tmp, layers, pieces, bundle_bytes, stride, num_experts, model_type, progress)
+    entries = _write_experts(src, tmp, slots, pieces, bundle_bytes, stride, num_experts, model_type, progress)
     for f in src.iterdir():
         if f.is_file() and not _SKIP.match(f.name):
             shutil.copy2(f, tmp / f.name)
@@ -142,22 +146,23 @@ def _write_store(src: Path, tmp: Path, model_type: str, bits: int, group_size: i
              if p.is_file() and p.relative_to(tmp).as_posix() not in listed and p.name != MANIFEST}
     write_manifest(tmp, Manifest(
         format_version=FORMAT_VERSION, arch=model_type, routing=routing_constants(config),
-        num_experts=num_experts, top_k=text_config(config)["num_experts_per_tok"], quantization=quant, pieces=pieces,
+        num_experts=num_experts, top_k=top_k, quantization=quant, pieces=pieces,
         bundle_bytes=bundle_bytes, bundle_stride=stride, layers=entries,
         source={"path": str(src.resolve()), "format": "hf" if quantized_here else "mlx"}, files=files))
 
 
-def _write_experts(src, tmp, layers, pieces, bundle_bytes, stride, num_experts, model_type,
+def _write_experts(src, tmp, slots, pieces, bundle_bytes, stride, num_experts, model_type,
                    progress) -> list[LayerEntry]:
     """One expert-major file per MoE layer; each layer's experts are freed before the next one loads."""
     (tmp / "experts").mkdir()
     entries = []
-    bar = tqdm(total=len(layers) * num_experts * bundle_bytes, unit="B", unit_scale=True, desc="convert",
+    bar = tqdm(total=len(slots) * num_experts * bundle_bytes, unit="B", unit_scale=True, desc="convert",
                disable=not progress, file=sys.stderr)
-    for i, layer in layers:
-        arrays = _expert_pieces(layer.mlp.switch_mlp)
+    first = next(iter(slots))
+    for i, (_, block, attr) in slots.items():
+        arrays = _expert_pieces(block[attr], f"{src}: {model_type} layer {i}")
         if list(arrays) != [p.name for p in pieces]:
-            raise Edge0Error(f"{src}: layer {i} experts have pieces {list(arrays)}, layer {layers[0][0]} has "
+            raise Edge0Error(f"{src}: layer {i} experts have pieces {list(arrays)}, layer {first} has "
                              f"{[p.name for p in pieces]}")
         mx.eval(list(arrays.values()))
         rel = f"experts/layer_{i:03d}.safetensors"
@@ -176,7 +181,7 @@ def _write_experts(src, tmp, layers, pieces, bundle_bytes, stride, num_experts, 
         entries.append(LayerEntry(layer=i, file=rel, data_offset=writer.data_offset, file_size=size,
                                   checksums=writer.checksums, header_crc32=f"{zlib.crc32(writer.header):08x}"))
         del flat, arrays
-        del layer.mlp["switch_mlp"]
+        del block[attr]
     bar.close()
     return entries
 
@@ -186,7 +191,7 @@ def _load_source(src: Path, bits: int, group_size: int, mode: str):
     try:
         model, config = load_model(src, lazy=True, strict=True)
     except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:  # damaged file, missing field
-        raise Edge0Error(f"{src}: cannot load as a {read_config(src)['model_type']} checkpoint ({e})") from None
+        raise _load_error(src, read_config(src), e) from None
     if "quantization" in config:
         return model, config, False
     dtype = config.get("torch_dtype") or text_config(config).get("dtype")
@@ -197,11 +202,44 @@ def _load_source(src: Path, bits: int, group_size: int, mode: str):
     return model, config, True
 
 
-def _expert_pieces(switch_mlp) -> dict[str, mx.array]:
+def _load_error(src: Path, config: dict, e: Exception) -> Edge0Error:
+    """One line naming the family and the first tensor mlx-lm's loader (its sanitize, then a strict load) could
+    not place, when that is what failed; else the loader's own words."""
+    family = f"a {config['model_type']} checkpoint (mlx-lm's {mlx_lm_module(config) or config['model_type']} layout)"
+    if isinstance(e, KeyError):  # sanitize looked for a tensor the checkpoint does not have
+        return Edge0Error(f"{src}: {family}: tensor {e.args[0]!r} is missing")
+    text = str(e).strip().rstrip(".")
+    for lead, what in (("Received", "is not in the model"), ("Missing", "is missing")):
+        if text.startswith(lead) and ":" in text:
+            head, names = text.split(":", 1)
+            names = [n.strip().rstrip(",") for n in names.split() if n.strip()]
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            return Edge0Error(f"{src}: {family}: tensor {names[0]!r} {what}{more}")
+    return Edge0Error(f"{src}: cannot load as {family}: {text}")
+
+
+def _expert_pieces(switch, where: str) -> dict[str, mx.array]:
+    """The stacked (E, ...) tensors of a SwitchGLU / SwitchMLP, by piece name ("gate_proj.weight", ...)."""
     pieces = {}
-    for proj in PROJS:
-        module = switch_mlp[proj]
+    for proj in (PROJS if "gate_proj" in switch else MLP_PROJS):
+        module = switch[proj]
+        if "scales" not in module:
+            raise Edge0Error(f"{where}: routed expert weights ({proj}) are not quantized")
+        if module.get("global_scale") is not None:
+            raise Edge0Error(f"{where}: {proj} is {module.mode} with a global scale, which Edge0 does not stream")
         for kind in KINDS:
             if kind in module and module[kind] is not None:
                 pieces[f"{proj}.{kind}"] = module[kind]
     return pieces
+
+
+def top_k_of(model_type: str, block, config: dict) -> int:
+    """K: from the block's router description, else the config's field for it."""
+    router = ROUTERS.get(mlx_lm_module(config) or model_type)
+    if router is not None:
+        return int(get_path(block, router.k))
+    c = text_config(config)
+    for key in ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "moe_top_k", "num_experts_per_token"):
+        if isinstance(c.get(key), int):
+            return c[key]
+    raise Edge0Error(f"config.json: no field gives the {model_type} model's experts per token")

@@ -19,8 +19,10 @@ from ..io.manifest import Manifest, read_manifest
 from ..io.reader import BundleReader
 from ..io.verify import check_resident
 from ..log import log
-from .arch import arch_for, read_config
+from .arch import arch_for, read_config, text_config
+from .adapter import attach_streamed, check_predictor
 from .blocks import is_moe_block, make_block
+from .routers import ROUTERS
 
 RESIDENT = "resident.safetensors"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -92,16 +94,25 @@ def _resident_weights(root: Path) -> dict:
         raise Edge0Error(f"{resident}: cannot be read as safetensors ({e})") from None
 
 
-def _attach(model: nn.Module, runtime, model_type: str, root: Path) -> None:
-    """Edge0's MoE block, over the runtime's executor, in every MoE layer the manifest lists."""
-    for i, layer in enumerate(model.layers):
-        if i in runtime.executors:
-            if not is_moe_block(layer.mlp):
-                raise Edge0Error(f"{root / 'edge0.json'}: layer {i} holds experts but the model's layer {i} is dense")
-            layer.mlp = make_block(model_type, layer.mlp, runtime.executors[i])
-        elif is_moe_block(layer.mlp):
-            raise Edge0Error(f"{root / 'edge0.json'}: MoE layer {i} has no expert file in the manifest")
-    runtime.link({i: model.layers[i].mlp for i in runtime.executors})
+def _attach(model: nn.Module, runtime, arch, manifest: Manifest, config: dict, root: Path) -> None:
+    """Edge0's MoE block (or, for families run by their own block, Edge0's expert call) over the runtime's
+    executor, in every MoE layer the manifest lists."""
+    where = root / "edge0.json"
+    if arch.family == "mlx-lm":
+        hidden = text_config(config).get("hidden_size") or text_config(config)["model_dim"]
+        blocks = attach_streamed(model, runtime.executors, ROUTERS.get(arch.module), manifest.num_experts, hidden,
+                                 where)
+        check_predictor(blocks, runtime, arch)
+    else:
+        for i, layer in enumerate(model.layers):
+            if i in runtime.executors:
+                if not is_moe_block(layer.mlp):
+                    raise Edge0Error(f"{where}: layer {i} holds experts but the model's layer {i} is dense")
+                layer.mlp = make_block(arch.model_type, layer.mlp, runtime.executors[i])
+            elif is_moe_block(layer.mlp):
+                raise Edge0Error(f"{where}: MoE layer {i} has no expert file in the manifest")
+        blocks = {i: model.layers[i].mlp for i in runtime.executors}
+    runtime.link(blocks)
     model.eval()
 
 
@@ -149,7 +160,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             runtime = build(reader, cdtype)
         else:
             runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget, slots=slots)
-        _attach(model, runtime, arch.model_type, root)
+        _attach(model, runtime, arch, manifest, config, root)
         try:
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from edge0.errors import Edge0Error
 from edge0.model import make
-from edge0.model.make import ARCHS, make_model, planned_bytes
+from edge0.model.make import BESPOKE as ARCHS, make_model, planned_bytes
 
 # arch -> (name of one routed expert tensor in the hf checkpoint, the router module's path suffix)
 HF_EXPERT_KEY = {
