@@ -3,8 +3,9 @@
 The executors compute every routed product through experts.switch_glu on bank pieces named as the
 store names them. For most families that is mlx-lm's SwitchGLU with SwiGLU and no biases, Edge0's
 fast path. A family whose experts differ (gpt-oss: biases and a clamped SwiGLU; Nemotron-H: a
-SwitchMLP with ReLU^2; Step-3.5: clamped per layer; Granite: an 8-bit down projection) is computed here, op for op as mlx-lm's
-SwitchGLU / SwitchMLP with QuantizedSwitchLinear do, with the family's own activation module. The
+SwitchMLP with ReLU^2; Step-3.5: clamped per layer; Granite: an 8-bit down projection) is computed
+here, op for op as mlx-lm's SwitchGLU / SwitchMLP with QuantizedSwitchLinear do, with the family's
+own activation module. The
 MoE block's expert adapter (model/experts.py) makes its ExpertFn current while its executor builds
 the graph, as compute/kernel.py does for the kernel choice, so no executor needs to know the family.
 

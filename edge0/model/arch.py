@@ -42,6 +42,8 @@ FAMILIES = {
     "solar_open": "Solar Open", "step3p5": "Step 3.5 (clamped SwiGLU experts)", "exaone_moe": "EXAONE MoE",
     "afmoe": "AFMoE", "Klear": "Klear", "laguna": "Laguna", "longcat_flash": "LongCat-Flash (identity experts)",
     "bailing_moe_linear": "Ling linear", "bailing_moe_v3": "Ling 2.5 / Ring", "gemma4_text": "Gemma 4 MoE (GeGLU)",
+    "llama4": "Llama 4 (text)", "qwen3_vl_moe": "Qwen3-VL MoE (text)", "kimi_vl": "Kimi-VL (text)",
+    "kimi_k25": "Kimi K2.5 (text)", "gemma4": "Gemma 4 MoE (text)",
 }
 
 # Config keys by which other checkpoints declare routed experts.

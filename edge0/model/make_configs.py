@@ -132,19 +132,36 @@ def check(arch: str, preset: str, fmt: str) -> None:
 
 
 def family_config(arch: str) -> dict:
-    """The tiny config.json of an mlx-lm family (its module name), from its ModelArgs' fields."""
-    args = importlib.import_module(f"mlx_lm.models.{arch}").ModelArgs
-    fields = {f.name for f in dataclasses.fields(args)}
+    """The tiny config.json of an mlx-lm family (its module name), from its ModelArgs' fields; a multimodal
+    wrapper's language model is its text_config, from its text model's args."""
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
     values = {**_COMMON, **_FAMILY.get(arch, {})}
-    return {"model_type": arch, **{k: v for k, v in values.items() if k in fields},
-            "eos_token_id": special_token_ids()["<|im_end|>"], "torch_dtype": "bfloat16"}
+    eos = {"eos_token_id": special_token_ids()["<|im_end|>"], "torch_dtype": "bfloat16"}
+    text_args = _TEXT_ARGS.get(arch) or getattr(module, "TextArgs", None)
+    if text_args is not None:
+        if isinstance(text_args, str):
+            text_args = importlib.import_module(f"mlx_lm.models.{text_args}").ModelArgs
+        outer = {k: v for k, v in _fields_of(module.ModelArgs, values).items() if k != "text_config"}
+        return {"model_type": arch, **outer, "text_config": {"model_type": arch, **_fields_of(text_args, values)},
+                **eos}
+    return {"model_type": arch, **_fields_of(module.ModelArgs, values), **eos}
+
+
+def _fields_of(args, values: dict) -> dict:
+    fields = {f.name for f in dataclasses.fields(args)}
+    return {k: v for k, v in values.items() if k in fields}
+
+
+# Wrappers whose text model is another module's.
+_TEXT_ARGS = {"qwen3_vl_moe": "qwen3_moe", "kimi_k25": "deepseek_v3", "gemma4": "gemma4_text"}
 
 
 # Tiny values under every name the families give them.
 _COMMON = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4, num_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, norm_eps=1e-6, layer_norm_epsilon=1e-6,
-    layernorm_epsilon=1e-6, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+    vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+    num_hidden_layers=4, num_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    rms_norm_eps=1e-6, norm_eps=1e-6, layer_norm_epsilon=1e-6, layernorm_epsilon=1e-6,
+    max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
     num_experts=8, n_routed_experts=8, num_local_experts=8, moe_num_experts=8,
     num_experts_per_tok=2, moe_topk=2, moe_k=2, moe_top_k=2, num_experts_per_token=2,
     norm_topk_prob=True, n_shared_experts=1, num_shared_experts=1, num_shared_expert=1,
@@ -153,52 +170,62 @@ _COMMON = dict(
     kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
     attention_bias=False, use_bias=False, rope_scaling=None, hidden_act="silu",
 )
-# Each family's own fields.
 _LT = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_GEMMA4 = dict(enable_moe_block=True, top_k_experts=2, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+               vocab_size_per_layer_input=1024, sliding_window_pattern=2, global_head_dim=32,
+               num_global_key_value_heads=2)
+_GRANITE = dict(logits_scaling=1.0, attention_multiplier=0.03, embedding_multiplier=12.0, residual_multiplier=0.22)
+
+# Each family's own fields.
 _FAMILY = dict(
     afmoe=dict(layer_types=_LT, num_dense_layers=1, sliding_window=64, mup_enabled=True, n_group=1, topk_group=1),
-    bailing_moe_linear=dict(layer_group_size=2, group_norm_size=1, moe_router_enable_expert_bias=True, score_function="sigmoid"),
+    bailing_moe_linear=dict(layer_group_size=2, group_norm_size=1, moe_router_enable_expert_bias=True,
+                            score_function="sigmoid"),
     deepseek_v2=dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, q_lora_rank=None,
                      rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096}),
+    deepseek_v32=dict(index_head_dim=32, index_n_heads=2, index_topk=8, q_lora_rank=64),
     exaone_moe=dict(sliding_window=64, layer_types=_LT, is_moe_layer=[False, True, True, True]),
-    gemma4_text=dict(enable_moe_block=True, top_k_experts=2, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                     vocab_size_per_layer_input=1024, sliding_window_pattern=2, global_head_dim=32, num_global_key_value_heads=2),
+    gemma4=_GEMMA4,
+    gemma4_text=_GEMMA4,
     glm4_moe=dict(use_qk_norm=True, partial_rotary_factor=0.5),
-    granitemoe=dict(logits_scaling=1.0, attention_multiplier=0.03, embedding_multiplier=12.0, residual_multiplier=0.22),
+    glm_moe_dsa=dict(index_head_dim=32, index_n_heads=2, index_topk=8, moe_layer_freq=1, q_lora_rank=64,
+                     rope_parameters={"rope_theta": 10000.0, "type": "default"}, topk_method="noaux_tc"),
+    granitemoe=_GRANITE,
+    granitemoehybrid=dict(**_GRANITE, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=8,
+                          mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                          mamba_expand=2, shared_intermediate_size=64),
     hunyuan=dict(use_mixed_mlp_moe=True, use_qk_norm=True, use_cla=False, cla_share_factor=2,
                  rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
-    jamba=dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, num_hidden_layers=6, mamba_d_conv=4,
-               mamba_d_state=16, mamba_expand=2),
-    kimi_linear=dict(linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4, "head_dim": 32,
-                     "short_conv_kernel_size": 4}, model_max_length=4096, num_experts_per_token=2, num_expert_group=2,
-                     topk_group=1, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32),
+    jamba=dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+               num_hidden_layers=6, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2),
+    kimi_linear=dict(linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                                         "head_dim": 32, "short_conv_kernel_size": 4},
+                     model_max_length=4096, num_experts_per_token=2, num_expert_group=2, topk_group=1,
+                     qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32),
     lfm2_moe=dict(use_expert_bias=True, num_dense_layers=1, conv_bias=False, conv_L_cache=3,
                   layer_types=["conv", "full_attention", "conv", "full_attention"]),
-    longcat_flash=dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=256, expert_ffn_hidden_size=64,
-                       zero_expert_num=2, q_lora_rank=64, mla_scale_q_lora=True, mla_scale_kv_lora=True, num_layers=2),
+    llama4=dict(attention_chunk_size=64, interleave_moe_layer_step=1, intermediate_size_mlp=256,
+                num_experts_per_tok=1, use_qk_norm=True),
+    longcat_flash=dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=256,
+                       expert_ffn_hidden_size=64, zero_expert_num=2, q_lora_rank=64, mla_scale_q_lora=True,
+                       mla_scale_kv_lora=True, num_layers=2),
     mellum=dict(sliding_window=64, layer_types=_LT, rope_parameters={"full_attention": {"rope_theta": 10000.0},
-                 "sliding_attention": {"rope_theta": 10000.0}}),
-    mimo_v2_flash=dict(hybrid_layer_pattern=[0, 1, 1, 0], moe_layer_freq=[0, 1, 1, 1], add_swa_attention_sink_bias=True,
-                       add_full_attention_sink_bias=False, sliding_window_size=64, swa_rope_theta=10000.0,
-                       swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=32, swa_v_head_dim=32,
-                       v_head_dim=32, partial_rotary_factor=0.5),
+                                                                     "sliding_attention": {"rope_theta": 10000.0}}),
+    mimo_v2_flash=dict(hybrid_layer_pattern=[0, 1, 1, 0], moe_layer_freq=[0, 1, 1, 1],
+                       add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False, sliding_window_size=64,
+                       swa_rope_theta=10000.0, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                       swa_head_dim=32, swa_v_head_dim=32, v_head_dim=32, partial_rotary_factor=0.5),
     minimax=dict(shared_intermediate_size=0, rotary_dim=16),
     mistral4=dict(q_lora_rank=64, rope_parameters={"rope_theta": 10000.0, "type": "yarn", "factor": 1.0,
-                  "original_max_position_embeddings": 4096, "llama_4_scaling_beta": 0.1}),
+                                                   "original_max_position_embeddings": 4096,
+                                                   "llama_4_scaling_beta": 0.1}),
     nemotron_h=dict(mamba_num_heads=4, mamba_head_dim=32, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4,
                     n_groups=1, mlp_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "E", "*", "E"],
                     moe_shared_expert_intermediate_size=64, n_group=1, topk_group=1),
+    phixtral=dict(num_vocab=1024, model_dim=128, num_heads=4, num_layers=4, rotary_dim=16),
     qwen3_next=dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
                     linear_conv_kernel_dim=4, partial_rotary_factor=0.25, full_attention_interval=2),
+    solar_open=dict(partial_rotary_factor=1.0),
     step3p5=dict(num_attention_groups=2, moe_num_experts=8, moe_top_k=2, share_expert_dim=64, layer_types=_LT,
                  sliding_window=64, moe_layers_enum="1,2,3", swiglu_limits=[0, 7.0, 0, 7.0]),
-    solar_open=dict(partial_rotary_factor=1.0),
-    glm_moe_dsa=dict(index_head_dim=32, index_n_heads=2, index_topk=8, moe_layer_freq=1, q_lora_rank=64,
-                     rope_parameters={"rope_theta": 10000.0, "type": "default"}, topk_method="noaux_tc"),
-    deepseek_v32=dict(index_head_dim=32, index_n_heads=2, index_topk=8, q_lora_rank=64),
-    phixtral=dict(num_vocab=1024, model_dim=128, num_heads=4, num_layers=4, rotary_dim=16),
-    granitemoehybrid=dict(logits_scaling=1.0, attention_multiplier=0.03, embedding_multiplier=12.0, residual_multiplier=0.22,
-                          layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=8,
-                          mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-                          mamba_expand=2, shared_intermediate_size=64),
 )

@@ -65,6 +65,8 @@ ROUTERS: dict[str, Router] = {
     "granitemoe": Router("router.layer", "router.top_k", **_TOPK_SOFTMAX),
     "granitemoehybrid": Router("router.layer", "router.top_k", **_TOPK_SOFTMAX),
     "qwen2_moe": Router("gate", "top_k"),
+    "qwen3_vl_moe": Router("gate", "top_k", norm=A("norm_topk_prob")),  # qwen3_moe's block
+    "llama4": Router("router", "top_k", score="sigmoid"),  # K = 1: the chosen logit's sigmoid
     "hunyuan": Router("gate", "top_k"),
     "qwen3_next": Router("gate", "top_k", norm=A("norm_topk_prob")),
     "olmoe": Router("gate", "top_k", norm=A("norm_topk_prob")),
@@ -102,5 +104,5 @@ ROUTERS: dict[str, Router] = {
                           group_rule="max", scale=A("gate.routed_scaling_factor"), gate="gate",
                           groups_if=("gate.topk_method", "group_limited_greedy")),
     **dict.fromkeys(("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "solar_open",
-                     "dots1", "exaone_moe", "mimo_v2_flash", "nemotron_h"), _V3),
+                     "dots1", "exaone_moe", "mimo_v2_flash", "nemotron_h", "kimi_vl", "kimi_k25"), _V3),
 }

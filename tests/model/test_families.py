@@ -32,11 +32,11 @@ PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 GREEDY = make_sampler(0.0)
 FAMILY_ARCHS = sorted(FAMILIES, key=str.lower)
 # Families whose heads train and run: a router description, the block at layers[i].mlp (where train heads
-# looks for it), and router logits over the stored experts only. Ten by default; EDGE0_FAMILIES=all runs all 26.
+# looks for it), and router logits over the stored experts only. Ten by default; EDGE0_FAMILIES=all runs all 29.
 PREDICTED_ALL = ("deepseek_v3", "glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "qwen3_next", "dots1", "Klear",
                  "kimi_linear", "ernie4_5_moe", "afmoe", "bailing_moe_linear", "bailing_moe_v3", "deepseek",
                  "deepseek_v2", "deepseek_v32", "exaone_moe", "glm4_moe_lite", "glm_moe_dsa", "hunyuan", "laguna",
-                 "mellum", "mimo_v2_flash", "mistral4", "solar_open", "step3p5")
+                 "mellum", "mimo_v2_flash", "mistral4", "solar_open", "step3p5", "qwen3_vl_moe", "kimi_vl", "kimi_k25")
 PREDICTED = PREDICTED_ALL if os.environ.get("EDGE0_FAMILIES") == "all" else PREDICTED_ALL[:10]
 _mlx_lm: dict = {}
 
@@ -157,7 +157,8 @@ def test_expert_kernel_path(models, arch):
         got = experts(x, inds)
     plain = experts.fn is None
     # Not plain: biases and a clamped SwiGLU, MLPs, clamped or GELU-gated, an 8-bit down projection.
-    assert plain == (arch not in ("gpt_oss", "nemotron_h", "phixtral", "step3p5", "gemma4_text", "granitemoe"))
+    assert plain == (arch not in ("gpt_oss", "nemotron_h", "phixtral", "step3p5", "gemma4_text", "gemma4",
+                                  "granitemoe"))
     err = float(mx.linalg.norm(got - want) / mx.linalg.norm(want))
     assert err < 2e-2
     if plain and kernel.ext is not None:
@@ -220,7 +221,7 @@ def test_a_layout_not_understood_is_one_line_naming_family_and_tensor(models, tm
 def test_prefetch_without_a_router_description_is_refused(models):
     from edge0.errors import Edge0Error
 
-    assert "gemma4_text" not in ROUTERS  # its router lives in the decoder layer, outside the MoE block
+    assert "gemma4_text" not in ROUTERS and "gemma4" not in ROUTERS  # the router is in the decoder layer
     with pytest.raises(Edge0Error, match="no router description for this family .* use --predictor repeat"):
         engine(models("gemma4_text"), routing="prefetch", predictor="next-router")
 
