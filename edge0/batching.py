@@ -61,35 +61,55 @@ class BatchDecoder:
         self.engine, self.max_batch = engine, max_batch
         self.seqs: list[Sequence] = []
         self.cache: list | None = None  # the batch's KV caches, one per layer
+        self.early: list[Sequence] = []  # done at their first token, at admission: reported by the next step
 
     @property
     def room(self) -> int:
         return self.max_batch - len(self.seqs)
 
     def admit(self, req: GenRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Sequence:
-        """Prefill req's prompt alone and join the batch at this step boundary."""
+        """Prefill req's prompt and take its first step alone (as a generation alone does: its last prompt
+        token in, its first token out), then join the batch at this step boundary, routing state and all, so
+        it continues as it would alone. A sequence done at its first token (EOS, max_tokens 1) never joins:
+        the next step() reports it."""
         engine = self.engine
         engine.check(req)
         rt = engine.store.runtime
         if not self.seqs:
             rt.begin()  # an idle batch: nothing of earlier generations is carried
-        before = rt.history()
-        rt.join([])  # the prefill routes on its own: no history, nothing decided ahead
+        before = rt.snapshot()
+        rt.join([])  # the newcomer routes on its own: no history, nothing decided ahead
         counters = _counters(engine.store)
         seed = req.seed if req.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         t0 = time.perf_counter()
         with engine.kernel.active():
             cache, cached = engine.cached_prefix(req)
+            seq = Sequence(req, emit, cancelled, TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit),
+                           Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), mx.random.key(seed),
+                           req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
             self._prefill(req.prompt[cached:-1], cache)
-        seq = Sequence(req, emit, cancelled, TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit),
-                       Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), mx.random.key(seed),
-                       req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
-        seq.fig.prefill_s = time.perf_counter() - t0
+            first = self._first_step(seq, cache)
         _charge([seq], counters, _counters(engine.store))
-        rt.join(([(before, len(self.seqs))] if self.seqs else []) + [(rt.history(), 1)])
+        self._take(seq, first, time.perf_counter())
+        if seq.done:
+            self.early.append(seq)
+            rt.join([(before, len(self.seqs))] if self.seqs else [])
+            self._finish([seq], None)
+            return seq
+        rt.join(([(before, len(self.seqs))] if self.seqs else []) + [(rt.snapshot(ahead=1), 1)])
         self._merge(cache)
         self.seqs.append(seq)
         return seq
+
+    def _first_step(self, seq: Sequence, cache: list) -> int:
+        """The sequence's last prompt token through the model alone; its first token."""
+        rt = self.engine.store.runtime
+        logits = self.engine.store.model(mx.array([[seq.next_input]], dtype=mx.uint32), cache=cache)[:, -1, :]
+        token = seq.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(token)
+        rt.fence.sync()
+        seq.fed.append(seq.next_input)
+        return int(token.item())  # SYNC: the first token, once per sequence
 
     def _prefill(self, tokens: list[int], cache: list) -> None:
         model, rt = self.engine.store.model, self.engine.store.runtime
@@ -114,6 +134,9 @@ class BatchDecoder:
     def step(self) -> list[Sequence]:
         """One decode step for every sequence; returns the sequences that finished (and left the batch)."""
         engine, seqs = self.engine, self.seqs
+        early, self.early = self.early, []
+        if not seqs:
+            return early
         rt = engine.store.runtime
         counters = _counters(engine.store)
         with engine.kernel.active():
@@ -132,7 +155,7 @@ class BatchDecoder:
         finished = [s for s in seqs if s.done]
         if finished:
             self._leave(finished)
-        return finished
+        return early + finished
 
     def _take(self, s: Sequence, t: int, now: float) -> None:
         """Sequence s sampled token t."""
@@ -155,15 +178,7 @@ class BatchDecoder:
 
     def _leave(self, finished: list[Sequence]) -> None:
         keep = [i for i, s in enumerate(self.seqs) if not s.done]
-        for s in finished:
-            if s.text.finish():
-                s.fig.finish_reason = "stop"
-            s.fig.text = s.text.text
-            s.fig.decode_s = time.perf_counter() - (s.first_token or time.perf_counter())
-            n = len(s.fig.tokens) - 1
-            s.fig.decode_tok_s = n / s.fig.decode_s if n > 0 and s.fig.decode_s else 0.0
-            s.fig.prefill_tok_s = (s.fig.prompt_tokens - s.fig.cached_tokens) / s.fig.prefill_s if s.fig.prefill_s else 0.0
-            self._keep_cache(s, self.seqs.index(s))
+        self._finish(finished, self.cache)
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs:
             self.cache = None
@@ -172,6 +187,19 @@ class BatchDecoder:
         for c in self.cache:
             c.filter(mx.array(keep))
         self.engine.store.runtime.keep_rows(keep)
+
+    def _finish(self, finished: list[Sequence], cache: list | None) -> None:
+        """Their last figures and text; their KV caches into the prompt cache."""
+        for s in finished:
+            if s.text.finish():
+                s.fig.finish_reason = "stop"
+            s.fig.text = s.text.text
+            s.fig.decode_s = time.perf_counter() - (s.first_token or time.perf_counter())
+            n = len(s.fig.tokens) - 1
+            s.fig.decode_tok_s = n / s.fig.decode_s if n > 0 and s.fig.decode_s else 0.0
+            s.fig.prefill_tok_s = (s.fig.prompt_tokens - s.fig.cached_tokens) / s.fig.prefill_s if s.fig.prefill_s else 0.0
+            if cache is not None:
+                self._keep_cache(s, self.seqs.index(s))
 
     def _keep_cache(self, s: Sequence, row: int) -> None:
         """Its KV cache, out of the batch's, into the prompt cache (where the cache types allow it)."""

@@ -227,7 +227,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
     with kernel.active():
         store = load_store(path, dtype=c.dtype, verify=c.verify, executor=c.executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
-                           build=_prefetch_builder(c, trace) if c.routing != "native" else None)
+                           build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None)
     try:
         if c.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
             from .model.lora import Adapter
@@ -246,7 +246,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
     return Engine(c, store, kernel)
 
 
-def _prefetch_builder(c: EngineConfig, trace):
+def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
     """The runtime builder of scheduled routing (prefetch, predicted) for load_store."""
     from .model.arch import read_config
     from .model.heads import HeadSet
@@ -257,7 +257,7 @@ def _prefetch_builder(c: EngineConfig, trace):
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
-                                      slots=c.slots, trace=trace, heads=heads,
+                                      slots=slots, trace=trace, heads=heads,
                                       predicted_routing=c.routing == "predicted")
     return build
 

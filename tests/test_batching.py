@@ -32,11 +32,13 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
     return out
 
 
-@pytest.mark.parametrize("routing", ["native", "prefetch"])
+@pytest.mark.parametrize("routing", [None, "native", "prefetch"])
 @pytest.mark.parametrize("stagger", [False, True])
 def test_batched_sequences_answer_as_alone(routing, stagger):
-    """Exact routings: every sequence's tokens equal its solo generation, whether sequences join together
-    or one per step, and whatever their lengths (they leave at different steps)."""
+    """Every sequence's tokens equal its solo generation, whether sequences join together or one per step,
+    and whatever their lengths (they leave at different steps); under predicted routing (the default) too:
+    the heads' history follows the rows. MLX's kernels: the edge0 kernels run a batch's attention on MLX's
+    masked attention (left padding), whose rounding differs from their own."""
     lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
     with open_engine(EngineConfig(routing=routing, max_batch=4, kernel="mlx", prompt_cache_gib=0)) as engine:
         solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
@@ -47,7 +49,7 @@ def test_batched_sequences_answer_as_alone(routing, stagger):
         assert batched[p].completion_tokens == lengths[p]
 
 
-def test_default_routing_batches_every_request_to_its_end():
+def test_default_kernels_batch_every_request_to_its_end():
     with open_engine(EngineConfig(max_batch=4)) as engine:
         assert engine.config.routing == "predicted"
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=True)
@@ -82,3 +84,49 @@ def test_server_batches_concurrent_streaming_clients():
         finally:
             srv.stop()
     assert answers["4"] == answers["1"]
+
+
+def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypatch):
+    """An internal error inside a batched step: every request in the batch gets a 500, the engine is reset,
+    and the next request gets its reference answer (the default server: batched, predicted routing)."""
+    openai = pytest.importorskip("openai")
+    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.serve.server import BackgroundServer
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    srv = BackgroundServer(*serve_configs(p.parse_args([])), port=0).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    engine = srv.server.engine
+    real = engine.store.model
+
+    def ask(prompt):
+        return client.completions.create(model="store", prompt=prompt, max_tokens=N, temperature=0).choices[0].text
+
+    try:
+        ref = ask(PROMPTS[1])
+        calls = []
+
+        def failing(*a, **k):
+            calls.append(1)
+            if len(calls) == 8:  # a few steps in: some requests mid-generation
+                raise RuntimeError("injected failure")
+            return real(*a, **k)
+
+        monkeypatch.setattr(engine.store, "model", failing)
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda q: _error_or_text(ask, q), PROMPTS[:3]))
+        monkeypatch.setattr(engine.store, "model", real)
+        assert any(isinstance(r, openai.InternalServerError) for r in results), results
+        assert srv.call(lambda: srv.server.jobs.unhealthy) is None  # reset
+        assert ask(PROMPTS[1]) == ref
+        assert srv.call(lambda: (srv.server.jobs.batch_size, srv.server.jobs.running)) == (0, None)
+    finally:
+        srv.stop()
+
+
+def _error_or_text(ask, prompt):
+    try:
+        return ask(prompt)
+    except Exception as e:  # the request's error is the result
+        return e

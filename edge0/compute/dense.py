@@ -40,6 +40,8 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's models.base.scaled_dot_product_attention in one node, without mask or causal."""
+    if _left_padded_decode(queries, cache, mask):
+        return _per_row_attention(queries, keys, values, cache, scale, sinks)
     causal = isinstance(mask, str) and mask == "causal"
     ext = current().ext
     if (ext is not None and queries.ndim == 4 and sinks is None and (mask is None or causal)
@@ -48,6 +50,21 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[2] <= keys.shape[2]):
         return ext.attention(queries, keys, values, float(scale), causal)
     return _mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _left_padded_decode(queries, cache, mask) -> bool:
+    """One query per sequence of a batch whose KV cache is left-padded (mlx-lm's BatchKVCache)."""
+    return (mask is not None and not isinstance(mask, str) and queries.ndim == 4 and queries.shape[0] > 1
+            and queries.shape[2] == 1 and getattr(cache, "left_padding", None) is not None)
+
+
+def _per_row_attention(queries, keys, values, cache, scale, sinks):
+    """Each sequence attends to its own keys, padding sliced off, with no mask: the same computation as that
+    sequence decoding alone, so a batched sequence rounds (and answers) as it does alone. With one query the
+    causal mask hides nothing: the padding is all the batch's mask hides."""
+    pads = cache.left_padding.tolist()  # SYNC: B small ints, computed long before (the cache's bookkeeping)
+    return mx.concatenate([scaled_dot_product_attention(queries[i:i + 1], keys[i:i + 1, :, p:], values[i:i + 1, :, p:],
+                                                        None, scale, None, sinks) for i, p in enumerate(pads)])
 
 
 class KernelRMSNorm(nn.RMSNorm):

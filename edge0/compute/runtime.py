@@ -64,8 +64,8 @@ class Runtime:
             self.prefill.release()
 
     # Hooks of a scheduled pipeline; the native executors need none.
-    def history(self) -> dict:
-        """The routing history's rows (pipeline/prefetch.py); none here."""
+    def snapshot(self, ahead: int = 0) -> dict:
+        """The routing state of a batch's rows (pipeline/prefetch.py); none here."""
         return {}
 
     def keep_rows(self, rows: list[int]) -> None:

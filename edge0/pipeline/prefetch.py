@@ -207,9 +207,14 @@ class PrefetchRuntime(Runtime):
 
     # -- batches (serve --max-batch): the routing history's rows follow the batch's sequences ------------
 
-    def history(self) -> dict:
-        """Each layer's routed ids at the previous token, (B, 1, K) or None (no previous token)."""
-        return {layer: ex.prev_inds for layer, ex in self.executors.items()}
+    def snapshot(self, ahead: int = 0) -> dict:
+        """Each layer's routing state for the batch's rows: (routed ids at the previous token (B, 1, K) or None,
+        the routing decided for step now + ahead or None). ahead=1 after a sequence's first step alone: its
+        predictions are pulled, and what they decided for its next step is taken."""
+        if ahead:
+            self.pull()
+        step = self.sched.step + ahead
+        return {layer: (ex.prev_inds, ex.decided.get(step)) for layer, ex in self.executors.items()}
 
     def keep_rows(self, rows: list[int]) -> None:
         """Sequences left the batch: keep the history and the routing decided ahead of the others."""
@@ -219,19 +224,24 @@ class PrefetchRuntime(Runtime):
             ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], np.unique(d.host[rows]))
                           for s, d in ex.decided.items()}
 
-    def join(self, histories: list[tuple[dict, int]]) -> None:
-        """The batch becomes the concatenation of (history, rows) parts (each a history() and its row count);
-        a part without a previous token gets rows naming no expert. Routing decided ahead is dropped: the
-        consumer layers route the next step with their own routers."""
+    def join(self, parts: list[tuple[dict, int]]) -> None:
+        """The batch becomes the concatenation of (snapshot, rows) parts: their histories (a part without a
+        previous token gets rows naming no expert) and, where every part has one, their routing decided for
+        the step now (else that layer routes the step with its own router). No parts: a clean slate."""
+        self.pending = []  # predictions made for other rows decide nothing
+        step = self.sched.step
         for layer, ex in self.executors.items():
-            known = [h[layer] for h, _ in histories if h[layer] is not None]
-            if not known:
-                ex.prev_inds = None
-            else:
-                k, dtype = known[0].shape[-1], known[0].dtype
-                ex.prev_inds = mx.concatenate([h[layer] if h[layer] is not None else
-                                               mx.full((n, 1, k), ex.num_experts, dtype=dtype) for h, n in histories])
+            prevs = [(snap[layer][0], n) for snap, n in parts]
+            known = [p for p, _ in prevs if p is not None]
+            ex.prev_inds = None if not known else mx.concatenate(
+                [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
+                 for p, n in prevs])
+            decs = [snap[layer][1] for snap, _ in parts]
             ex.decided.clear()
+            if decs and all(d is not None for d in decs):
+                host = np.concatenate([d.host for d in decs])
+                ex.decided[step] = Decided(mx.concatenate([d.inds for d in decs]),
+                                           mx.concatenate([d.plan for d in decs]), host, np.unique(host))
 
     def link(self, blocks: dict) -> None:
         """Give each layer its block and its successor; heads to their owners; with predicted routing,

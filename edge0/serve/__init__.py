@@ -23,6 +23,9 @@ def serve_configs(args: argparse.Namespace):
     return engine_config(args), sampling(args)
 
 
+DEFAULT_MAX_BATCH = 4  # concurrent requests decoded together by default (llama.cpp's server has 4 slots)
+
+
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     from .server import DEFAULT_MAX_QUEUE
 
@@ -33,10 +36,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait behind the running one; more get 503 (default {DEFAULT_MAX_QUEUE})")
-    p.add_argument("--max-batch", type=int, default=1, metavar="N",
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help="sequences decoded together, one step per token for all (continuous batching: a new "
-                        "request joins at a step boundary, the experts a step needs are read once for the batch); "
-                        "default 1: one generation at a time, each answer exactly as it would be alone")
+                        "request joins at a step boundary, the experts a step needs are read once for the batch, "
+                        "each answer token for token as alone); the staged banks hold 2K slots per sequence, up to "
+                        f"E (default {DEFAULT_MAX_BATCH}; 1: one generation at a time)")
     p.add_argument("--model-id", default=None, metavar="NAME",
                    help="the model name clients use (default: the store directory's name)")
 

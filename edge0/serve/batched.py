@@ -80,7 +80,7 @@ def _cycle(batch: BatchDecoder, newcomers: list, loop) -> tuple[list, list, list
             admitted.append((job, batch.admit(job.req, emit, job.cancel.is_set)))
         except Edge0Error as e:
             refused.append((job, e))
-    finished = batch.step() if batch.seqs else []
+    finished = batch.step()  # also reports the newcomers done at their first token
     return admitted, refused, finished
 
 

@@ -44,7 +44,8 @@ CONVERSATIONS = [
 def setup():
     p = argparse.ArgumentParser()
     add_serve_flags(p)
-    srv = BackgroundServer(*serve_configs(p.parse_args([])), port=0, max_queue=8).start()
+    # one generation at a time: the 529 and failure tests act on the queue's one generating slot
+    srv = BackgroundServer(*serve_configs(p.parse_args(["--max-batch", "1"])), port=0, max_queue=8).start()
     claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:

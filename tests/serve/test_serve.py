@@ -50,7 +50,9 @@ def serve_args(*flags: str):
 def setup():
     refs = {p: edge0_run(p)["text"] for p in PROMPTS}
     refs["chat"] = edge0_run("hello", "--chat")["text"]
-    srv = BackgroundServer(*serve_configs(serve_args()), port=0, max_queue=8).start()
+    # one generation at a time: these tests are about the queue (FIFO order, one generating while others wait,
+    # a full queue, a failure mid-generation); the default (batched) server: tests/test_defaults.py, test_batching.py
+    srv = BackgroundServer(*serve_configs(serve_args("--max-batch", "1")), port=0, max_queue=8).start()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:
         yield srv, client, refs

@@ -355,8 +355,9 @@ def stream_until_stopped(client, model: str, got: list, done: threading.Event) -
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_stopping_cancels_the_running_and_waiting_requests(tmp_path, sig):
-    """Ctrl-C or SIGTERM while one request streams and another waits: both are answered at once."""
-    srv = ServeProcess(tmp_path / "stderr.txt")
+    """Ctrl-C or SIGTERM while one request streams and another waits: both are answered at once. One generation
+    at a time, so that a request waits (batched: tests/test_batching.py)."""
+    srv = ServeProcess(tmp_path / "stderr.txt", "--max-batch", "1")
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:
         model = request(srv.url, "GET", "/health")[1]["model"]
