@@ -61,6 +61,8 @@ def add_bench_flags(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
+    p.add_argument("--io", default=None, choices=("pread", "mmap", "direct"),
+                   help="passed to the Edge0 arms (direct: every read from the disk); also how the read cost is measured")
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="compute threads: --kernel-threads of the Edge0 arms and n_threads of llama.cpp "
@@ -199,6 +201,8 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
         cmd += ["--memory-budget", str(args.memory_budget)]
     if args.io_throttle is not None:
         cmd += ["--io-throttle", str(args.io_throttle)]
+    if args.io is not None:
+        cmd += ["--io", args.io]
     return cmd
 
 
@@ -234,25 +238,30 @@ def _run_figures(run: ArmRun) -> dict:
             "peak_cgroup_gib": peak / GIB if peak is not None else None}
 
 
-def read_cost(store: Path, throttle: float | None, samples: int = 48) -> dict:
-    """ms per bundle read, cold (after eviction) and warm, one thread, with the arms' throttle."""
+def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | None = None) -> dict:
+    """ms per bundle read, cold (after eviction) and warm, with the arms' throttle and I/O mode: one thread at a
+    time, and through the arms' I/O pool K reads at a time (a layer's misses; the pipeline limit's rate)."""
     import random
     import time
 
+    from .io.pool import ReadTask
     from .io.reader import BundleReader
 
-    reader = BundleReader(store, probe=False, throttle_mbps=throttle)
+    reader = BundleReader(store, probe=False, throttle_mbps=throttle, io=io or "pread")
     m = reader.manifest
     rng = random.Random(0)
     picks = [(rng.choice(m.layers).layer, rng.randrange(m.num_experts)) for _ in range(samples)]
-    bufs = [bytearray(p.nbytes) for p in m.pieces]
+    bufs = [[bytearray(p.nbytes) for p in m.pieces] for _ in range(m.top_k)]
     out = {}
-    reader.evict()
-    for state in ("cold", "warm"):
-        t0 = time.perf_counter()
-        for layer, e in picks:
-            reader.read_into(layer, e, bufs)
-        out[f"{state}_ms"] = 1e3 * (time.perf_counter() - t0) / samples
+    for depth in (1, m.top_k):
+        reader.evict()
+        for state in ("cold", "warm"):
+            t0 = time.perf_counter()
+            for i in range(0, samples, depth):
+                reader.pool.wait(reader.pool.submit([ReadTask(layer, e, bufs[j], demand=True)
+                                                     for j, (layer, e) in enumerate(picks[i:i + depth])]),
+                                 layer=-1, why="measure")
+            out[f"{state}_ms" if depth == 1 else f"{state}_parallel_ms"] = 1e3 * (time.perf_counter() - t0) / samples
     reader.close()
     return out
 
@@ -340,12 +349,12 @@ def bench(args) -> int:
                       f"{res['decode_tok_s']:.2f} tok/s decode, {res['prefill_tok_s']:.1f} tok/s prefill, peak MLX "
                       f"{res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB") +
                       (f", cgroup peak {res['peak_cgroup_gib']:.2f} GiB" if res["peak_cgroup_gib"] else ""), file=sys.stderr)
-    cost = read_cost(Path(args.store), args.io_throttle)
+    cost = read_cost(Path(args.store), args.io_throttle, io=args.io)
     summary = summarize(runs, cost)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
-            "io_throttle_mbps": args.io_throttle, "read_cost": cost, "threads": threads(args),
+            "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost, "threads": threads(args),
             "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
             "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
             "replay": args.replay}

@@ -31,7 +31,8 @@ def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
     for key, s in summary.items():
         arm, cache = key.split("/")
         cf = s["load_cold_fraction"]
-        s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost["cold_ms"] + (1 - cf) * cost["warm_ms"])
+        par = "_parallel" if "cold_parallel_ms" in cost else ""  # a layer's reads run together on the I/O pool
+        s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost[f"cold{par}_ms"] + (1 - cf) * cost[f"warm{par}_ms"])
         floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
         if floor and not is_llama(arm) and not floor["killed"]:  # llama.cpp's limit is not Edge0's pipeline
             s["compute_ms_per_step"] = floor["step_ms"]
@@ -48,7 +49,10 @@ def table(summary: dict, meta: dict) -> list[str]:
               "; every arm in a memory cgroup without a limit" if meta.get("cgroup") else "")
     lines = [f"cores {meta['cores']}, BLAS: {meta['blas']}, {meta['rounds']} rounds, "
              f"prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} decode tokens (replayed), medians{throttle}"
-             f"{capped}; one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm; "
+             f"{capped}; one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm"
+             + (f" alone, {cost['cold_parallel_ms']:.2f} / {cost['warm_parallel_ms']:.2f} ms per bundle K at a time "
+                f"on the I/O pool (the limit's rate)" if "cold_parallel_ms" in cost else "")
+             + (f", --io {meta['io']}" if meta.get("io") else "") + "; "
              f"threads: the edge0 kernels' and llama.cpp's (- : MLX's own kernels)", "",
              "| arm | dtype | kernel | threads | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
              "prefill tok/s | peak MLX GiB | peak RSS GiB | peak cgroup GiB | major faults | MiB from disk | MiB read | "

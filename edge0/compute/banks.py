@@ -67,6 +67,7 @@ class Bank:
             mx.eval(list(self._arrays.values()))
             self._flat = [memoryview(self._arrays[p.name]).cast("B") for p in self.pieces]
             self._stage = np.zeros((self.slots, self._stage_bytes), dtype=np.uint8) if self._stage_bytes else None
+            self._views = [self._slot_views(slot) for slot in range(self.slots)]  # made once: fills are per token
         return self._arrays
 
     @property
@@ -97,6 +98,9 @@ class Bank:
         if self.last_read[slot] > self.fence.completed:
             raise BankBusy(f"slot {slot} is read by graph epoch {self.last_read[slot]}, evaluated only up to "
                            f"{self.fence.completed}")
+        return self._views[slot]
+
+    def _slot_views(self, slot: int) -> list[memoryview]:
         out = []
         for i, (f, p) in enumerate(zip(self._flat, self.pieces)):
             if self.widen[i]:

@@ -9,12 +9,12 @@ Shapes: T tokens, K routed, U unique experts of a step, S slots, E experts.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from ..io.pool import ReadTask
 from .banks import Bank, BankBusy, Fence
 from .experts import ExactExperts, Quant, bank_positions, switch_glu
 
@@ -145,7 +145,7 @@ class WholeLayer:
         self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
         self.min_rows = m.num_experts  # T*K at which a step touches about every expert
         self.banks: list[Bank] = []
-        self.pending: dict[int, tuple[Bank, Future]] = {}
+        self.pending: dict[int, tuple[Bank, ReadTask]] = {}
 
     def wants(self, inds: mx.array) -> bool:
         """A prompt chunk touching about every expert; never a decode step, even a batch's (B rows of one
@@ -163,14 +163,14 @@ class WholeLayer:
                            "unevaluated graph")
         buffers = [bank.write_buffers(e) for e in range(bank.slots)]  # checked here, on the main thread
         # on a pool thread: bytes only, no MLX op
-        self.pending[layer] = (bank, self.reader.pool.submit_layer(layer, buffers,
-                                                                   commit=lambda: bank.commit(np.arange(bank.slots))))
+        task = ReadTask(layer, 0, buffers, demand=True, whole=True, commit=lambda: bank.commit(np.arange(bank.slots)))
+        self.pending[layer] = (bank, self.reader.pool.submit([task])[0])
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         if layer not in self.pending:
             self._start(layer)
-        bank, fut = self.pending.pop(layer)
-        fut.result()
+        bank, task = self.pending.pop(layer)
+        self.reader.pool.wait([task], layer=layer, why="prefill")
         nxt = self.next.get(layer)
         if nxt is not None and nxt not in self.pending:
             self._start(nxt, in_use=bank)  # overlaps the read of the next layer with this layer's compute
@@ -181,16 +181,14 @@ class WholeLayer:
 
     def release(self) -> None:
         """Drop the prefill banks (decode does not need them)."""
-        for _, fut in self.pending.values():
-            fut.result()
+        self.reader.pool.wait([task for _, task in self.pending.values()], layer=-1, why="prefill")
         self.pending.clear()
         self.banks = []
 
     def abandon(self) -> None:
         """After a failed generation: wait for the reads in flight (their errors were or will be reported
         elsewhere), then drop them and the banks."""
-        for _, fut in self.pending.values():
-            fut.exception()  # waits; never raises the read's error
+        self.reader.pool.finish([task for _, task in self.pending.values()])  # never raises the read's error
         self.pending.clear()
         self.banks = []
 

@@ -6,9 +6,11 @@ first, and `reserved` threads never take a prefetch, so a demand read never queu
 next step. Threads block in the kernel for most of a read, so more threads than cores is normal; the
 default was sized by measurement (docs/results/pipeline.md).
 
-Workers only read bytes into the buffers they are given and run the task's `commit` (numpy widening of
-a slot's bf16 pieces); they return a `ReadRecord` through the task's Future and touch no other state.
-With a trace on, each read is a span on its worker's lane, in every routing mode.
+Workers only read bytes into the buffers a task names, run its `commit` (numpy widening of a slot's bf16
+pieces) and fill in the task's outcome (`record` or `error`, then `done`); they touch no other state.
+The submitting thread reads outcomes once `done`. A task is a small object, not a Future: the pipeline
+plans a few of them per layer per token, and their cost is on the graph-building thread. With a trace on,
+each read is a span on its worker's lane, in every routing mode.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 IO_WORKERS = 8  # pool threads: 1 MiB cold reads gain up to about 8 in flight on the development disk
 RESERVED = 2  # threads that only take demand reads
@@ -32,14 +32,27 @@ def now_us() -> float:
 class ReadRecord:
     """What a worker hands back for one read."""
 
-    layer: int
-    expert: int  # the bundle's expert (the first one of a whole-layer read)
     nbytes: int
     cold: float  # fraction of the bytes that were not in the page cache before the read
-    queued_us: float  # when it was submitted (perf_counter microseconds)
     start_us: float
     end_us: float
-    demand: bool
+
+
+class ReadTask:
+    """One read: what to read, and (once `done`) how it went."""
+
+    __slots__ = ("layer", "expert", "buffers", "commit", "demand", "step", "whole", "queued_us", "done", "record",
+                 "error")
+
+    def __init__(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None, step: int = -1,
+                 whole: bool = False):
+        self.layer, self.expert, self.buffers = layer, expert, buffers  # buffers: one per piece (per expert if whole)
+        self.commit = commit  # () -> None after the bytes landed (worker thread, numpy only), or None
+        self.demand, self.step, self.whole = demand, step, whole  # step: the decode step it serves (traces)
+        self.queued_us = 0.0
+        self.done = False  # set last, by the worker: record or error are final
+        self.record: ReadRecord | None = None
+        self.error: BaseException | None = None
 
 
 @dataclass
@@ -57,19 +70,6 @@ class LoadStats:
         return self.cold_bytes / self.bytes if self.bytes else 0.0
 
 
-@dataclass
-class _Task:
-    layer: int
-    expert: int
-    whole: bool  # a whole-layer read, not one bundle
-    read: Callable[[], tuple[int, float]]  # () -> (bytes, cold fraction); runs on the worker
-    commit: Callable[[], None] | None  # after the bytes landed (worker thread, numpy only)
-    demand: bool
-    step: int  # the decode step the read serves (traces)
-    queued_us: float
-    future: Future
-
-
 class ReadPool:
     """Worker threads reading through one BundleReader; started at the first submit."""
 
@@ -80,65 +80,66 @@ class ReadPool:
         self.workers = workers
         self.reserved = min(reserved, workers - 1)  # with one thread, prefetches must run somewhere
         self.trace = trace  # None or a sched.trace.Trace-like hook with .on and .span
-        self._demand: deque[_Task] = deque()
-        self._prefetch: deque[_Task] = deque()
-        self._cv = threading.Condition()
+        self._demand: deque[ReadTask] = deque()
+        self._prefetch: deque[ReadTask] = deque()
+        self._cv = threading.Condition()  # the queues, the counters
+        self._landed = threading.Condition()  # tasks becoming done
         self._prefetching = 0  # threads now running a prefetch read
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.waited_s = 0.0  # time callers waited on reads (`wait`): the graph-building thread's stalls
         self.stats = LoadStats()  # updated by the workers, under the pool's lock
 
-    # -- submitting (any thread) --------------------------------------------------------------------
+    def configure(self, *, workers: int | None = None, trace=None) -> None:
+        """Set the thread count (more threads start at the next submit) and the trace hook."""
+        if workers is not None:
+            if workers < 1:
+                raise ValueError("an I/O pool needs at least one thread")
+            self.workers = workers
+            self.reserved = min(RESERVED, workers - 1)
+        if trace is not None:
+            self.trace = trace
 
-    def submit_bundle(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None,
-                      step: int = -1) -> Future:
-        """Read bundle (layer, expert) into `buffers`, then run `commit`; the Future gives a ReadRecord."""
-        reader = self.reader
-        return self._submit(_Task(layer, expert, False, lambda: reader.read_bundle(layer, expert, buffers), commit,
-                                  demand, step, now_us(), Future()))
+    # -- submitting and waiting (the graph-building thread) ------------------------------------------
 
-    def submit_layer(self, layer: int, buffers: list[list], *, commit=None) -> Future:
-        """Read a whole layer (buffers[e] for expert e) in as few large reads as the reader makes, as one task."""
-        reader = self.reader
-
-        def read():
-            n = reader.read_layer_into(layer, buffers)
-            return n, 0.0
-
-        return self._submit(_Task(layer, 0, True, read, commit, True, -1, now_us(), Future()))
-
-    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, commit=None, step: int = -1) -> list[ReadRecord]:
-        """Demand-read (expert, buffers) items in parallel and wait for all of them; then raise the first error,
-        so no read is still writing when the caller handles it. commit(i) runs after item i landed."""
-        futures = [self.submit_bundle(layer, e, bufs, demand=True, step=step,
-                                      commit=None if commit is None else (lambda i=i: commit(i)))
-                   for i, (e, bufs) in enumerate(items)]
-        return self.wait(futures, layer=layer, why="demand")
-
-    def wait(self, futures: list[Future], *, layer: int, why: str) -> list[ReadRecord]:
-        """Wait for reads the calling (graph-building) thread needs now: the time is a stall, counted in
-        `waited_s` and drawn as a `stall` span on the caller's lane; then as wait_all."""
-        if all(f.done() for f in futures):
-            return wait_all(futures)
-        t0 = now_us()
-        try:
-            return wait_all(futures)
-        finally:
-            t1 = now_us()
-            self.waited_s += (t1 - t0) / 1e6
-            if self.trace is not None and self.trace.on:
-                self.trace.span("stall", "stall", t0, t1, layer=layer, why=why)
-
-    def _submit(self, task: _Task) -> Future:
+    def submit(self, tasks: list[ReadTask]) -> list[ReadTask]:
+        """Queue tasks (one lock, one wake-up per task); returns them."""
+        t = now_us()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the I/O pool is closed")
             if len(self._threads) < self.workers:
                 self._start_threads()
-            (self._demand if task.demand else self._prefetch).append(task)
-            self._cv.notify()
-        return task.future
+            for task in tasks:
+                task.queued_us = t
+                (self._demand if task.demand else self._prefetch).append(task)
+            self._cv.notify(len(tasks))
+        return tasks
+
+    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, commit=None, step: int = -1) -> None:
+        """Demand-read (expert, buffers) items in parallel and wait for all of them; then raise the first error,
+        so no read is still writing when the caller handles it. commit(i) runs after item i landed."""
+        tasks = [ReadTask(layer, e, bufs, demand=True, step=step,
+                          commit=None if commit is None else (lambda i=i: commit(i)))
+                 for i, (e, bufs) in enumerate(items)]
+        self.wait(self.submit(tasks), layer=layer, why="demand")
+
+    def wait(self, tasks: list[ReadTask], *, layer: int, why: str) -> None:
+        """Wait for reads the calling (graph-building) thread needs now: the time is a stall, counted in
+        `waited_s` and drawn as a `stall` span on the caller's lane; then raise the first read's error."""
+        if not all(t.done for t in tasks):
+            t0 = now_us()
+            self.finish(tasks)
+            t1 = now_us()
+            self.waited_s += (t1 - t0) / 1e6
+            if self.trace is not None and self.trace.on:
+                self.trace.span("stall", "stall", t0, t1, layer=layer, why=why)
+        raise_first(tasks)
+
+    def finish(self, tasks: list[ReadTask]) -> None:
+        """Wait until every task is done (no error raised)."""
+        with self._landed:
+            self._landed.wait_for(lambda: all(t.done for t in tasks))
 
     def _start_threads(self) -> None:
         for i in range(len(self._threads), self.workers):
@@ -148,7 +149,7 @@ class ReadPool:
 
     # -- workers ----------------------------------------------------------------------------------------
 
-    def _take(self) -> _Task | None:
+    def _take(self) -> ReadTask | None:
         with self._cv:
             while True:
                 if self._demand:
@@ -162,55 +163,44 @@ class ReadPool:
 
     def _work(self) -> None:
         name = threading.current_thread().name
+        reader = self.reader
         while (task := self._take()) is not None:
-            if not task.future.set_running_or_notify_cancel():
-                self._done(task)
-                continue
             start = now_us()
             try:
-                n, cold = task.read()
+                if task.whole:
+                    n, cold = reader.read_layer_into(task.layer, task.buffers), 0.0
+                else:
+                    n, cold = reader.read_bundle(task.layer, task.expert, task.buffers)
                 if task.commit is not None:
                     task.commit()
-            except BaseException as e:  # handed to whoever waits on the Future, on its own thread
-                self._done(task)
-                task.future.set_exception(e)
-                continue
-            rec = ReadRecord(task.layer, task.expert, n, cold, task.queued_us, start, now_us(), task.demand)
-            trace = self.trace
-            if trace is not None and trace.on:
-                trace.span("read", "io", rec.start_us, rec.end_us, thread=name, layer=rec.layer, expert=rec.expert,
-                           bytes=n, cold=cold, wait_ms=(start - task.queued_us) / 1e3, demand=task.demand,
-                           step=task.step, whole_layer=task.whole)
-            self._count(task, n, cold)
-            self._done(task)
-            task.future.set_result(rec)
+                task.record = ReadRecord(n, cold, start, now_us())
+            except BaseException as e:  # handed to whoever waits for the task, on its own thread
+                task.error = e
+            self._finished(task, name)
 
-    def _count(self, task: _Task, n: int, cold: float) -> None:
+    def _finished(self, task: ReadTask, name: str) -> None:
+        r = task.record
+        if r is not None and self.trace is not None and self.trace.on:
+            self.trace.span("read", "io", r.start_us, r.end_us, thread=name, layer=task.layer, expert=task.expert,
+                            bytes=r.nbytes, cold=r.cold, wait_ms=(r.start_us - task.queued_us) / 1e3,
+                            demand=task.demand, step=task.step, whole_layer=task.whole)
         with self._cv:
-            st = self.stats
-            if task.whole:
-                st.layer_reads += 1
-                return
-            st.loads += 1
-            st.demand_loads += task.demand
-            st.bytes += n
-            st.cold_bytes += cold * n
-
-    def _done(self, task: _Task) -> None:
-        if not task.demand:
-            with self._cv:
+            if not task.demand:
                 self._prefetching -= 1
                 self._cv.notify()
-
-    def configure(self, *, workers: int | None = None, trace=None) -> None:
-        """Set the thread count (before the first read; more threads start at the next one) and the trace hook."""
-        if workers is not None:
-            if workers < 1:
-                raise ValueError("an I/O pool needs at least one thread")
-            self.workers = workers
-            self.reserved = min(RESERVED, workers - 1)
-        if trace is not None:
-            self.trace = trace
+            if r is not None:
+                st = self.stats
+                if task.whole:
+                    st.layer_reads += 1
+                else:
+                    st.loads += 1
+                    st.demand_loads += task.demand
+                    st.bytes += r.nbytes
+                    st.cold_bytes += r.cold * r.nbytes
+        task.buffers = task.commit = None  # the slot's views: not kept alive by a finished task
+        with self._landed:
+            task.done = True
+            self._landed.notify_all()
 
     def close(self) -> None:
         """Finish the reads already queued, then stop the threads."""
@@ -222,11 +212,8 @@ class ReadPool:
         self._threads = []
 
 
-def wait_all(futures: list[Future]) -> list[ReadRecord]:
-    """Wait for every Future, then raise the first one's error (if any), else return their records."""
-    for f in futures:
-        f.exception()  # waits, never raises the read's error
-    for f in futures:
-        if f.exception() is not None:
-            raise f.exception()
-    return [f.result() for f in futures]
+def raise_first(tasks: list[ReadTask]) -> None:
+    """Raise the first error among finished tasks, if any."""
+    for t in tasks:
+        if t.error is not None:
+            raise t.error

@@ -152,7 +152,9 @@ class BundleReader:
         """One read of [offset, offset+length) into iov; returns (bytes, cold bytes by mincore before it)."""
         cold = 0.0
         started = time.perf_counter()
-        if self._residency:
+        if self.io == "direct":
+            cold = float(length)  # O_DIRECT bypasses the page cache: every byte comes from the disk
+        elif self._residency:
             cold = (1.0 - self._residency[layer].cached_fraction(offset, length)) * length
         try:
             n = self._transfer(layer, offset, length, iov)

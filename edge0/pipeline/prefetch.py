@@ -12,10 +12,11 @@ Predictors (given what is known at layer L of step s, name a layer's experts for
                step (the layer after it, or the first layer for a head owned by the last); next-router
                for layers without one.
 
-Host round trips. A prediction is a graph node; it is scheduled with its layer's experts
-(`mx.async_eval`, prediction first) and brought to the host by the next MoE layer (`pull`), by which time
-the stream has usually computed it, or at the end of the step. Pulling an already scheduled array
-waits for that array only, never drains the work queued after it. A layer whose routing its owner's
+Host round trips. A prediction is a graph node; it is scheduled before its layer's experts (its own
+`mx.async_eval`: within one call MLX interleaves the outputs' graphs, so the prediction would wait for the
+experts) and brought to the host by the next MoE layer (`pull`), by which time the stream has usually
+computed it, or at the end of the step. Pulling an already scheduled array waits for that array only,
+never for the work queued after it. A layer whose routing its owner's
 head decided a step ahead (predicted routing) knows its ids and slots on the host already: its graph is
 built with no host round trip at all. Only layers that route with their own router sync (`SYNC`).
 """
@@ -120,7 +121,9 @@ class PrefetchExperts:
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
         y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
-        mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None), y)  # predictions first
+        if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
+            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+        mx.async_eval(y)
         return y
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
@@ -189,9 +192,14 @@ class PrefetchRuntime(Runtime):
     def scheduling(self, layer: int) -> "_Scheduling":
         return _Scheduling(self, layer)
 
+    def flush(self) -> None:
+        """Before a step's evaluation (pipeline/steps.py): plan what the last layers predicted."""
+        with self.scheduling(-1):
+            self.pull()
+
     def next_step(self) -> None:
         with self.scheduling(-1):
-            self.pull()  # the last layers' predictions: the step's evaluation computed them
+            self.pull()  # whatever was predicted after the flush
             self.sched.next_step()
 
     def finish(self) -> None:

@@ -95,7 +95,12 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
             sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)
         return sampled, logprobs.squeeze(0)
 
+    flush = getattr(runtime, "flush", None)  # scheduled routing: the last layers' predictions, planned before the
+    # step's evaluation so that the reads for the first layers of the next step start a layer earlier
+
     def evaluate(token, logprobs, n):
+        if flush is not None:
+            flush()
         t_eval = now_us()
         mx.eval(token, logprobs)
         sync()

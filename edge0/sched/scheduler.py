@@ -13,8 +13,8 @@ The rule of the pipeline, written once:
 
 Threads: there is no event loop. Planning and collecting run on the graph-building thread, between
   graphs: numpy on arrays of a few ids, microseconds per bundle (the executors draw it as the `sched`
-  span of the trace). Workers read bytes into slots, widen bf16 scales, and hand a ReadRecord back through
-  a Future; they never touch plans or caches. A planned read that cannot start now (too few free slots,
+  span of the trace). Workers read bytes into slots, widen bf16 scales, and fill in the outcome of
+  their task; they never touch plans or caches. A planned read that cannot start now (too few free slots,
   QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer reads its experts on demand.
 
 Plans are plain dataclasses; only this class changes them, on the graph-building thread.
@@ -23,11 +23,11 @@ Plans are plain dataclasses; only this class changes them, on the graph-building
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..io.pool import ReadTask
 from .trace import NULL
 
 QUEUE_DEPTH = 64  # most prefetch reads in flight; a plan beyond it is dropped (the layer reads on demand)
@@ -53,7 +53,7 @@ class LayerPlan:
     cache: object  # the SlotCache filled
     slots: np.ndarray  # slot of each id of `predicted`
     fills: list[tuple[int, int]] = field(default_factory=list)  # (slot, expert) of each read
-    futures: list[Future] = field(default_factory=list)  # one per fill, until collected
+    tasks: list[ReadTask] = field(default_factory=list)  # one per fill, until collected
     demand: bool = False  # read for the step being built (misses), not ahead
 
 
@@ -61,10 +61,8 @@ class LayerPlan:
 class SchedStats:
     """Counters of one generation, reported in --json and reproduced by `trace summarize`."""
 
-    loads: int = 0  # bundles read by the scheduler (prefetch and on-demand)
+    loads: int = 0  # bundles the scheduler read (prefetch and on demand); bytes: the pool's LoadStats
     demand_loads: int = 0  # of those, read for the step being built (the prediction missed them)
-    bytes: int = 0
-    cold_bytes: float = 0.0
     stall_s: float = 0.0  # time the graph-building thread waited on reads
     predicted: int = 0  # routed experts that the prediction had named (hits)
     routed: int = 0  # routed experts at layers that had a prediction
@@ -73,10 +71,6 @@ class SchedStats:
     @property
     def recall(self) -> float:
         return self.predicted / self.routed if self.routed else 0.0
-
-    @property
-    def cold_fraction(self) -> float:
-        return self.cold_bytes / self.bytes if self.bytes else 0.0
 
 
 class Scheduler:
@@ -135,9 +129,9 @@ class Scheduler:
         except BaseException:
             cache.forget([slot for slot, _ in plan.fills])  # assigned, never to be read
             raise
-        for (slot, expert), bufs in zip(plan.fills, buffers):
-            plan.futures.append(self.pool.submit_bundle(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                                        commit=lambda s=slot: bank.commit([s])))
+        plan.tasks = self.pool.submit([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
+                                                commit=lambda s=slot: bank.commit([s]))
+                                       for (slot, expert), bufs in zip(plan.fills, buffers)])
         cache.filling[[slot for slot, _ in plan.fills]] = True
         self.in_flight += len(plan.fills)
 
@@ -146,31 +140,29 @@ class Scheduler:
     def _collect(self, plan: LayerPlan, why: str | None) -> None:
         """Apply a plan's finished reads (waiting for them first, as a stall when `why` names one); a failed
         read empties its slot, and the first error is raised once every read of the plan has stopped."""
-        futures = plan.futures
-        if not futures:
+        tasks = plan.tasks
+        if not tasks:
             return
         if why is not None:
             before = self.pool.waited_s
             try:
-                self.pool.wait(futures, layer=plan.layer, why=why)
+                self.pool.wait(tasks, layer=plan.layer, why=why)
             except BaseException:
                 pass  # raised below, after the plan's slots are consistent
             self.stats.stall_s += self.pool.waited_s - before
+        else:
+            self.pool.finish(tasks)
         error = None
-        for (slot, _), fut in zip(plan.fills, futures):
-            err = fut.exception()  # waits when not done (cancel)
-            if err is not None:
+        for (slot, _), task in zip(plan.fills, tasks):
+            if task.error is not None:
                 plan.cache.forget([slot])  # the worker stopped before committing: the slot holds no bundle
-                error = error or err
+                error = error or task.error
                 continue
-            r = fut.result()
             self.stats.loads += 1
             self.stats.demand_loads += plan.demand
-            self.stats.bytes += r.nbytes
-            self.stats.cold_bytes += r.cold * r.nbytes
         plan.cache.filling[[slot for slot, _ in plan.fills]] = False
-        plan.futures = []
-        self.in_flight -= len(futures)
+        plan.tasks = []
+        self.in_flight -= len(tasks)
         if error is not None:
             self._unreserve(plan)
             raise error
@@ -178,12 +170,12 @@ class Scheduler:
     def _harvest(self, layer: int) -> None:
         """Collect this layer's plans whose reads have all landed: their slots stop counting as filling."""
         for plan in self.plans.values():
-            if plan.layer == layer and plan.futures and all(f.done() for f in plan.futures):
+            if plan.layer == layer and plan.tasks and all(t.done for t in plan.tasks):
                 self._collect(plan, None)
 
     def _wait_filling(self, layer: int, cache, slots: np.ndarray) -> None:
         for plan in list(self.plans.values()):
-            if plan.layer == layer and plan.futures and np.isin(slots, [s for s, _ in plan.fills]).any():
+            if plan.layer == layer and plan.tasks and np.isin(slots, [s for s, _ in plan.fills]).any():
                 self._collect(plan, "prefetch")
 
     # -- consuming ------------------------------------------------------------------------------------
@@ -246,7 +238,7 @@ class Scheduler:
     @property
     def pending(self) -> int:
         """Plans with a read still running."""
-        return sum(1 for p in self.plans.values() if any(not f.done() for f in p.futures))
+        return sum(1 for p in self.plans.values() if any(not t.done for t in p.tasks))
 
     def close(self) -> None:
         self.cancel()

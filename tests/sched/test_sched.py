@@ -104,7 +104,7 @@ def test_prefetch_is_submitted_ahead_and_consumed_only_when_landed():
     reader.release.set()
     sched.next_step()
     plan = sched.ready(1)  # step 1 consumes it: returns only after the fill landed
-    assert plan.futures == [] and sorted(e for _, e, _ in reader.log) == [2, 3]  # collected
+    assert plan.tasks == [] and sorted(e for _, e, _ in reader.log) == [2, 3]  # collected
     assert all(name.startswith("edge0-io") for _, _, name in reader.log)
     assert held(caches[1]) == {2: 16 + 2, 3: 16 + 3}
     slots = sched.demand(1, caches[1], np.array([3, 5]))  # one hit, one miss read on demand
