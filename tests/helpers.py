@@ -31,3 +31,28 @@ def run_json(*argv: str, env: dict | None = None, timeout: float = 600) -> dict:
                           timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def http_request(url: str, method: str, path: str, body: bytes | None = None,
+                 content_type: str = "application/json", timeout: float = 60) -> tuple[int, dict | str, dict]:
+    """(status, JSON body or text, headers) of one request with urllib (no client library in the way)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=body, method=method, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text, headers = r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        status, text, headers = e.code, e.read().decode(), dict(e.headers)
+    try:
+        return status, json.loads(text), headers
+    except ValueError:
+        return status, text, headers
+
+
+def metric(url: str, name: str) -> float:
+    """One figure of a server's /metrics (edge0_NAME)."""
+    text = http_request(url, "GET", "/metrics")[1]
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"edge0_{name} ")))

@@ -10,8 +10,6 @@ import argparse
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +17,7 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
+from tests import helpers  # noqa: E402
 from edge0.serve import add_serve_flags, serve_configs  # noqa: E402
 from edge0.serve.messages import stop_reason  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
@@ -55,21 +54,11 @@ def setup():
 
 
 def http(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str, dict]:
-    req = urllib.request.Request(srv.url + path, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            status, text, headers = r.status, r.read().decode(), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        status, text, headers = e.code, e.read().decode(), dict(e.headers)
-    try:
-        return status, json.loads(text), headers
-    except ValueError:
-        return status, text, headers
+    return helpers.http_request(srv.url, method, path, body, timeout=DEADLINE)
 
 
 def metric(srv, name: str) -> float:
-    text = http(srv, "GET", "/metrics")[1]
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"edge0_{name} ")))
+    return helpers.metric(srv.url, name)
 
 
 def wait_for(cond, what: str) -> None:

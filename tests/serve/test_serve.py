@@ -12,14 +12,13 @@ import io
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
+from tests import helpers  # noqa: E402
 from edge0.commands.run import add_run_flags, run  # noqa: E402
 from edge0.serve import add_chat_flags, add_serve_flags, serve_configs  # noqa: E402
 from edge0.generation import StopFilter  # noqa: E402
@@ -65,21 +64,11 @@ def http(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, d
 
 
 def http_headers(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str, dict]:
-    req = urllib.request.Request(srv.url + path, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            status, text, headers = r.status, r.read().decode(), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        status, text, headers = e.code, e.read().decode(), dict(e.headers)
-    try:
-        return status, json.loads(text), headers
-    except ValueError:
-        return status, text, headers
+    return helpers.http_request(srv.url, method, path, body, timeout=DEADLINE)
 
 
 def metric(srv, name: str) -> float:
-    _, text = http(srv, "GET", "/metrics")
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"edge0_{name} ")))
+    return helpers.metric(srv.url, name)
 
 
 def wait_for(cond, what: str) -> None:

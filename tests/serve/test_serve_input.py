@@ -15,14 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
+
+from tests import helpers  # noqa: E402
 
 DEADLINE = 60.0  # seconds for start-up, a request or a stop
 C, P = "/v1/chat/completions", "/v1/completions"
@@ -55,16 +55,7 @@ class ServeProcess:
 
 def request(url: str, method: str, path: str, body: bytes | None = None,
             content_type: str = "application/json") -> tuple[int, dict | str, dict]:
-    req = urllib.request.Request(url + path, data=body, method=method, headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            status, text, headers = r.status, r.read().decode(), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        status, text, headers = e.code, e.read().decode(), dict(e.headers)
-    try:
-        return status, json.loads(text), headers
-    except ValueError:
-        return status, text, headers
+    return helpers.http_request(url, method, path, body, content_type, timeout=DEADLINE)
 
 
 @pytest.fixture(scope="module")
