@@ -17,7 +17,8 @@ losses of an uninterrupted one. On CPU, training in float32 with OpenBLAS preloa
 (docs/DESIGN.md §15); the exported weights are bfloat16 and need neither.
 
 OUT/data     tokenizer and token streams (edge0.train.corpus)
-OUT/ckpt     step_N.safetensors (weights), step_N.opt.safetensors (AdamW state), step_N.json (last: marks it complete)
+OUT/ckpt     step_N.safetensors (weights), step_N.opt.safetensors (AdamW state), step_N.json (last: marks it
+             complete); edge0/train/base_ckpt.py
 OUT/log.jsonl  one line per step: step, loss, ce, aux, lr, tokens, elapsed_s; eval lines carry heldout_loss
 OUT/fp       the float (bf16) mlx-lm checkpoint;  OUT/store  its int4 Edge0 store
 """
@@ -25,6 +26,7 @@ OUT/fp       the float (bf16) mlx-lm checkpoint;  OUT/store  its int4 Edge0 stor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,15 +39,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from edge0.errors import Edge0Error
-from edge0.io.atomic import atomic_dir, atomic_path, write_atomic
+from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import SPECIAL_TOKENS
+from edge0.train.base_ckpt import (_truncate_log, _write_atomic, latest_checkpoint, load_checkpoint,  # noqa: F401
+                                   read_log, save_checkpoint)  # read_log: the run's curve, for callers
 from edge0.train.corpus import Corpus, prepare_corpus, save_tokenizer_files
+from edge0.train.loop import World
 
 EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")
-KEEP_CKPTS = 2  # older complete checkpoints are deleted
 
 
 @dataclass
@@ -179,44 +183,6 @@ def make_optimizer(p: Preset) -> optim.Optimizer:
                        betas=[0.9, 0.95], weight_decay=p.weight_decay)
 
 
-# Checkpoints ---------------------------------------------------------------------------------------
-
-def latest_checkpoint(ckpt_dir: Path) -> int | None:
-    """Step of the newest complete checkpoint (its json written last), or None."""
-    steps = [int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json")] if ckpt_dir.is_dir() else []
-    return max(steps) if steps else None
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer, state: dict) -> None:
-    """Weights, optimizer state, then the json that marks the checkpoint complete; each written atomically."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    base = ckpt_dir / f"step_{step}"
-    _save_arrays(Path(f"{base}.safetensors"), dict(tree_flatten(model.parameters())))
-    _save_arrays(Path(f"{base}.opt.safetensors"), dict(tree_flatten(opt.state)))
-    _write_atomic(Path(f"{base}.json"), json.dumps(state, indent=1) + "\n")
-    done = sorted(int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json"))
-    for old in done[:-KEEP_CKPTS]:
-        for suffix in (".json", ".safetensors", ".opt.safetensors"):  # json first: never a complete-looking stub
-            Path(f"{ckpt_dir / f'step_{old}'}{suffix}").unlink(missing_ok=True)
-
-
-def load_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer) -> dict:
-    base = ckpt_dir / f"step_{step}"
-    model.load_weights(list(mx.load(f"{base}.safetensors").items()), strict=True)
-    opt.state = tree_unflatten(list(mx.load(f"{base}.opt.safetensors").items()))
-    mx.eval(model.parameters(), opt.state)
-    return json.loads(Path(f"{base}.json").read_text())
-
-
-def _save_arrays(path: Path, arrays: dict) -> None:
-    with atomic_path(path) as tmp:
-        mx.save_safetensors(str(tmp), arrays)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    write_atomic(path, text.encode())
-
-
 # Training ------------------------------------------------------------------------------------------
 
 def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | None = None, seed: int = 0,
@@ -226,16 +192,10 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
     steps: override the preset's step count (the LR schedule follows it).
     resume: continue from the latest complete checkpoint in OUT/ckpt; without it, OUT/ckpt must be empty.
     stop_at: stop after this step with a checkpoint and without export (an interruption, for tests).
+    Data parallel under mlx.launch: each rank takes its share of every batch, gradients averaged
+    (train/loop.py); rank 0 writes the log, checkpoints and exports.
     """
-    from tqdm import tqdm
-
-    if preset not in PRESETS:
-        raise Edge0Error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
-    if steps is not None:
-        if steps < 1:
-            raise Edge0Error(f"--steps {steps}: must be at least 1")
-        p = Preset(**{**asdict(p), "steps": steps})
+    p = _preset(preset, steps)
     out = Path(out)
     ckpt_dir = out / "ckpt"
     last = latest_checkpoint(ckpt_dir)
@@ -246,71 +206,104 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
             if d.exists():
                 raise Edge0Error(f"{d}: exists and was not made by this run; move it away, use another --out, "
                                  "or pass --no-export")
-    corpus = prepare_corpus(out / "data", vocab_size=p.vocab, max_files=p.max_files)
+    world = World.init()
+    world.check_batch(p.batch)
+    corpus = _corpus(out, p, world)
     config = model_config(p)
     model = build_model(config, seed)
     opt = make_optimizer(p)
-    log_path = out / "log.jsonl"
     state = dict(step=0, seed=seed, preset=preset, tokens=0, elapsed_s=0.0, config=config, hparams=asdict(p))
     if last is not None:
         prev = load_checkpoint(ckpt_dir, last, model, opt)
         if prev["seed"] != seed or prev["hparams"] != asdict(p):
             raise Edge0Error(f"{ckpt_dir}/step_{last}.json: was trained with another seed or preset; resume with the same flags")
         state.update(prev)
-        _truncate_log(log_path, state["step"])
+        if world.writer:
+            _truncate_log(out / "log.jsonl", state["step"])
     out.mkdir(parents=True, exist_ok=True)
-    windows = eval_windows(corpus.heldout, p.seq_len, p.eval_tokens)
-    step_fn = nn.value_and_grad(model, loss_fn)
+    heldout = _train_loop(model, opt, p, corpus, state, out, world, progress, stop_at)
     blas = _blas()
-    if progress and blas.startswith("mlx default"):
-        print("edge0: MLX's reference BLAS is slow on CPU; preload OpenBLAS (see `edge0 train base --help`)",
-              file=sys.stderr)
-
-    bar = tqdm(total=p.steps, initial=state["step"], desc=f"train {preset}", disable=not progress,
-               dynamic_ncols=True)
-    t_start = time.perf_counter() - state["elapsed_s"]
-    heldout = state.get("heldout_loss")
-    with open(log_path, "a") as log:
-        while state["step"] < min(p.steps, stop_at or p.steps):
-            step = state["step"]
-            t0 = time.perf_counter()
-            inputs, targets = batch_at(corpus.train, seed, step, p.batch, p.seq_len)
-            (loss, (ce, aux)), grads = step_fn(model, inputs, targets, p.aux_coef)
-            grads, _ = optim.clip_grad_norm(grads, 1.0)
-            opt.update(model, grads)
-            lr = opt.learning_rate  # the rate this update used
-            mx.eval(model.parameters(), opt.state, loss, ce, aux)
-            loss, ce, aux, lr = loss.item(), ce.item(), aux.item(), lr.item()  # SYNC: once per step, for the log
-            if not math.isfinite(loss):
-                raise Edge0Error(f"step {step}: loss is {loss}; lower --lr or check the data")
-            state["step"] = step + 1
-            state["tokens"] += inputs.size
-            state["elapsed_s"] = time.perf_counter() - t_start
-            rec = dict(step=step + 1, loss=loss, ce=ce, aux=aux, lr=lr, tokens=state["tokens"],
-                       elapsed_s=round(state["elapsed_s"], 2))
-            if state["step"] % p.eval_every == 0 or state["step"] == p.steps:
-                heldout = rec["heldout_loss"] = state["heldout_loss"] = heldout_loss(model, windows, p.batch)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            if state["step"] % p.ckpt_every == 0 or state["step"] in (p.steps, stop_at):
-                save_checkpoint(ckpt_dir, state["step"], model, opt, state)
-            bar.update(1)
-            bar.set_postfix(loss=f"{ce:.3f}", aux=f"{aux:.2f}", heldout=f"{heldout:.3f}" if heldout else "-",
-                            tok_s=f"{inputs.size / (time.perf_counter() - t0):.0f}")
-    bar.close()
     summary = dict(preset=preset, seed=seed, steps=state["step"], tokens=state["tokens"],
                    train_s=round(state["elapsed_s"], 1), heldout_loss=heldout,
-                   heldout_ppl=math.exp(heldout) if heldout else None, blas=blas, config=config,
+                   heldout_ppl=math.exp(heldout) if heldout else None, blas=blas, config=config, ranks=world.size,
                    train_files=len(corpus.train_files), heldout_files=len(corpus.heldout_files),
                    train_tokens=int(corpus.train.size), heldout_tokens=int(corpus.heldout.size))
-    if export and state["step"] == p.steps:
+    if world.writer and export and state["step"] == p.steps:
         export_fp(model, config, corpus, out / "fp")
         from edge0.model.convert import convert
 
         convert(out / "fp", out / "store", force=True, progress=progress)
         summary["fp"], summary["store"] = str(out / "fp"), str(out / "store")
-    _write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    if world.writer:
+        _write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _preset(name: str, steps: int | None) -> Preset:
+    if name not in PRESETS:
+        raise Edge0Error(f"--preset {name}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    if steps is not None:
+        if steps < 1:
+            raise Edge0Error(f"--steps {steps}: must be at least 1")
+        p = Preset(**{**asdict(p), "steps": steps})
+    return p
+
+
+def _corpus(out: Path, p: Preset, world: World) -> Corpus:
+    """The corpus, prepared by the writer first when data parallel (the others then read its cache)."""
+    if world.writer:
+        corpus = prepare_corpus(out / "data", vocab_size=p.vocab, max_files=p.max_files)
+    world.sum(mx.array(0.0)).item()  # a barrier: the cache is complete before the others read it
+    if not world.writer:
+        corpus = prepare_corpus(out / "data", vocab_size=p.vocab, max_files=p.max_files)
+    return corpus
+
+
+def _train_loop(model, opt, p: Preset, corpus: Corpus, state: dict, out: Path, world: World, progress: bool,
+                stop_at: int | None) -> float | None:
+    """Steps from state["step"] to the preset's (or stop_at), logging and checkpointing; the last held-out loss."""
+    from tqdm import tqdm
+
+    windows = eval_windows(corpus.heldout, p.seq_len, p.eval_tokens)
+    step_fn = nn.value_and_grad(model, loss_fn)
+    if progress and world.writer and _blas().startswith("mlx default"):
+        print("edge0: MLX's reference BLAS is slow on CPU; preload OpenBLAS (see `edge0 train base --help`)",
+              file=sys.stderr)
+    bar = tqdm(total=p.steps, initial=state["step"], desc=f"train {state['preset']}",
+               disable=not (progress and world.writer), dynamic_ncols=True)
+    t_start = time.perf_counter() - state["elapsed_s"]
+    heldout = state.get("heldout_loss")
+    with open(out / "log.jsonl", "a") if world.writer else contextlib.nullcontext() as log:
+        while state["step"] < min(p.steps, stop_at or p.steps):
+            step, t0 = state["step"], time.perf_counter()
+            inputs, targets = batch_at(corpus.train, state["seed"], step, p.batch, p.seq_len)
+            (loss, (ce, aux)), grads = step_fn(model, inputs[world.rank::world.size], targets[world.rank::world.size],
+                                               p.aux_coef)
+            grads, _ = optim.clip_grad_norm(world.mean(grads), 1.0)
+            opt.update(model, grads)
+            lr = opt.learning_rate  # the rate this update used
+            loss, ce, aux = (world.sum(x) / world.size for x in (loss, ce, aux))
+            mx.eval(model.parameters(), opt.state, loss, ce, aux)
+            loss, ce, aux, lr = loss.item(), ce.item(), aux.item(), lr.item()  # SYNC: once per step, for the log
+            if not math.isfinite(loss):
+                raise Edge0Error(f"step {step}: loss is {loss}; lower --lr or check the data")
+            state["step"], state["tokens"] = step + 1, state["tokens"] + inputs.size
+            state["elapsed_s"] = time.perf_counter() - t_start
+            rec = dict(step=step + 1, loss=loss, ce=ce, aux=aux, lr=lr, tokens=state["tokens"],
+                       elapsed_s=round(state["elapsed_s"], 2))
+            if state["step"] % p.eval_every == 0 or state["step"] == p.steps:
+                heldout = rec["heldout_loss"] = state["heldout_loss"] = heldout_loss(model, windows, p.batch)
+            if world.writer:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                if state["step"] % p.ckpt_every == 0 or state["step"] in (p.steps, stop_at):
+                    save_checkpoint(out / "ckpt", state["step"], model, opt, state)
+            bar.update(1)
+            bar.set_postfix(loss=f"{ce:.3f}", aux=f"{aux:.2f}", heldout=f"{heldout:.3f}" if heldout else "-",
+                            tok_s=f"{inputs.size / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    return heldout
 
 
 def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path:
@@ -321,27 +314,6 @@ def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_tokenizer_files(tmp, corpus.tokenizer_json)
     return out
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint a run resumes from, so the log is the run's one curve."""
-    if not path.exists():
-        return
-    kept = [ln for ln in path.read_text().splitlines() if _log_step(ln) is not None and _log_step(ln) <= step]
-    _write_atomic(path, "".join(ln + "\n" for ln in kept))
-
-
-def _log_step(line: str) -> int | None:
-    """The step of a log line; None for a line a killed run left half-written (the log is appended to)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def read_log(out: str | os.PathLike) -> list[dict]:
-    path = Path(out) / "log.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
 
 
 def _blas() -> str:

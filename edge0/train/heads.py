@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,13 +24,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from tqdm import tqdm
 
 from ..errors import Edge0Error
-from ..io.atomic import atomic_path, write_atomic
-from ..io.manifest import MANIFEST, record_files
 from ..model.heads import HIDDEN, HeadSet, multi_hot
 from ..model.routes import recorded_routes
+from .loop import World, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
 
 SEQ_LEN = 256
 
@@ -92,118 +91,106 @@ def _windows(stream: np.ndarray, seq_len: int) -> list[np.ndarray]:
     return [stream[i * seq_len:(i + 1) * seq_len].astype(np.int32) for i in range(n)]
 
 
+@dataclass
+class HeadRun:
+    """What one head-training run works on."""
+
+    store: object  # model.load.Store, the int4 model as served
+    layers: list  # its MoE layers
+    top_k: int  # K the heads serve
+    train: list  # training windows
+    held: list  # held-out windows
+    train_desc: str
+    held_desc: str
+    data_hash: str  # of the training stream, recorded in the head file
+
+
 def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=None, heldout=None, top_k: int | None = None,
                 steps: int = 300, hidden: int = HIDDEN, lr: float = 1e-3, seed: int = 0, eval_windows: int = 8,
                 resume: bool = False, progress: bool = True, seq_len: int = SEQ_LEN, consumers=None) -> dict:
-    """Train heads for the store at K = top_k (default the model's); returns the report (also written as JSON)."""
-    from .corpus import token_stream
+    """Train heads for the store at K = top_k (default the model's); returns the report (also written as JSON).
+    Data parallel under mlx.launch: each rank fits its own window per step, gradients averaged (train/loop.py)."""
     from ..model.load import load_store
 
     out = Path(out)
-    report_path = Path(str(out) + ".json")
-    if steps < 1:
-        raise Edge0Error(f"--steps {steps}: must be at least 1")
-    for path in (out, report_path):
-        if path.exists() and not resume:
-            raise Edge0Error(f"{path}: exists; pass --resume to continue its checkpoint, or choose another --out")
-    parent = out.parent
-    if not parent.is_dir():
-        raise Edge0Error(f"--out {out}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise Edge0Error(f"--out {out}: the directory {parent} is not writable")
+    report_path = check_out(out, resume, steps)
+    world = World.init()
     store = load_store(model_dir, dtype="float32", executor="staged")
     try:
-        m = store.manifest
-        k = top_k or m.top_k
-        layers = [e.layer for e in m.layers]
-        for i in layers:
-            store.model.layers[i].mlp.top_k = k
-        train_stream, train_desc = token_stream(Path(model_dir), data) if data else _stdlib_split(model_dir, "train")
-        held_stream, held_desc = token_stream(Path(model_dir), heldout) if heldout else _stdlib_split(model_dir, "heldout")
-        train_w, held_w = _windows(train_stream, seq_len), _windows(held_stream, seq_len)[:eval_windows]
-        if not train_w or not held_w:
-            raise Edge0Error("not enough text for one training and one held-out window")
-        data_hash = hashlib.sha256(train_stream.tobytes()).hexdigest()[:16]
+        run = _prepare(store, Path(model_dir), data, heldout, top_k, seq_len, eval_windows)
         mx.random.seed(seed)  # fc1's initial draw
-        heads = HeadSet.create(m, store.config, top_k=k, hidden=hidden, consumers=consumers)  # None: the default layout
-        heads.data_hash = data_hash
-        module = heads.module()
-        opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
-        ckpt = out.with_suffix(".ckpt")
-        start = 0
-        if resume and (ckpt / "state.json").exists():
-            state = json.loads((ckpt / "state.json").read_text())
-            was = {"hidden": hidden, "top_k": k, "seed": seed}
-            diff = [f"--{'k' if n == 'top_k' else n} {state[n]} (now {v})" for n, v in was.items()
-                    if n in state and state[n] != v]
-            if diff:
-                raise Edge0Error(f"{ckpt}: was trained with {', '.join(diff)}; resume with the same flags "
-                                 "or choose another --out")
-            module.load_weights(str(ckpt / "heads.safetensors"))
-            opt.state = _unflatten(mx.load(str(ckpt / "opt.safetensors")))
-            start = state["step"]
-        order = np.random.default_rng(seed).permutation(len(train_w))
-        loss_grad = nn.value_and_grad(module, lambda mod, d: head_loss(heads, mod, d, blocks, m.num_experts))
-        held = [window_targets(store.model, w, layers) for w in held_w]
-        blocks = held[0][1]
-        before = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
-        losses = []
-        bar = tqdm(range(start, steps), desc="heads", disable=not progress, file=sys.stderr, initial=start, total=steps)
-        for step in bar:
-            d, blocks = window_targets(store.model, train_w[order[step % len(order)]], layers)
-            loss, grads = loss_grad(module, d)
-            opt.update(module, grads)
-            mx.eval(module.parameters(), opt.state, loss)
-            losses.append(float(loss))
-            bar.set_postfix(kl=f"{losses[-1]:.4f}")
-            if (step + 1) % 50 == 0 or step + 1 == steps:
-                _checkpoint(ckpt, module, opt, {"step": step + 1, "hidden": hidden, "top_k": k, "seed": seed})
-        after = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
-        report = {"model": str(model_dir), "top_k": k, "steps": steps, "seed": seed, "hidden": hidden,
-                  "train": train_desc, "heldout": held_desc, "data_hash": data_hash, "consumers": sorted(heads.owners),
-                  "owners": {str(c): o for c, o in heads.owners.items()}, "recall_before": before, "recall": after,
-                  "losses": losses}
-        heads.save(out, {"report": json.dumps({"recall": after})})
-        write_atomic(report_path, json.dumps(report, indent=1).encode())
-        if (out.parent / MANIFEST).exists():  # written into a store: its manifest covers them too
-            record_files(out.parent, [out.name, report_path.name])
-        if (out.parent / MANIFEST).exists():  # written into a store: its manifest covers them too
-            record_files(out.parent, [out.name, report_path.name])
+        heads = HeadSet.create(store.manifest, store.config, top_k=run.top_k, hidden=hidden,
+                               consumers=consumers)  # None: the default layout
+        heads.data_hash = run.data_hash
+        before, after, losses = _fit_heads(run, heads, world, out.with_suffix(".ckpt"), steps=steps, lr=lr, seed=seed,
+                                           resume=resume, progress=progress)
+        report = {"model": str(model_dir), "top_k": run.top_k, "steps": steps, "seed": seed, "hidden": hidden,
+                  "ranks": world.size, "train": run.train_desc, "heldout": run.held_desc, "data_hash": run.data_hash,
+                  "consumers": sorted(heads.owners), "owners": {str(c): o for c, o in heads.owners.items()},
+                  "recall_before": before, "recall": after, "losses": losses}
+        if world.writer:
+            write_outputs(out, report_path, report, lambda p: heads.save(p, {"report": json.dumps({"recall": after})}))
         return report
     finally:
         store.close()
 
 
-def _stdlib_split(model_dir, which: str):
-    from .corpus import token_stream
-    from ..train.corpus import encode_files, split_files, stdlib_files, stdlib_root
+def _prepare(store, model_dir: Path, data, heldout, top_k, seq_len: int, eval_windows: int) -> HeadRun:
+    from .corpus import token_stream, train_stream
 
-    if which == "heldout":
-        return token_stream(Path(model_dir), None)
-    root = stdlib_root()
-    train, _ = split_files(stdlib_files(root))
-    tok_json = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
-    return encode_files(tok_json, root, train[:400]), f"stdlib train split (first 400 of {len(train)} files)"
+    m = store.manifest
+    k = top_k or m.top_k
+    layers = [e.layer for e in m.layers]
+    for i in layers:
+        store.model.layers[i].mlp.top_k = k
+    stream, train_desc = train_stream(model_dir, data)
+    held_stream, held_desc = token_stream(model_dir, heldout)
+    train_w, held_w = _windows(stream, seq_len), _windows(held_stream, seq_len)[:eval_windows]
+    if not train_w or not held_w:
+        raise Edge0Error("not enough text for one training and one held-out window")
+    return HeadRun(store, layers, k, train_w, held_w, train_desc, held_desc,
+                   hashlib.sha256(stream.tobytes()).hexdigest()[:16])
+
+
+def _fit_heads(run: HeadRun, heads: HeadSet, world: World, ckpt: Path, *, steps: int, lr: float, seed: int,
+               resume: bool, progress: bool) -> tuple[dict, dict, list]:
+    """(held-out recall before, after, losses); checkpoints every 50 steps and at the end for --resume."""
+    m, model = run.store.manifest, run.store.model
+    module = heads.module()
+    opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+    same = {"hidden": heads.hidden, "k": run.top_k, "seed": seed}
+    loaded = load_checkpoint(ckpt, opt, same) if resume else None
+    start = 0
+    if loaded is not None:
+        module.load_weights(list(loaded[0].items()))
+        start = loaded[1]["step"]
+    order = np.random.default_rng(seed).permutation(len(run.train))
+    blocks = {}  # the MoE blocks of the windows' forward passes (head_loss reads their routers)
+    loss_grad = nn.value_and_grad(module, lambda mod, d: head_loss(heads, mod, d, blocks, m.num_experts))
+    held = [window_targets(model, w, run.layers) for w in run.held]
+    blocks.update(held[0][1])
+    before = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
+    losses = []
+    bar = progress_bar(world, steps, start, "heads", progress)
+    for step in range(start, steps):
+        d, _ = window_targets(model, run.train[order[(step * world.size + world.rank) % len(order)]], run.layers)
+        loss, grads = loss_grad(module, d)
+        opt.update(module, world.mean(grads))
+        mx.eval(module.parameters(), opt.state, loss)
+        losses.append(world.sum(loss).item() / world.size)  # SYNC: once per step, for the log
+        bar.update(1)
+        bar.set_postfix(kl=f"{losses[-1]:.4f}")
+        if world.writer and ((step + 1) % 50 == 0 or step + 1 == steps):
+            save_checkpoint(ckpt, dict(tree_flatten(module.parameters())), opt, {"step": step + 1, **same})
+    bar.close()
+    after = _mean_recall([recall(heads, d, blocks, m.num_experts) for d, _ in held])
+    return before, after, losses
 
 
 def _mean_recall(per_window: list[dict]) -> dict:
     layers = per_window[0].keys()
     return {str(c): {name: float(np.mean([w[c][name] for w in per_window])) for name in per_window[0][c]}
             for c in layers}
-
-
-def _checkpoint(ckpt: Path, module, opt, state: dict) -> None:
-    ckpt.mkdir(parents=True, exist_ok=True)
-    for name, arrays in (("heads", dict(tree_flatten(module.parameters()))), ("opt", dict(tree_flatten(opt.state)))):
-        with atomic_path(ckpt / f"{name}.safetensors") as tmp:
-            mx.save_safetensors(str(tmp), arrays)
-    write_atomic(ckpt / "state.json", json.dumps(state).encode())  # last: marks the checkpoint complete
-
-
-def _unflatten(flat: dict):
-    from mlx.utils import tree_unflatten
-
-    return tree_unflatten(list(flat.items()))
 
 
 def add_train_heads_flags(p: argparse.ArgumentParser) -> None:

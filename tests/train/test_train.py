@@ -185,3 +185,34 @@ def test_heads_resume_with_other_flags_is_one_message(models, tmp_path):
         with pytest.raises(Edge0Error, match=what):
             train_heads(store, out, steps=3, resume=True, **flags, **kw)
     assert len(train_heads(store, out, steps=3, hidden=16, seed=1, resume=True, **kw)["losses"]) == 1
+
+
+def test_base_and_heads_run_data_parallel(models, tmp_path):
+    """mlx.launch with two local ranks: train base takes half of each batch per rank and logs the one-process
+    cross-entropy (the load-balancing term is per rank's share, so it differs a little); train heads fits one
+    window per rank per step; rank 0 alone writes."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launch = [shutil.which("mlx.launch", path=str(Path(sys.executable).parent)), "-n", "2", "--backend", "ring", "--",
+              sys.executable, "-m", "edge0.cli", "train"]
+    flags = ["--preset", "tiny", "--steps", "3", "--no-export", "--json"]
+    subprocess.run([sys.executable, "-m", "edge0.cli", "train", "base", "--out", str(tmp_path / "one"), *flags],
+                   check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([*launch, "base", "--out", str(tmp_path / "two"), *flags], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = base.read_log(tmp_path / "one"), base.read_log(tmp_path / "two")
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert np.allclose([r["ce"] for r in two], [r["ce"] for r in one], rtol=1e-4)
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["ranks"] == 2
+    store = models("qwen3_moe")
+    text = tmp_path / "t.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = tmp_path / "h.safetensors"
+    proc = subprocess.run([*launch, "heads", "--model", str(store), "--out", str(out), "--data", str(text), "--heldout",
+                           str(text), "--steps", "2", "--hidden", "16"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(Path(str(out) + ".json").read_text())["ranks"] == 2
