@@ -48,23 +48,24 @@ def _corpus() -> list[str]:
     return texts
 
 
-@functools.lru_cache(maxsize=4)
-def tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
-    """Train (once per process) and return the serialized `tokenizer.json` text."""
+def train_bpe(texts: list[str], vocab_size: int) -> str:
+    """Train a byte-level BPE (the special tokens first) on texts; the serialized tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
     return tok.to_str()
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
+    """Train (once per process) and return the serialized `tokenizer.json` text of the test models."""
+    return train_bpe(_corpus(), vocab_size)
 
 
 def special_token_ids() -> dict[str, int]:
@@ -73,20 +74,22 @@ def special_token_ids() -> dict[str, int]:
 
 
 def save_tokenizer(out: str | Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out`."""
+    """The test models' tokenizer files into `out`."""
+    save_tokenizer_files(out, tokenizer_json(vocab_size))
+
+
+def save_tokenizer_files(out: str | Path, tokenizer_json: str) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json, as mlx-lm's loader wants them;
+    each written atomically."""
+    from ..io.atomic import write_atomic
+
     out = Path(out)
-    (out / "tokenizer.json").write_text(tokenizer_json(vocab_size), encoding="utf-8")
+    write_atomic(out / "tokenizer.json", tokenizer_json.encode())
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 262144,
-        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "bos_token": None,
+        "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
+        "clean_up_tokenization_spaces": False, "model_max_length": 262144, "chat_template": CHAT_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_atomic(out / "tokenizer_config.json", (json.dumps(config, indent=2) + "\n").encode())
     special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+    write_atomic(out / "special_tokens_map.json", (json.dumps(special, indent=2) + "\n").encode())

@@ -46,7 +46,8 @@ from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import SPECIAL_TOKENS
 from edge0.train.base_ckpt import (_truncate_log, _write_atomic, latest_checkpoint, load_checkpoint,  # noqa: F401
                                    read_log, save_checkpoint)  # read_log: the run's curve, for callers
-from edge0.train.corpus import Corpus, prepare_corpus, save_tokenizer_files
+from edge0.model.tokenizer import save_tokenizer_files
+from edge0.train.corpus import Corpus, prepare_corpus
 from edge0.train.loop import World
 
 EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")

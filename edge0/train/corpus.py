@@ -23,7 +23,7 @@ import numpy as np
 
 from edge0.errors import Edge0Error
 from edge0.io.atomic import atomic_path, write_atomic
-from edge0.model.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+from edge0.model.tokenizer import train_bpe as train_tokenizer
 
 HELDOUT_PERCENT = 5  # share of files (by path hash) kept out of training
 # Directories that are tests, vendored third-party code, or data tables rather than Python as written.
@@ -72,36 +72,6 @@ def split_files(files: list[str]) -> tuple[list[str], list[str]]:
 
 def read_text(root: Path, rel: str) -> str:
     return (root / rel).read_text(encoding="utf-8", errors="replace")
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> str:
-    """Train a byte-level BPE on texts and return the serialized tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok.to_str()
-
-
-def save_tokenizer_files(out: str | os.PathLike, tokenizer_json: str) -> None:
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json, as mlx-lm's loader wants them."""
-    out = Path(out)
-    _atomic_write(out / "tokenizer.json", tokenizer_json.encode())
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "bos_token": None,
-        "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
-        "clean_up_tokenization_spaces": False, "model_max_length": 262144, "chat_template": CHAT_TEMPLATE,
-    }
-    _atomic_write(out / "tokenizer_config.json", (json.dumps(config, indent=2) + "\n").encode())
-    special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-    _atomic_write(out / "special_tokens_map.json", (json.dumps(special, indent=2) + "\n").encode())
 
 
 def encode_files(tokenizer_json: str, root: Path, files: list[str]) -> np.ndarray:
