@@ -1,0 +1,60 @@
+"""A read that fails inside the default server (EDGE0_FAULT, edge0/io/faults.py): that request gets a clear 500,
+the next is served correctly, and the log holds no traceback."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from tests import helpers  # noqa: E402
+
+DEADLINE = 120.0
+
+
+def start(log: Path, env: dict) -> tuple[subprocess.Popen, str]:
+    """`edge0 serve` with default flags (no prompt cache: both runs read the same); its URL from its log."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "serve", "--port", "0", "--prompt-cache-gib", "0"],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
+    end = time.monotonic() + DEADLINE
+    while not (m := re.search(r"(http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()
+        time.sleep(0.1)
+    return proc, m.group(1)
+
+
+@pytest.mark.parametrize("fault", ["eio@3", "short@9"])
+def test_failed_read_is_a_500_then_the_next_request_is_served(tmp_path, fault):
+    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (the default routing)."""
+    answers = {}
+    for env in ({}, {"EDGE0_FAULT": fault}):
+        answers[bool(env)] = _serve_one(tmp_path / "log.txt", env)
+        text = (tmp_path / "log.txt").read_text()
+        assert "Traceback" not in text, text
+    assert answers[True] == answers[False]
+
+
+def _serve_one(log: Path, env: dict) -> str:
+    """With a fault: the first request fails with a clear 500 and /health stays ok. The next answer."""
+    proc, url = start(log, env)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
+
+    def ask():
+        return client.completions.create(model="store", prompt="import os\nimport sys\n" * 8, max_tokens=12,
+                                         temperature=0).choices[0].text
+    try:
+        if env:
+            with pytest.raises(openai.InternalServerError) as e:
+                ask()
+            assert "read of expert" in str(e.value) or "short read" in str(e.value), str(e.value)
+            assert helpers.http_request(url, "GET", "/health")[1]["status"] == "ok"
+        return ask()
+    finally:
+        proc.terminate()
+        proc.wait(DEADLINE)
