@@ -15,6 +15,7 @@ each read is a span on its worker's lane, in every routing mode.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -22,6 +23,10 @@ from dataclasses import dataclass
 
 IO_WORKERS = 8  # pool threads: 1 MiB cold reads gain up to about 8 in flight on the development disk
 RESERVED = 2  # threads that only take demand reads
+INLINE_BYTES = 1 << 20  # a bundle this small and already in the page cache is read on the calling thread: a copy
+# of a few microseconds costs less than handing it to a worker
+SWITCH_INTERVAL = 0.0005  # s: Python's GIL hand-over; its 5 ms default makes the graph-building thread wait up to
+# that long for the GIL whenever a worker holds it between two system calls
 
 
 def now_us() -> float:
@@ -116,13 +121,37 @@ class ReadPool:
             self._cv.notify(len(tasks))
         return tasks
 
+    def run(self, tasks: list[ReadTask]) -> list[ReadTask]:
+        """Start tasks: those the calling thread does faster itself (a small bundle already in the page cache;
+        a demand read alone) are read now, on this thread; the others are queued for the workers, first."""
+        inline = [t for t in tasks if self._inline(t, len(tasks))]
+        queued = [t for t in tasks if t not in inline] if inline else tasks
+        if queued:
+            self.submit(queued)
+        if inline:
+            t0, here = now_us(), threading.current_thread()
+            name = "main" if here is threading.main_thread() else here.name  # the trace's lane names
+            for t in inline:
+                t.queued_us = t0
+                self._execute(t, name)
+            if any(t.demand for t in inline):  # the caller was waiting for these: a stall, as `wait`
+                self._stalled(t0, now_us(), inline[0].layer, "demand")
+        return tasks
+
+    def _inline(self, task: ReadTask, n: int) -> bool:
+        if task.whole:
+            return False
+        if task.demand and n == 1:
+            return True
+        return self.reader.manifest.bundle_bytes <= INLINE_BYTES and self.reader.cached(task.layer, task.expert)
+
     def read_bundles(self, layer: int, items: list[tuple[int, list]], *, commit=None, step: int = -1) -> None:
-        """Demand-read (expert, buffers) items in parallel and wait for all of them; then raise the first error,
-        so no read is still writing when the caller handles it. commit(i) runs after item i landed."""
+        """Demand-read (expert, buffers) items, in parallel where that pays, and wait for all of them; then raise
+        the first error, so no read is still writing when the caller handles it. commit(i) runs after item i."""
         tasks = [ReadTask(layer, e, bufs, demand=True, step=step,
                           commit=None if commit is None else (lambda i=i: commit(i)))
                  for i, (e, bufs) in enumerate(items)]
-        self.wait(self.submit(tasks), layer=layer, why="demand")
+        self.wait(self.run(tasks), layer=layer, why="demand")
 
     def wait(self, tasks: list[ReadTask], *, layer: int, why: str) -> None:
         """Wait for reads the calling (graph-building) thread needs now: the time is a stall, counted in
@@ -130,11 +159,13 @@ class ReadPool:
         if not all(t.done for t in tasks):
             t0 = now_us()
             self.finish(tasks)
-            t1 = now_us()
-            self.waited_s += (t1 - t0) / 1e6
-            if self.trace is not None and self.trace.on:
-                self.trace.span("stall", "stall", t0, t1, layer=layer, why=why)
+            self._stalled(t0, now_us(), layer, why)
         raise_first(tasks)
+
+    def _stalled(self, t0: float, t1: float, layer: int, why: str) -> None:
+        self.waited_s += (t1 - t0) / 1e6
+        if self.trace is not None and self.trace.on:
+            self.trace.span("stall", "stall", t0, t1, layer=layer, why=why)
 
     def finish(self, tasks: list[ReadTask]) -> None:
         """Wait until every task is done (no error raised)."""
@@ -142,6 +173,8 @@ class ReadPool:
             self._landed.wait_for(lambda: all(t.done for t in tasks))
 
     def _start_threads(self) -> None:
+        if sys.getswitchinterval() > SWITCH_INTERVAL:
+            sys.setswitchinterval(SWITCH_INTERVAL)
         for i in range(len(self._threads), self.workers):
             t = threading.Thread(target=self._work, name=f"edge0-io-{i}", daemon=True)
             t.start()
@@ -163,20 +196,27 @@ class ReadPool:
 
     def _work(self) -> None:
         name = threading.current_thread().name
-        reader = self.reader
         while (task := self._take()) is not None:
-            start = now_us()
-            try:
-                if task.whole:
-                    n, cold = reader.read_layer_into(task.layer, task.buffers), 0.0
-                else:
-                    n, cold = reader.read_bundle(task.layer, task.expert, task.buffers)
-                if task.commit is not None:
-                    task.commit()
-                task.record = ReadRecord(n, cold, start, now_us())
-            except BaseException as e:  # handed to whoever waits for the task, on its own thread
-                task.error = e
-            self._finished(task, name)
+            self._execute(task, name)
+            if not task.demand:
+                with self._cv:
+                    self._prefetching -= 1
+                    self._cv.notify()
+
+    def _execute(self, task: ReadTask, name: str) -> None:
+        """Read, commit, record: on a worker, or inline on the thread that started the task."""
+        start = now_us()
+        try:
+            if task.whole:
+                n, cold = self.reader.read_layer_into(task.layer, task.buffers), 0.0
+            else:
+                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers)
+            if task.commit is not None:
+                task.commit()
+            task.record = ReadRecord(n, cold, start, now_us())
+        except BaseException as e:  # handed to whoever waits for the task, on its own thread
+            task.error = e
+        self._finished(task, name)
 
     def _finished(self, task: ReadTask, name: str) -> None:
         r = task.record
@@ -185,9 +225,6 @@ class ReadPool:
                             bytes=r.nbytes, cold=r.cold, wait_ms=(r.start_us - task.queued_us) / 1e3,
                             demand=task.demand, step=task.step, whole_layer=task.whole)
         with self._cv:
-            if not task.demand:
-                self._prefetching -= 1
-                self._cv.notify()
             if r is not None:
                 st = self.stats
                 if task.whole:

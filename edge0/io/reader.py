@@ -15,6 +15,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import Edge0Error
 from ..log import log
 from .faults import install_from_env
@@ -110,6 +112,12 @@ class BundleReader:
 
     def offset(self, layer: int, expert: int) -> int:
         return self._entries[layer].data_offset + expert * self.manifest.bundle_stride
+
+    def cached(self, layer: int, expert: int) -> bool:
+        """Whether the whole bundle is in the page cache (mincore); never with --io direct or without a probe."""
+        if self.io == "direct" or not self._residency:
+            return False
+        return self._residency[layer].cached_fraction(self.offset(layer, expert), self.manifest.bundle_bytes) == 1.0
 
     def read_into(self, layer: int, expert: int, buffers: list) -> int:
         """Read bundle (layer, expert) into buffers (one writable buffer per piece, manifest order)."""
@@ -220,12 +228,16 @@ class BundleReader:
 
 
 class _Scatter:
-    """Consecutive writes into a list of buffers, continuing where the last write stopped."""
+    """Consecutive writes into a list of buffers, continuing where the last write stopped. The copies are
+    numpy's, which release the GIL: a memoryview copy of a bundle would hold it for a millisecond, and the
+    graph-building thread would wait for it."""
 
     def __init__(self, iov: list):
-        self.iov, self.i, self.at = iov, 0, 0
+        self.iov = [np.frombuffer(b, dtype=np.uint8) for b in iov]
+        self.i, self.at = 0, 0
 
     def write(self, src: memoryview) -> None:
+        src = np.frombuffer(src, dtype=np.uint8)
         pos = 0
         while pos < len(src) and self.i < len(self.iov):
             buf = self.iov[self.i]
@@ -239,12 +251,9 @@ class _Scatter:
 
 def _scatter(src: memoryview, iov: list) -> int:
     """Copy src into consecutive buffers; returns bytes copied."""
-    pos = 0
-    for buf in iov:
-        n = min(len(buf), len(src) - pos)
-        buf[:n] = src[pos:pos + n]
-        pos += n
-    return pos
+    out = _Scatter(iov)
+    out.write(src)
+    return min(len(src), sum(len(b) for b in out.iov))
 
 
 def crc32_of(buffers: list) -> str:

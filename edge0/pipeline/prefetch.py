@@ -23,6 +23,7 @@ built with no host round trip at all. Only layers that route with their own rout
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -75,12 +76,16 @@ class PrefetchExperts:
         self.prev_inds = None  # this layer's routed ids at the previous token (head features)
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
+        self.ran = -1  # the last step whose graph this layer built from its bank
+        self.waiting: list[tuple[np.ndarray, int]] = []  # (ids, step) planned once this layer has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
         self.prev_inds = None
         self.decided.clear()
         self.answered = -1
+        self.ran = -1
+        self.waiting = []
 
     def planned(self):
         """The block's hook: routing decided for this layer at the step before, for the step now built."""
@@ -118,13 +123,27 @@ class PrefetchExperts:
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
+        self.ran = step
+        if self.waiting:
+            with rt.scheduling(self.layer):
+                self.plan_waiting()
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
         y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
+        t0 = now_us()
         if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
             mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
-        mx.async_eval(y)
+        mx.async_eval(y)  # returns once MLX's queue has room: a long wait means the stream is busy (good)
+        rt.span(f"queue L{self.layer}", "compute", t0)
         return y
+
+    def plan_waiting(self) -> None:
+        """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
+        step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
+        evict it (with 2K slots it would: K are planned for this step, K hold the last routed set)."""
+        for ids, step in self.waiting:
+            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step)
+        self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan."""
@@ -166,6 +185,7 @@ class PrefetchRuntime(Runtime):
     predicted_routing = False
     pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
+    sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
 
     def pull(self) -> None:
@@ -181,7 +201,9 @@ class PrefetchRuntime(Runtime):
             host = np.array(p.inds, copy=False)
             ids = np.unique(host)
             c = p.consumer
-            self.sched.prefetch(c.layer, c.cache, ids, step=p.step)
+            c.waiting.append((ids, p.step))
+            if c.ran >= p.step - 1:  # the consumer has read its bank this step already
+                c.plan_waiting()
             if p.plan is not None:
                 c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
 
@@ -283,11 +305,14 @@ class _Scheduling:
 
     def __enter__(self):
         self.t0, self.waits0 = now_us(), self.rt.sched.stats.stall_s + self.rt.pull_s
+        self.cpu0 = time.thread_time()
 
     def __exit__(self, *exc):
         rt = self.rt
         spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
-        rt.sched_s += spent
+        if rt.sched.step >= 1:  # decode steps, as --json's figures (step 0 is the prompt's last token)
+            rt.sched_s += spent
+            rt.sched_cpu_s += time.thread_time() - self.cpu0  # stalls and pulls wait without using the CPU
         if rt.trace is not None and rt.trace.on:
             rt.trace.span("sched", "sched", self.t0, self.t0 + spent * 1e6, layer=self.layer, step=rt.sched.step)
 

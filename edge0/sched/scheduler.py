@@ -118,7 +118,9 @@ class Scheduler:
             self._wait_filling(layer, cache, slots)
         if fills:
             plan = LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True)
-            self._submit(plan, demand=True)
+            before = self.pool.waited_s
+            self._submit(plan, demand=True)  # a read the pool makes on this thread is a stall too
+            self.stats.stall_s += self.pool.waited_s - before
             self._collect(plan, "demand")
         return slots
 
@@ -129,10 +131,10 @@ class Scheduler:
         except BaseException:
             cache.forget([slot for slot, _ in plan.fills])  # assigned, never to be read
             raise
-        plan.tasks = self.pool.submit([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                                commit=lambda s=slot: bank.commit([s]))
-                                       for (slot, expert), bufs in zip(plan.fills, buffers)])
         cache.filling[[slot for slot, _ in plan.fills]] = True
+        plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
+                                             commit=lambda s=slot: bank.commit([s]))
+                                    for (slot, expert), bufs in zip(plan.fills, buffers)])
         self.in_flight += len(plan.fills)
 
     # -- collecting -----------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def summarize(data: dict) -> dict:
     by = defaultdict(list)  # spans inside decode steps, by kind
     for e in spans:
         if e["name"] != "step" and in_steps(e):
-            kind = "eval" if e["name"].startswith("eval L") or e["name"] == "pull" else e["name"]
+            kind = "eval" if e["name"].startswith(("eval L", "queue L")) or e["name"] == "pull" else e["name"]
             by[kind].append(e)
     n = len(steps)
     reads = [e for e in spans if e["name"] == "read" and not e["args"].get("whole_layer")]

@@ -36,12 +36,20 @@ def test_prefetch_gives_native_tokens(models, arch):
         assert got["loads"] > 0 and 0 < got["recall"] <= 1
 
 
+def read_spans(trace) -> list[dict]:
+    return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "read"]
+
+
 def test_fills_run_on_pool_threads_and_trace_matches_json(models, tmp_path, capsys):
+    warm = tmp_path / "warm.json"
+    run_json(models("qwen3_moe"), "--routing", "prefetch", trace=warm)
+    reads = [e for e in read_spans(warm) if not e["args"]["whole_layer"]]
+    assert reads and all(e["args"]["cold"] == 0 and e["args"]["thread"] == "main" for e in reads)  # cached: on the spot
     trace = tmp_path / "run.json"
-    result = run_json(models("qwen3_moe"), "--routing", "prefetch", "--cold", trace=trace)
+    result = run_json(models("qwen3_moe"), "--routing", "prefetch", "--io", "direct", trace=trace)
+    ahead = [e for e in read_spans(trace) if not e["args"]["demand"]]
+    assert ahead and all(e["args"]["cold"] == 1 and e["args"]["thread"].startswith("edge0-io") for e in ahead)
     events = json.loads(trace.read_text())["traceEvents"]
-    reads = [e for e in events if e.get("name") == "read"]
-    assert reads and all(e["args"]["thread"].startswith("edge0-io") for e in reads)
     computes = [e for e in events if e.get("name", "").startswith("eval L")]
     assert computes and all(e["args"]["thread"] == "main" for e in computes)
     assert main(["trace", "summarize", str(trace), "--json", "--plot", str(tmp_path / "t.png")]) == 0
@@ -74,6 +82,12 @@ class FakeReader:
         self.release = threading.Event()
         self.log = []
         self.fail = set()  # experts whose read raises
+
+    class manifest:
+        bundle_bytes = 16
+
+    def cached(self, layer, expert):
+        return False  # every read a cold one: prefetches go to the pool's threads
 
     def read_bundle(self, layer, expert, buffers):
         self.release.wait()
