@@ -51,7 +51,7 @@ BAD = [  # (argv, what the one error line must contain)
      "--io-throttle 0.0: must be a finite number more than 0"),
     (["eval", "--max-tokens", "0"], "--max-tokens and --seq-len must be positive"),
     (["verify", "/nonexistent/store"], "/nonexistent/store: no such model directory"),
-    (["train", "lora"], "`edge0 train lora`: not available yet"),
+    (["run", "--lora", "/nonexistent/lora.safetensors"], "/nonexistent/lora.safetensors"),
 ]
 
 ARGPARSE_BAD = [  # refused by argparse itself: usage and one error line, exit 2
