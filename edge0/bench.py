@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
+from .bench_replay import given_replay, make_replay
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .errors import Edge0Error
 from .io.atomic import write_atomic
@@ -107,50 +108,6 @@ def _warm_tree(path: Path) -> None:
         with open(f, "rb") as fh:
             while fh.read(1 << 24):
                 pass
-
-
-def make_replay(args, out: Path) -> Path:
-    """Prompt ids cut from Python source, and the exact path's greedy tokens for them: replay.json."""
-    import inspect
-    import json as json_mod
-
-    from mlx_lm.utils import load_tokenizer
-
-    path = out / "replay.json"
-    if args.replay:
-        given = given_replay(args.replay)
-        path.write_text(json.dumps(given))
-        if given.get("tokens"):
-            return path
-        ids = given["prompt"]
-    else:
-        tok = load_tokenizer(Path(args.store))
-        ids = tok.encode(inspect.getsource(json_mod.decoder) * 8)[:args.prompt_tokens]
-        path.write_text(json.dumps({"prompt": ids, "tokens": []}))
-    cmd = [sys.executable, "-m", "edge0.run", "--model", str(args.store), "--replay", str(path), "--max-tokens",
-           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--routing", "native",
-           "--executor", "exact"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise Edge0Error(f"recording the replay tokens failed: {proc.stderr.strip()[-300:]}")
-    tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
-    path.write_text(json.dumps({"prompt": ids, "tokens": tokens}))
-    return path
-
-
-def given_replay(path: str) -> dict:
-    """--replay FILE: {"prompt": [ids], "tokens": [ids]} (tokens may be absent), checked."""
-    from .io.manifest import read_json
-
-    if not Path(path).is_file():
-        raise Edge0Error(f"--replay {path}: no such file")
-    data = read_json(Path(path))
-    ok = isinstance(data, dict) and not set(data) - {"prompt", "tokens"} and data.get("prompt") and all(
-        isinstance(data.get(k, []), list) and all(type(t) is int and t >= 0 for t in data.get(k, []))
-        for k in ("prompt", "tokens"))
-    if not ok:
-        raise Edge0Error(f"--replay {path}: expected {{\"prompt\": [token ids], \"tokens\": [token ids]}}")
-    return data
 
 
 def threads(args) -> int:
