@@ -79,6 +79,8 @@ class HeadSet:
     hidden: int
     fingerprint: str
     data_hash: str = ""
+    routes: list | None = None  # consumers whose prediction is the routing under predicted routing (None: all);
+    # the others' heads only name experts to read ahead (a head too weak to route still hides reads)
 
     def module(self) -> nn.Module:
         m = nn.Module()
@@ -91,6 +93,8 @@ class HeadSet:
         meta = {"format": "edge0-heads-1", "fingerprint": self.fingerprint, "top_k": str(self.top_k),
                 "hidden": str(self.hidden), "features": FEATURES, "data_hash": self.data_hash,
                 "owners": json.dumps({str(c): o for c, o in self.owners.items()}), **(extra or {})}
+        if self.routes is not None:
+            meta["routes"] = json.dumps(sorted(self.routes))
         weights = dict(tree_flatten(self.module().parameters()))
         with atomic_path(path) as tmp:
             mx.save_safetensors(str(tmp), weights, metadata=meta)
@@ -122,13 +126,14 @@ class HeadSet:
         try:
             k, hidden = int(meta["top_k"]), int(meta["hidden"])
             owners = {int(c): int(o) for c, o in json.loads(meta["owners"]).items()}
+            routes = [int(c) for c in json.loads(meta["routes"])] if "routes" in meta else None
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise Edge0Error(f"{path}: damaged head metadata ({e!r})") from None
         if top_k is not None and k != top_k:
             raise Edge0Error(f"{path}: heads for K={k}, but --k {top_k} was asked; use the head file trained for K={top_k}")
         dim = _hidden_size(config)
         hs = cls({c: Head(dim, manifest.num_experts, manifest.num_experts, hidden) for c in owners}, owners, k, hidden,
-                 want, meta.get("data_hash", ""))
+                 want, meta.get("data_hash", ""), routes)
         try:
             hs.module().load_weights(list(weights.items()), strict=True)
         except ValueError as e:

@@ -7,12 +7,15 @@
 What is trained and what is synthetic. The base store (default: the built-in demo model, trained on the
 standard library) keeps its routers, attention and expert weights: the routing, its cross-token overlap
 and the prerouter heads are learned from text. Its experts are then widened: each gets extra hidden
-neurons whose gate, up and down weights, scales and biases are exactly zero. They add exactly zero to
-every output (the command checks the wide store's logits against the base's), but every bundle grows to
-`width / H` times its size on disk and in the expert products: reads and expert compute grow together,
-as in a real model of that width. Heads for every MoE layer (the first one's owned by the last, a token
-earlier) are trained on the base, where a training step takes a fraction of a second, and bound to the
-wide store, whose routing is the base's bit for bit.
+neurons whose gate, up and down weights, scales and biases are exactly zero. They add nothing to any
+output (the command checks the wide store's logits against the base's: equal with MLX's kernels, within
+1e-5 with the edge0 kernels' int8 activations), but every bundle grows to `width / H` times its size on
+disk and in the expert products: reads and expert compute grow together, as in a real model of that
+width. Heads for every MoE layer (the first one's owned by the last, a token earlier) are trained on the
+base, where a training step takes a fraction of a second, and bound to the wide store, whose routing is
+the base's. A head routes under --routing predicted only where its held-out recall reaches
+--route-recall (default 0.4); below, it only reads ahead: the first layers' heads are weak (their inputs
+move fastest), and routing by them costs far more quality than their reads (docs/results/pipeline.md).
 
 OUT is a complete store (edge0 verify checks it) plus OUT/workload/: replay.json (a held-out prompt and its
 real continuation, for --replay), workload.json (what was made, the heads' held-out recall per layer, and
@@ -40,6 +43,7 @@ from .arch import read_config
 WIDENED = ("gate_proj", "up_proj")  # the hidden axis is their rows
 NARROWED = ("down_proj",)  # the hidden axis is their (packed) columns
 DEFAULT_GIB = 1.0  # expert bytes of the default workload
+ROUTE_RECALL = 0.4  # a head routes (predicted routing) where its held-out recall reaches this; below, it reads ahead
 NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.uint16, "F32": np.float32, "U8": np.uint8}
 PROMPT_TOKENS, REPLAY_TOKENS = 128, 256
 REPLAY_OFFSET = 20_000  # where in the held-out stream the replay starts
@@ -183,13 +187,15 @@ def base_heads(base: Path, work: Path, *, steps: int, seed: int, progress: bool,
     return path, report
 
 
-def bind_heads(src: Path, base: Path, out: Path) -> Path:
+def bind_heads(src: Path, base: Path, out: Path, routes: list[int]) -> Path:
     """The base's heads, bound to the wide store (its routing is the base's): the same weights, the wide
-    store's fingerprint."""
+    store's fingerprint; `routes` (the consumers whose prediction is the routing) recorded in both files."""
     from .heads import HeadSet, model_fingerprint
 
     m = read_manifest(base)
     heads = HeadSet.load(src, m, read_config(base), top_k=m.top_k)
+    heads.routes = routes
+    heads.save(src)
     heads.fingerprint = model_fingerprint(read_manifest(out), read_config(out))
     dest = out / f"heads-k{m.top_k}.safetensors"
     heads.save(dest, {"bound_from": src.name})
@@ -219,7 +225,7 @@ def same_logits(base: Path, out: Path, replay: dict, steps: int = 4) -> float:
 
 def make_workload(out: str, *, base: str | None = None, width: int | None = None, gib: float = DEFAULT_GIB,
                   heads_steps: int = 300, seed: int = 0, base_heads_file: str | None = None, force: bool = False,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, route_recall: float = ROUTE_RECALL) -> dict:
     """Write the workload store OUT (see the module docstring); returns workload.json's content."""
     from .demo import DEMO_STORE
 
@@ -246,7 +252,10 @@ def make_workload(out: str, *, base: str | None = None, width: int | None = None
         write_manifest(tmp, widened_manifest(base_path, m, entries, width, tmp))  # the heads need its fingerprint
         src, report = base_heads(base_path, work, steps=heads_steps, seed=seed, progress=progress,
                                  given=base_heads_file)
-        bind_heads(src, base_path, tmp)
+        recall = report.get("recall", {})
+        routes = sorted(int(c) for c, r in recall.items() if r["heads"] >= route_recall)
+        bind_heads(src, base_path, tmp, routes)
+        info["routes"], info["route_recall"] = routes, route_recall
         replay = json.loads((work / "replay.json").read_text())
         info.update(_figures(read_manifest(tmp), report), logits_max_abs_diff=same_logits(base_path, tmp, replay))
         if info["logits_max_abs_diff"] > 1e-4:
@@ -278,6 +287,9 @@ def add_workload_flags(p) -> None:
     p.add_argument("--base-heads", metavar="FILE", default=None,
                    help="heads for every layer of the base already trained (an earlier OUT/workload/heads-k*-base"
                         ".safetensors): no training")
+    p.add_argument("--route-recall", type=float, default=ROUTE_RECALL, metavar="R",
+                   help=f"a head's prediction is the routing (--routing predicted) where its held-out recall is at "
+                        f"least R (default {ROUTE_RECALL}); below, the head only reads ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -286,10 +298,11 @@ def add_workload_flags(p) -> None:
 def workload_cli(args) -> int:
     info = make_workload(args.out, base=args.base, width=args.expert_width, gib=args.expert_gib,
                          heads_steps=args.heads_steps, seed=args.seed, base_heads_file=args.base_heads,
-                         force=args.force, progress=not args.quiet)
+                         force=args.force, progress=not args.quiet, route_recall=args.route_recall)
     print(f"wrote {args.out}: {info['moe_layers']} MoE layers x {info['experts']} experts, width {info['expert_width']} "
           f"(base {info['base_width']}), {info['bundle_mib']:.2f} MiB bundles, {info['expert_gib']:.3f} GiB of experts; "
-          f"heads on layers {info['consumers']}, held-out recall {info['heads_recall_mean']:.3f} (next-router "
+          f"heads on layers {info['consumers']} (routing at {info['routes']}), held-out recall "
+          f"{info['heads_recall_mean']:.3f} (next-router "
           f"{info['next_router_recall_mean']:.3f}, cross-token overlap {info['overlap_mean']:.3f}); logits as the "
           f"base's (max difference {info['logits_max_abs_diff']:.2g})", file=sys.stderr)
     return 0

@@ -288,8 +288,9 @@ class PrefetchRuntime(Runtime):
                 raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")
             ex = self.executors[consumer]
             self.executors[owner].heads.append((self.heads.heads[consumer], ex))
-            ex.predicted_routing = self.predicted_routing
-            if self.predicted_routing:
+            routes = self.heads.routes is None or consumer in self.heads.routes  # else the head only reads ahead
+            ex.predicted_routing = self.predicted_routing and routes
+            if ex.predicted_routing:
                 blocks[consumer].planned = ex.planned
 
     def close(self) -> None:

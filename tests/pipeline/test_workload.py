@@ -40,7 +40,10 @@ def test_widened_store_is_the_base_with_larger_bundles(made):
 
 
 def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
-    base, out, _ = made
+    """Heads route where their held-out recall reaches --route-recall, and only read ahead elsewhere."""
+    base, out, info = made
+    want = sorted(int(c) for c, r in info["recall"].items() if r["heads"] >= info["route_recall"])
+    assert info["routes"] == want
     replay = json.loads((out / "workload" / "replay.json").read_text())
     ids = replay["prompt"][:6] + replay["tokens"][:10]
     got = []
@@ -49,8 +52,29 @@ def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
                                 heads=str(next((out / "workload").glob("heads-k*-base.safetensors"))))):
         with open_engine(config) as engine:
             assert engine.config.routing == "predicted"
+            rt = engine.store.runtime
+            assert sorted(c for c, ex in rt.executors.items() if ex.predicted_routing) == want
+            assert all(len(ex.heads) == 1 for ex in rt.executors.values())  # every layer owns one head
             got.append(np.array(engine.forced_logprobs(ids)))
     assert np.array_equal(got[0], got[1])
+
+
+def test_heads_route_only_where_told(made, tmp_path):
+    """A head file's `routes`: predicted routing routes those consumers; the others keep their router."""
+    from edge0.model.arch import read_config
+    from edge0.model.heads import HeadSet
+
+    _, out, _ = made
+    m, config = read_manifest(out), read_config(out)
+    heads = HeadSet.load(next(out.glob("heads-k*.safetensors")), m, config)
+    layers = [e.layer for e in m.layers]
+    heads.routes = layers[1:2]
+    path = tmp_path / "one.safetensors"
+    heads.save(path)
+    assert HeadSet.load(path, m, config).routes == layers[1:2]
+    with open_engine(EngineConfig(model=str(out), routing="predicted", heads=str(path))) as engine:
+        flags = {c: ex.predicted_routing for c, ex in engine.store.runtime.executors.items()}
+    assert flags == {c: c == layers[1] for c in layers}
 
 
 def test_bad_requests_are_one_line(made, tmp_path):

@@ -1,0 +1,84 @@
+"""Before/after arms of `edge0 run --json` on one store, alternating, for docs/results/pipeline.md.
+
+    python tools/pipeline_ab.py --store S --replay R --rounds 4 --io direct,warm --out results.jsonl \\
+        'native|/tmp/e0base|--routing native --executor staged' 'predicted|/tmp/e0after|--routing predicted'
+
+An arm is LABEL|CODE|FLAGS: CODE is a directory holding an `edge0` package (a snapshot of the code to
+measure, put first on PYTHONPATH; '-' for the installed one). Each run is its own process; arms rotate
+across rounds; `direct` runs with --io direct --cold (every read from the disk), `warm` reads the store's
+files once first and runs with pread. Every run's JSON goes to --out; the medians are printed as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+FIGURES = ("decode_tok_s", "stall_ms_per_token", "sched_ms_per_token", "sched_cpu_ms_per_token", "pull_ms_per_token",
+           "recall")
+
+
+def warm(store: Path) -> None:
+    for f in store.rglob("*.safetensors"):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def run(store: Path, replay: str, code: str, flags: list[str], io: str) -> dict:
+    env = dict(os.environ)
+    if code != "-":
+        env["PYTHONPATH"] = code
+    tokens = len(json.loads(Path(replay).read_text())["tokens"])
+    cmd = [sys.executable, "-m", "edge0.run", "--model", str(store), "--replay", replay, "--ignore-eos", "--json",
+           "--max-tokens", str(tokens), *flags]
+    if io == "direct":
+        cmd += ["--io", "direct", "--cold"]
+    else:
+        warm(store)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/")
+    if proc.returncode:
+        raise SystemExit(f"{cmd}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--replay", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--io", default="direct")
+    p.add_argument("--out", required=True)
+    p.add_argument("arms", nargs="+")
+    a = p.parse_args()
+    arms = [x.split("|", 2) for x in a.arms]
+    runs: dict[tuple, list] = {}
+    with open(a.out, "a") as log:
+        for r in range(a.rounds):
+            order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
+            for io in a.io.split(","):
+                for label, code, flags in order:
+                    d = run(Path(a.store), a.replay, code, flags.split(), io)
+                    d.update(arm=label, io=io, round=r, store=a.store)
+                    log.write(json.dumps({k: v for k, v in d.items() if k != "text"}) + "\n")
+                    log.flush()
+                    runs.setdefault((label, io), []).append(d)
+                    print(f"round {r} {label:28s} {io:6s} {d['decode_tok_s']:7.2f} tok/s", file=sys.stderr, flush=True)
+    print("| arm | io | decode tok/s | runs | stall ms/tok | sched ms/tok (cpu) | loads/step | recall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (label, io), ds in runs.items():
+        def med(k):
+            return statistics.median((d.get(k) or 0.0) for d in ds)
+        steps = max(len(ds[0]["tokens"]) - 1, 1)
+        print(f"| {label} | {io} | {med('decode_tok_s'):.2f} | {', '.join('%.2f' % d['decode_tok_s'] for d in ds)} | "
+              f"{med('stall_ms_per_token'):.1f} | {med('sched_ms_per_token'):.1f} ({med('sched_cpu_ms_per_token'):.1f}) | "
+              f"{med('loads') / steps:.1f} | {med('recall'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
