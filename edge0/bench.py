@@ -31,7 +31,7 @@ from .errors import Edge0Error
 from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "llama.cpp", "llama.cpp:no-mmap")
+        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
 
@@ -46,7 +46,9 @@ def _arm_flags(arm: str) -> list[str]:
     if arm == "native":
         return ["--routing", "native", "--executor", "staged"]
     if arm == "predicted":
-        return ["--routing", "predicted"]  # the heads next to the store, for its K
+        return ["--routing", "predicted"]  # the heads next to the store, for its K (and its adapter, if any)
+    if arm == "predicted:no-lora":
+        return ["--routing", "predicted", "--lora", "none"]  # the same without the recovery adapter
     if arm.startswith("prefetch:"):
         return ["--routing", "prefetch", "--predictor", arm.split(":", 1)[1]]
     return ["--routing", "native", "--executor", arm]
@@ -56,6 +58,8 @@ def add_bench_flags(p) -> None:
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm)")
     p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it")
     p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}")
+    p.add_argument("--lora", metavar="FILE", help="the predicted arm's adapter (default: lora-k{K}.safetensors beside "
+                                                  "the store; predicted:no-lora runs without one)")
     p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round runs every arm once (default 3)")
     p.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run (default 32)")
@@ -156,6 +160,8 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
            "--kernel-threads", str(threads(args))]
     if args.memory_budget is not None:
         cmd += ["--memory-budget", str(args.memory_budget)]
+    if getattr(args, "lora", None) and arm.partition("@")[0] == "predicted":
+        cmd += ["--lora", args.lora]
     if args.io_throttle is not None:
         cmd += ["--io-throttle", str(args.io_throttle)]
     if args.io is not None:

@@ -207,12 +207,18 @@ def token_stream(tokenizer_dir: Path, data: str | os.PathLike | None) -> tuple[n
     return encode_files(tok_json, root, heldout), f"stdlib held-out split ({len(heldout)} files under {root})"
 
 
+STDLIB = "stdlib"  # --data stdlib: the whole stdlib train split
+
+
 def train_stream(tokenizer_dir: Path, data: str | os.PathLike | None, max_files: int = 400) -> tuple[np.ndarray, str]:
-    """(token ids, description) of training text: data (as token_stream reads it), else the first max_files
-    files of the stdlib train split."""
-    if data is not None:
+    """(token ids, description) of training text: data (as token_stream reads it; "stdlib": the whole stdlib
+    train split), else the first max_files files of the stdlib train split."""
+    if data == STDLIB:
+        max_files = None
+    elif data is not None:
         return heldout_stream(tokenizer_dir, data), str(data)
     root = stdlib_root()
     train, _ = split_files(stdlib_files(root))
+    max_files = max_files or len(train)
     tok_json = (Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8")
     return encode_files(tok_json, root, train[:max_files]), f"stdlib train split (first {max_files} of {len(train)} files)"

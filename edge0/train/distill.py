@@ -89,9 +89,11 @@ def heldout_figures(student: Student, teacher: nn.Module, windows: np.ndarray, w
 def initial_adapter(student: Student, model_dir: Path, init) -> tuple[Adapter, Path]:
     """The Phase 2 adapter the run starts from, checked against the store and the heads."""
     path = Path(init) if init else model_dir / f"lora-k{student.heads.top_k}.safetensors"
+    if not path.exists() and init:
+        raise Edge0Error(f"--init {path}: no such file")
     if not path.exists():
         raise Edge0Error(f"{path}: no Phase 2 adapter to start from; train it first: edge0 train lora --model "
-                         f"{model_dir} --out {path} --k {student.heads.top_k}" if not init else f"--init {path}: no such file")
+                         f"{model_dir} --out {path} --k {student.heads.top_k}")
     s = student.store
     return Adapter.load(path, s.manifest, s.config, heads_file=student.heads_file), path
 
@@ -144,13 +146,15 @@ def _fit(student: Student, tutor: nn.Module, hp: Hyper, stream: np.ndarray, held
     if loaded is not None:
         student.model.load_weights(list(loaded[0].items()), strict=False)
         state.update({k: loaded[1][k] for k in state})
-    loss_grad = nn.value_and_grad(student.model, lambda _, t_lp, seqs: distill_loss(student, t_lp, seqs, hp.prompt_len, hp.top))
+    loss_grad = nn.value_and_grad(student.model,
+                                  lambda _, t_lp, seqs: distill_loss(student, t_lp, seqs, hp.prompt_len, hp.top))
     bar = progress_bar(world, hp.steps, state["step"], f"distill K={hp.top_k}", progress)
     t0 = time.perf_counter() - state["train_s"]
     while state["step"] < hp.steps:
         step = state["step"]
         prompts = world.share(list(prompts_from(stream, hp.batch, hp.prompt_len, seed=[hp.seed, step])))
-        seqs = student.generate(np.stack(prompts), hp.new, temp=hp.temp, key=mx.random.key(hp.seed * 100_003 + step * 97 + world.rank))
+        key = mx.random.key(hp.seed * 100_003 + step * 97 + world.rank)  # each rank samples its own continuations
+        seqs = student.generate(np.stack(prompts), hp.new, temp=hp.temp, key=key)
         tokens = mx.array(seqs)
         t_lp = mx.stop_gradient(log_softmax(tutor(tokens[:, :-1]).astype(mx.float32))[:, hp.prompt_len - 1:])
         loss, grads = loss_grad(student.model, t_lp, tokens)
@@ -181,7 +185,9 @@ def add_train_distill_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
     p.add_argument("--teacher", metavar="DIR",
                    help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
-    p.add_argument("--data", metavar="FILE_OR_DIR", help="text the prompts are cut from (default the stdlib train split)")
+    p.add_argument("--data", metavar="FILE_OR_DIR",
+                   help="text the prompts are cut from: .py files, .npy ids, or `stdlib` (the whole stdlib train "
+                        "split; default its first 400 files)")
     p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
     p.add_argument("--steps", type=int, default=h.steps, help=f"optimizer steps (default {h.steps})")
     p.add_argument("--batch", type=int, default=h.batch, help=f"generations per step (default {h.batch})")

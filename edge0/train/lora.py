@@ -174,14 +174,17 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
     p.add_argument("--teacher", metavar="DIR",
                    help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
-    p.add_argument("--data", metavar="FILE_OR_DIR", help="text of one's own (.py files or .npy ids): the prompts come from it, and it is trained on "
-                        "besides the teacher's text (default: prompts from the stdlib train split)")
+    p.add_argument("--data", metavar="FILE_OR_DIR",
+                   help="text of one's own (.py files, .npy ids, or `stdlib`: the whole stdlib train split): the "
+                        "prompts come from it, and it is trained on besides the teacher's text (default: prompts from "
+                        "the stdlib train split's first 400 files, teacher text only)")
     p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
     p.add_argument("--steps", type=int, default=h.steps, help=f"optimizer steps (default {h.steps})")
     p.add_argument("--batch", type=int, default=h.batch, help=f"windows per step (default {h.batch})")
     p.add_argument("--seq-len", type=int, default=h.seq_len, help=f"tokens per window (default {h.seq_len})")
     p.add_argument("--rank", type=int, default=h.rank, help=f"LoRA rank r (default {h.rank})")
-    p.add_argument("--alpha", type=float, default=h.alpha, help=f"LoRA alpha; the branch is scaled by alpha/r (default {h.alpha:g})")
+    p.add_argument("--alpha", type=float, default=h.alpha,
+                   help=f"LoRA alpha; the branch is scaled by alpha/r (default {h.alpha:g})")
     p.add_argument("--lr", type=float, default=h.lr, help=f"peak learning rate (default {h.lr:g})")
     p.add_argument("--temp", type=float, default=h.temp, help="the teacher's sampling temperature (default 1)")
     p.add_argument("--samples", type=int, default=0, metavar="N",
@@ -209,8 +212,8 @@ def train_lora_cli(args) -> int:
     check_flags(args)
     r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
                    top_k=args.k, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
-                   alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples, eval_every=args.eval_every,
-                   eval_windows=args.eval_windows, resume=args.resume)
+                   alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
+                   eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
     b = r["heldout_ppl_before"]
     print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
     print(f"held-out ppl on the student path: native {b['native']:.2f}, predicted {b['predicted']:.2f}, "

@@ -110,7 +110,8 @@ class ServedRouting:
             inds, scores = blk.select(self.heads.heads[layer](feats, blk.logits(h[:, q:t]).astype(mx.float32)))
             if q:
                 ni, ns = blk.select(blk.logits(x[:, :q]))
-                inds, scores = mx.concatenate([ni, inds.astype(ni.dtype)], 1), mx.concatenate([ns, scores.astype(ns.dtype)], 1)
+                inds = mx.concatenate([ni, inds.astype(ni.dtype)], axis=1)
+                scores = mx.concatenate([ns, scores.astype(ns.dtype)], axis=1)
         self._remember(layer, x, mx.stop_gradient(inds))
         return inds, scores
 

@@ -162,3 +162,18 @@ def test_default_adapter_is_the_one_beside_the_store_with_its_heads(served, tmp_
         assert out["lora"] == str(store / f"lora-k{k}.safetensors") and out["routing"] == "predicted"
     finally:
         (store / f"lora-k{k}.safetensors").unlink()
+
+
+def test_built_in_model_serves_its_adapters_by_default():
+    """The demo store ships lora-k4 and lora-k2 (edge0/model/demo/MODEL_CARD.md): the default run uses the one for
+    its K, and on held-out text the adapter repays part of what predicted routing costs."""
+    from edge0.eval import evaluate
+    from edge0.model.demo import DEMO_STORE
+
+    for k in (4, 2):
+        c = resolve(EngineConfig(top_k=None if k == 4 else k))
+        assert c.routing == "predicted" and c.lora == str(DEMO_STORE / f"lora-k{k}.safetensors")
+        assert Adapter.read(c.lora).top_k == k
+    ppl = {lora: evaluate(DEMO_STORE, max_tokens=512, config=EngineConfig(lora=lora))["ppl"]
+           for lora in ("none", str(DEMO_STORE / "lora-k4.safetensors"))}
+    assert ppl[str(DEMO_STORE / "lora-k4.safetensors")] < ppl["none"] * 0.99, ppl
