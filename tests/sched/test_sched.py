@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +166,9 @@ def test_a_slot_being_filled_is_never_given_to_another_read_and_its_expert_is_wa
     reader.release.set()
     t.join()
     slots = got["slots"]
+    deadline = time.monotonic() + 10  # the prefetch of 6 lands on its worker, maybe after the demand returned
+    while held(cache) != {6: 6, 1: 1} and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert slots[0] != filling and held(cache) == {6: 6, 1: 1}
     sched.next_step()
     reader.release.clear()
