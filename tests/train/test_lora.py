@@ -137,3 +137,22 @@ def test_two_processes_average_their_gradients(phase, tmp_path):
             assert np.allclose(np.array(x), np.array(y), atol=1e-5)
     assert json.loads(two.with_name("two.safetensors.json").read_text())["ranks"] == 2
     assert not list(tmp_path.glob("*.edge0-tmp-*"))
+
+
+def test_a_delta_below_the_int4_step_does_not_survive_requantization():
+    """merge.survival: 1 - |U - M| / |U - B|; small deltas are mostly erased by requantizing, large ones kept."""
+    import mlx.nn as nn
+
+    from edge0.train.merge import requantized, survival
+
+    mx.random.seed(0)
+    q = nn.QuantizedLinear(256, 64, bias=False, group_size=64, bits=4)
+    base = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=4)
+    step = float(mx.mean(mx.abs(q.scales)).item())  # the int4 step of a group
+    rng = np.random.default_rng(0)
+    small = mx.array(rng.normal(size=base.shape).astype(np.float32) * step * 0.05)
+    large = mx.array(rng.normal(size=base.shape).astype(np.float32) * step * 20)
+    s_small = survival(base + small, requantized(base, small, q), base)
+    s_large = survival(base + large, requantized(base, large, q), base)
+    assert s_small < 0.3 and s_large > 0.85, (s_small, s_large)
+    assert survival(base + large, base + large, base) == 1.0

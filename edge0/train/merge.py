@@ -1,0 +1,88 @@
+"""Why the adapter stays unmerged: how much of its delta survives merge-and-requantize.
+
+    python -m edge0.train.merge --model edge0/model/demo/store --lora edge0/model/demo/store/lora-k4.safetensors
+
+B is the int4 base, U the base with the adapter unmerged (W_int4 + delta), M the merge requantized
+(quantize(W_int4 + delta) at the store's bits and group size). The surviving fraction is
+1 - |U - M| / |U - B| (Frobenius norms): per projection kind at the weight level, and at the logits of
+held-out windows on the student path (routing predicted by the heads, as served).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..model.lora import Adapter, adapted, kind_of
+
+
+def survival(u: mx.array, m: mx.array, b: mx.array) -> float:
+    """1 - |U - M| / |U - B|: the share of the step from B to U that the merged M keeps."""
+    return 1.0 - mx.linalg.norm((u - m).reshape(-1)).item() / mx.linalg.norm((u - b).reshape(-1)).item()
+
+
+def requantized(base: mx.array, delta: mx.array, q: nn.QuantizedLinear) -> mx.array:
+    """dequantize(quantize(base + delta)) at q's bits, group size and mode."""
+    w, scales, biases = mx.quantize(base + delta, group_size=q.group_size, bits=q.bits, mode=q.mode)
+    return mx.dequantize(w, scales, biases, group_size=q.group_size, bits=q.bits, mode=q.mode)
+
+
+def merge_survival(model_dir, lora, *, heads=None, windows: int = 4, seq_len: int = 256) -> dict:
+    """Per projection kind the mean (min, max) weight-level survival, and the logit-level survival."""
+    from ..model.load import load_store
+    from .loop import heldout_windows
+    from .student import load_student
+
+    adapter = Adapter.read(lora)
+    store = load_store(model_dir, executor="resident")
+    kinds: dict[str, list] = {}
+    merged = {}  # adapted projection -> its requantized merge, dequantized (out, in)
+    try:
+        for name, (a, b) in adapter.weights.items():
+            _, i, *path = name.split(".")
+            q = store.model.layers[int(i)]
+            for p in path:
+                q = q[p]
+            base = mx.dequantize(q["weight"], q["scales"], q.get("biases"), group_size=q.group_size, bits=q.bits,
+                                 mode=q.mode)
+            delta = (adapter.scale * (a @ b)).T.astype(base.dtype)  # (out, in)
+            merged[name] = requantized(base, delta, q)
+            kinds.setdefault(kind_of(".".join(path)), []).append(survival(base + delta, merged[name], base))
+    finally:
+        store.close()
+    held, _ = heldout_windows(Path(model_dir), None, seq_len, windows)
+    tokens = mx.array(held[:, :-1])
+    student = load_student(model_dir, heads, adapter.top_k)
+    try:
+        base_logits = student.logits(tokens)
+        student.adapter(adapter)
+        unmerged = student.logits(tokens)
+        for name, m in adapted(student.model).items():
+            m.base.weight, m.lora_b = merged[name], mx.zeros_like(m.lora_b)  # the merge, served without a branch
+        merged_logits = student.logits(tokens)
+    finally:
+        student.close()
+    return {"weights": {k: {"mean": float(np.mean(v)), "min": float(np.min(v)), "max": float(np.max(v)),
+                            "projections": len(v)} for k, v in kinds.items()},
+            "logits": survival(unmerged, merged_logits, base_logits), "windows": len(held)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edge0.train.merge", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store")
+    p.add_argument("--lora", required=True, metavar="FILE", help="its adapter")
+    p.add_argument("--heads", metavar="FILE", help="the heads it was trained with (default STORE/heads-k{K})")
+    p.add_argument("--windows", type=int, default=4, help="held-out windows of 256 tokens for the logits (default 4)")
+    args = p.parse_args(argv)
+    print(json.dumps(merge_survival(args.model, args.lora, heads=args.heads, windows=args.windows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
