@@ -1,4 +1,4 @@
-"""The recovery adapter: an unmerged LoRA served beside the int4 weights (docs/DESIGN.md §10).
+"""The recovery adapter: an unmerged LoRA served beside the int4 weights (docs/DESIGN.md §10, the adapter).
 
     y = W_int4 x + (alpha / r) B A x
 
