@@ -16,7 +16,6 @@ in its metadata (format, rank, alpha, fingerprint, heads, top_k).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,7 +198,7 @@ class Adapter:
         mx.eval([m.parameters() for m in adapted(model).values()])
         return len(self.weights)
 
-    def kinds(self, model: nn.Module) -> dict[str, int]:
+    def kinds(self) -> dict[str, int]:
         """Adapted projections per kind (attention, linear_attention, shared_expert, dense_mlp)."""
         out: dict[str, int] = {}
         for name in self.weights:
@@ -221,14 +220,6 @@ def adapted(model: nn.Module) -> dict[str, LoRALinear]:
 def read_weights(model: nn.Module) -> dict:
     """The adapted projections' (lora_a, lora_b), as Adapter.weights holds them."""
     return {k: (m.lora_a, m.lora_b) for k, m in adapted(model).items()}
-
-
-def report_of(path: str | Path) -> dict:
-    """The training report an adapter file carries in its metadata ({} when none)."""
-    try:
-        return json.loads(Adapter.read(path).meta.get("report", "{}"))
-    except ValueError:
-        return {}
 
 
 def resolve_lora(lora: str | None, store: Path, *, routing: str, default_heads: bool, top_k: int | None) -> str:

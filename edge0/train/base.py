@@ -340,6 +340,8 @@ def add_train_base_flags(p: argparse.ArgumentParser) -> None:
 def train_base_cli(args: argparse.Namespace) -> int:
     summary = train_base(args.out, preset=args.preset, steps=args.steps, seed=args.seed, resume=args.resume,
                          export=not args.no_export, progress=not args.json)
+    if World.init().rank:  # rank 0 reports
+        return 0
     if args.json:
         print(json.dumps(summary))
     else:

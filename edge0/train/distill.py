@@ -215,6 +215,8 @@ def train_distill_cli(args) -> int:
                       heldout=args.heldout, top_k=args.k, steps=args.steps, batch=args.batch,
                       prompt_len=args.prompt_len, new=args.new, top=args.top, lr=args.lr, temp=args.temp,
                       seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
+    if World.init().rank:  # rank 0 reports
+        return 0
     b, a = r["heldout_before"], r["heldout_after"]
     print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
     for name in ("ppl", "reverse_kl", "top1_agreement"):

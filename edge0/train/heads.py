@@ -209,6 +209,8 @@ def add_train_heads_flags(p: argparse.ArgumentParser) -> None:
 def train_heads_cli(args) -> int:
     report = train_heads(args.model, args.out, data=args.data, heldout=args.heldout, top_k=args.k, steps=args.steps,
                          hidden=args.hidden, lr=args.lr, seed=args.seed, resume=args.resume)
+    if World.init().rank:  # rank 0 reports
+        return 0
     print(f"heads for K={report['top_k']} on consumer layers {report['consumers']} -> {args.out}", file=sys.stderr)
     print(f"{'layer':>6} {'repeat':>8} {'next-router':>12} {'heads':>8}")
     for c, r in report["recall"].items():

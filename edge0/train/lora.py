@@ -112,6 +112,7 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
         run = _fit(student, hp, pool, held, world, out.with_name(out.name + ".ckpt"), resume, eval_every, progress,
                    stop_at)
         report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file), **asdict(hp),
+                  "targets": adapter.kinds(),
                   "ranks": world.size, "train": desc, "heldout": held_desc, "heldout_windows": len(held),
                   "heldout_ppl_before": before, **run}
         if world.writer and run["steps_done"] == hp.steps:
@@ -214,6 +215,8 @@ def train_lora_cli(args) -> int:
                    top_k=args.k, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
                    alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
                    eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
+    if World.init().rank:  # rank 0 reports
+        return 0
     b = r["heldout_ppl_before"]
     print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
     print(f"held-out ppl on the student path: native {b['native']:.2f}, predicted {b['predicted']:.2f}, "
