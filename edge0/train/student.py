@@ -100,7 +100,8 @@ class ServedRouting:
 
     def route(self, layer: int, x: mx.array) -> tuple[mx.array, mx.array]:
         blk, t = self.blocks[layer], x.shape[1]
-        owner = self.heads.owners.get(layer)
+        routes = getattr(self.heads, "routes", None)  # consumers whose head routes them (None: every consumer)
+        owner = self.heads.owners.get(layer) if routes is None or layer in routes else None
         q = min(max(self.prefix - self.offset, 0), t)  # positions [0, q) of x route natively
         if owner is None or q == t:
             inds, scores = blk.select(blk.logits(x))
@@ -188,7 +189,8 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
         raise Edge0Error(f"{heads_file}: no prerouter heads for K={k}; the adapter trains on predicted routing, so "
                          f"train the heads first: edge0 train heads --model {store_dir} --out {heads_file} --k {k}")
     heads = HeadSet.load(heads_file, manifest, config, top_k=top_k)
-    late = sorted(c for c, o in heads.owners.items() if o >= c)
+    routing = heads.owners if heads.routes is None else {c: heads.owners[c] for c in heads.routes}
+    late = sorted(c for c, o in routing.items() if o >= c)
     if late:  # the consumer's routing at t would need a later layer at t - 1: not one parallel forward
         raise Edge0Error(f"{heads_file}: the head of layer {late[0]} is owned by a later layer; the student path "
                          "trains heads owned by an earlier layer only")

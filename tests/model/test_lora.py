@@ -177,3 +177,26 @@ def test_built_in_model_serves_its_adapters_by_default():
     ppl = {lora: evaluate(DEMO_STORE, max_tokens=512, config=EngineConfig(lora=lora))["ppl"]
            for lora in ("none", str(DEMO_STORE / "lora-k4.safetensors"))}
     assert ppl[str(DEMO_STORE / "lora-k4.safetensors")] < ppl["none"] * 0.99, ppl
+
+
+def test_student_path_follows_the_heads_routes(served, tmp_path):
+    """A head file whose `routes` leave a consumer out: served, that layer routes by its own router; so does the
+    student path."""
+    from edge0.train.student import load_student
+
+    store, heads, _, _ = served
+    hs = HeadSet.load(heads, read_manifest(store), read_config(store))
+    hs.routes = []
+    only = tmp_path / "routes-none.safetensors"
+    hs.save(only)
+    tokens = list(range(7, 40))
+    with open_engine(EngineConfig(model=str(store), kernel="mlx", routing="predicted", heads=str(only))) as e:
+        want = np.array(e.forced_logprobs(tokens))
+    with open_engine(EngineConfig(model=str(store), kernel="mlx", routing="predicted")) as e:
+        assert not np.allclose(np.array(e.forced_logprobs(tokens)), want, atol=1e-3)  # the heads did route
+    student = load_student(store, only)
+    try:
+        logits = student.logits(mx.array([tokens[:-1]]))[0]
+    finally:
+        student.close()
+    assert np.allclose(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), want, atol=1e-5)
