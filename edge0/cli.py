@@ -34,6 +34,12 @@ def _make_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT")
 
 
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    from .model.workload import add_workload_flags
+
+    add_workload_flags(p)
+
+
 def _train_flags(p: argparse.ArgumentParser) -> None:
     from .train.base import add_train_base_flags
     from .train.heads import add_train_heads_flags
@@ -105,6 +111,9 @@ COMMANDS = {
                lambda p: p.add_argument("store", metavar="STORE")),
     "make-model": ("write a random-weight MoE checkpoint of a real architecture",
                    "Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.", _make_model_flags),
+    "make-workload": ("a store where reads matter: a trained model's experts widened, heads on every layer",
+                      "Widen a trained store's experts (zero neurons: same outputs, larger reads) and train prerouter "
+                      "heads for every MoE layer: the pipeline's benchmark workload.", _workload_flags),
     "train": ("train: base (the demo model), heads (Phase 1), lora (Phase 2), distill (Phase 3)",
               "Training phases: the base model, prerouter heads, the recovery adapter and its on-policy distillation.",
               _train_flags),
@@ -148,6 +157,10 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)}",
               file=sys.stderr)
         return 0
+    if c == "make-workload":
+        from .model.workload import workload_cli
+
+        return workload_cli(args)
     if c == "train":
         return _train(args)
     if c == "eval":
