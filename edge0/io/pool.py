@@ -1,9 +1,11 @@
 """The I/O pool: the one owner of every expert read (exact, staged, hot, whole-layer prefill, prefetch).
 
 One task per bundle (or per whole-layer read), so a layer's misses are read at a queue depth of up to
-the pool's threads. Two classes of task: demand reads (a step is waiting for them) are always taken
-first, and `reserved` threads never take a prefetch, so a demand read never queues behind reads for the
-next step. Threads block in the kernel for most of a read, so more threads than cores is normal; the
+the pool's threads. Three classes of task, taken in this order: demand reads (a step is waiting for
+them), planned reads that are certain (a layer whose routing a head decided for the next step), and
+speculative reads (a prediction that may be wrong: prefetch routing), at most SPECULATIVE of those at
+once. `reserved` threads never take anything but demand reads, so a demand read never queues behind
+reads for the next step. Threads block in the kernel for most of a read, so more threads than cores is normal; the
 default was sized by measurement (docs/results/pipeline.md).
 
 Workers only read bytes into the buffers a task names, run its `commit` (numpy widening of a slot's bf16
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 IO_WORKERS = 8  # pool threads: 1 MiB cold reads gain up to about 8 in flight on the development disk
 RESERVED = 2  # threads that only take demand reads
+SPECULATIVE = 2  # most speculative reads in flight: a guess must not take the disk from reads that are certain
 INLINE_BYTES = 1 << 20  # a bundle this small and already in the page cache is read on the calling thread: a copy
 # of a few microseconds costs less than handing it to a worker
 SWITCH_INTERVAL = 0.0005  # s: Python's GIL hand-over; its 5 ms default makes the graph-building thread wait up to
@@ -46,14 +49,15 @@ class ReadRecord:
 class ReadTask:
     """One read: what to read, and (once `done`) how it went."""
 
-    __slots__ = ("layer", "expert", "buffers", "commit", "demand", "step", "whole", "queued_us", "done", "record",
-                 "error")
+    __slots__ = ("layer", "expert", "buffers", "commit", "demand", "speculative", "step", "whole", "queued_us", "done",
+                 "record", "error")
 
     def __init__(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None, step: int = -1,
-                 whole: bool = False):
+                 whole: bool = False, speculative: bool = False):
         self.layer, self.expert, self.buffers = layer, expert, buffers  # buffers: one per piece (per expert if whole)
         self.commit = commit  # () -> None after the bytes landed (worker thread, numpy only), or None
         self.demand, self.step, self.whole = demand, step, whole  # step: the decode step it serves (traces)
+        self.speculative = speculative and not demand  # a guess: read only with disk time to spare
         self.queued_us = 0.0
         self.done = False  # set last, by the worker: record or error are final
         self.record: ReadRecord | None = None
@@ -87,6 +91,8 @@ class ReadPool:
         self.trace = trace  # None or a sched.trace.Trace-like hook with .on and .span
         self._demand: deque[ReadTask] = deque()
         self._prefetch: deque[ReadTask] = deque()
+        self._speculative: deque[ReadTask] = deque()
+        self._speculating = 0  # threads now running a speculative read
         self._cv = threading.Condition()  # the queues, the counters
         self._landed = threading.Condition()  # tasks becoming done
         self._prefetching = 0  # threads now running a prefetch read
@@ -117,7 +123,7 @@ class ReadPool:
                 self._start_threads()
             for task in tasks:
                 task.queued_us = t
-                (self._demand if task.demand else self._prefetch).append(task)
+                (self._demand if task.demand else self._speculative if task.speculative else self._prefetch).append(task)
             self._cv.notify(len(tasks))
         return tasks
 
@@ -187,9 +193,14 @@ class ReadPool:
             while True:
                 if self._demand:
                     return self._demand.popleft()
-                if self._prefetch and self._prefetching < self.workers - self.reserved:
-                    self._prefetching += 1
-                    return self._prefetch.popleft()
+                if self._prefetching < self.workers - self.reserved:
+                    if self._prefetch:
+                        self._prefetching += 1
+                        return self._prefetch.popleft()
+                    if self._speculative and self._speculating < SPECULATIVE:
+                        self._prefetching += 1
+                        self._speculating += 1
+                        return self._speculative.popleft()
                 if self._closed:
                     return None
                 self._cv.wait()
@@ -201,6 +212,7 @@ class ReadPool:
             if not task.demand:
                 with self._cv:
                     self._prefetching -= 1
+                    self._speculating -= task.speculative
                     self._cv.notify()
 
     def _execute(self, task: ReadTask, name: str) -> None:

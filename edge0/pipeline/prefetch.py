@@ -77,7 +77,8 @@ class PrefetchExperts:
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
         self.ran = -1  # the last step whose graph this layer built from its bank
-        self.waiting: list[tuple[np.ndarray, int]] = []  # (ids, step) planned once this layer has run this step
+        self.waiting: list[tuple[np.ndarray, int, bool]] = []  # (ids, step, speculative): planned once this layer
+        # has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
@@ -141,8 +142,8 @@ class PrefetchExperts:
         """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
         step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
         evict it (with 2K slots it would: K are planned for this step, K hold the last routed set)."""
-        for ids, step in self.waiting:
-            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step)
+        for ids, step, speculative in self.waiting:
+            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=speculative)
         self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
@@ -201,7 +202,7 @@ class PrefetchRuntime(Runtime):
             host = np.array(p.inds, copy=False)
             ids = np.unique(host)
             c = p.consumer
-            c.waiting.append((ids, p.step))
+            c.waiting.append((ids, p.step, p.plan is None))  # decided routing: certain reads
             if c.ran >= p.step - 1:  # the consumer has read its bank this step already
                 c.plan_waiting()
             if p.plan is not None:

@@ -87,8 +87,10 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None) -> LayerPlan | None:
-        """Plan and submit the fill of layer's `cache` with experts `ids` (unique) for `step` (default the next)."""
+    def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None, *,
+                 speculative: bool = True) -> LayerPlan | None:
+        """Plan and submit the fill of layer's `cache` with experts `ids` (unique) for `step` (default the next).
+        speculative: a prediction the router may not follow (its reads yield to certain ones, io/pool.py)."""
         step = self.step + 1 if step is None else step
         key = (layer, step)
         if key in self.plans:
@@ -101,7 +103,7 @@ class Scheduler:
             self.stats.dropped += 1
             return None
         plan = LayerPlan(layer, step, ids, cache, got[0], got[1])
-        self._submit(plan, demand=False)
+        self._submit(plan, demand=False, speculative=speculative)
         cache.reserved[plan.slots] = True
         self.plans[key] = plan
         return plan
@@ -124,7 +126,7 @@ class Scheduler:
             self._collect(plan, "demand")
         return slots
 
-    def _submit(self, plan: LayerPlan, demand: bool) -> None:
+    def _submit(self, plan: LayerPlan, demand: bool, speculative: bool = False) -> None:
         cache, bank = plan.cache, plan.cache.bank
         try:
             buffers = [bank.write_buffers(slot) for slot, _ in plan.fills]  # the write rule is checked here
@@ -133,7 +135,7 @@ class Scheduler:
             raise
         cache.filling[[slot for slot, _ in plan.fills]] = True
         plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                             commit=lambda s=slot: bank.commit([s]))
+                                             speculative=speculative, commit=lambda s=slot: bank.commit([s]))
                                     for (slot, expert), bufs in zip(plan.fills, buffers)])
         self.in_flight += len(plan.fills)
 

@@ -1,0 +1,78 @@
+"""The I/O pool's order: demand reads first, then certain planned reads, then at most SPECULATIVE guesses;
+reserved threads take demand reads only; a failed read's error reaches the thread that waits for it."""
+
+import threading
+
+import pytest
+
+from edge0.errors import Edge0Error
+from edge0.io.pool import SPECULATIVE, ReadPool, ReadTask
+
+
+class GatedReader:
+    """Each read blocks until its expert's gate opens; records the order reads start in."""
+
+    class manifest:
+        bundle_bytes = 1 << 30  # never read on the caller's thread
+
+    def __init__(self):
+        self.gates: dict[int, threading.Event] = {}
+        self.started: list[int] = []
+        self.lock = threading.Lock()
+
+    def cached(self, layer, expert):
+        return False
+
+    def gate(self, expert) -> threading.Event:
+        with self.lock:
+            return self.gates.setdefault(expert, threading.Event())
+
+    def read_bundle(self, layer, expert, buffers):
+        with self.lock:
+            self.started.append(expert)
+        self.gate(expert).wait()
+        if expert < 0:
+            raise Edge0Error(f"read of expert {expert} failed")
+        return 1, 1.0
+
+
+def until(cond, timeout=5.0):
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return True
+        done.wait(0.01)
+    return cond()
+
+
+def test_certain_reads_go_before_guesses_and_guesses_are_capped():
+    reader = GatedReader()
+    pool = ReadPool(reader, 6)  # 2 reserved for demand: 4 for planned reads
+    guesses = pool.submit([ReadTask(0, 10 + i, [], demand=False, speculative=True) for i in range(4)])
+    assert until(lambda: len(reader.started) == SPECULATIVE)  # the cap, although 4 threads are free for them
+    certain = pool.submit([ReadTask(0, 20 + i, [], demand=False) for i in range(2)])
+    assert until(lambda: set(reader.started[SPECULATIVE:]) == {20, 21})  # not the waiting guesses
+    demand = pool.submit([ReadTask(0, 30 + i, [], demand=True) for i in range(2)])
+    assert until(lambda: {30, 31} <= set(reader.started))  # on the reserved threads: all others are busy
+    assert len(reader.started) == SPECULATIVE + 4
+    for e in (10, 11, 30, 31, 20, 21):
+        reader.gate(e).set()
+    pool.finish(certain + demand)
+    assert until(lambda: set(reader.started) == {10, 11, 12, 13, 20, 21, 30, 31})  # the other guesses, later
+    reader.gate(12).set()
+    reader.gate(13).set()
+    pool.finish(guesses)
+    assert pool.stats.loads == 8 and pool.stats.demand_loads == 2
+    pool.close()
+
+
+def test_a_failed_read_is_raised_where_it_is_waited_for():
+    reader = GatedReader()
+    pool = ReadPool(reader, 2)
+    tasks = pool.submit([ReadTask(0, e, [], demand=True) for e in (-1, 5)])
+    reader.gate(-1).set()
+    reader.gate(5).set()
+    with pytest.raises(Edge0Error, match="read of expert -1 failed"):
+        pool.wait(tasks, layer=0, why="demand")
+    assert all(t.done for t in tasks) and tasks[1].record is not None  # the other one finished first
+    pool.close()
