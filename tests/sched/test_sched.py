@@ -228,6 +228,9 @@ def test_a_plan_for_the_next_step_keeps_the_slots_this_step_will_read():
     assert sorted(cache.bank.holds.tolist()) == [0, 1, 2, 3] and set(cache.slot_of[[0, 1]].tolist()) == now
     assert sched.prefetch(0, cache, np.array([4, 5]), step=3) is None  # no free slot: dropped, nothing evicted
     plan = sched.ready(0)
+    deadline = time.monotonic() + 10  # the fills land on their workers
+    while held(cache) != {0: 0, 1: 1, 2: 2, 3: 3} and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert plan.step == 1 and held(cache) == {0: 0, 1: 1, 2: 2, 3: 3}
     assert cache.reserved[cache.slot_of[[2, 3]]].all() and not cache.reserved[cache.slot_of[[0, 1]]].any()
     sched.close()
