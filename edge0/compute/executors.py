@@ -86,7 +86,7 @@ def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num
     if not fills:
         return
     items = [(key % num_experts if num_experts else key, bank.write_buffers(slot)) for slot, key in fills]
-    reader.pool.read_bundles(layer, items, commit=lambda i: bank.commit([fills[i][0]]), step=step)
+    reader.pool.read_bundles(layer, items, bank=bank, slots=[slot for slot, _ in fills], step=step)
 
 
 class SlottedExperts:
@@ -163,7 +163,7 @@ class WholeLayer:
                            "unevaluated graph")
         buffers = [bank.write_buffers(e) for e in range(bank.slots)]  # checked here, on the main thread
         # on a pool thread: bytes only, no MLX op
-        task = ReadTask(layer, 0, buffers, demand=True, whole=True, commit=lambda: bank.commit(np.arange(bank.slots)))
+        task = ReadTask(layer, 0, buffers, demand=True, whole=True, commit=(bank, np.arange(bank.slots)))
         self.pending[layer] = (bank, self.reader.pool.submit([task])[0])
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:

@@ -8,8 +8,8 @@ once. `reserved` threads never take anything but demand reads, so a demand read 
 reads for the next step. Threads block in the kernel for most of a read, so more threads than cores is normal; the
 default was sized by measurement (docs/results/pipeline.md).
 
-Workers only read bytes into the buffers a task names, run its `commit` (numpy widening of a slot's bf16
-pieces) and fill in the task's outcome (`record` or `error`, then `done`); they touch no other state.
+Workers only read bytes into the buffers a task names, commit its slots (`bank.commit`: numpy widening
+of the slot's bf16 pieces) and fill in the task's outcome (`record` or `error`, then `done`); they touch no other state.
 The submitting thread reads outcomes once `done`. A task is a small object, not a Future: the pipeline
 plans a few of them per layer per token, and their cost is on the graph-building thread. With a trace on,
 each read is a span on its worker's lane, in every routing mode.
@@ -55,7 +55,7 @@ class ReadTask:
     def __init__(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None, step: int = -1,
                  whole: bool = False, speculative: bool = False):
         self.layer, self.expert, self.buffers = layer, expert, buffers  # buffers: one per piece (per expert if whole)
-        self.commit = commit  # () -> None after the bytes landed (worker thread, numpy only), or None
+        self.commit = commit  # (bank, slots) whose bank.commit(slots) runs after the bytes landed, or None
         self.demand, self.step, self.whole = demand, step, whole  # step: the decode step it serves (traces)
         self.speculative = speculative and not demand  # a guess: read only with disk time to spare
         self.queued_us = 0.0
@@ -137,25 +137,35 @@ class ReadPool:
         if inline:
             t0, here = now_us(), threading.current_thread()
             name = "main" if here is threading.main_thread() else here.name  # the trace's lane names
+            landed: dict[int, tuple] = {}  # one commit per bank for the reads made here
             for t in inline:
                 t.queued_us = t0
+                if t.commit is not None:
+                    bank, slots = t.commit
+                    landed.setdefault(id(bank), (bank, []))[1].extend(slots)
+                    t.commit = None
                 self._execute(t, name)
+            for bank, slots in landed.values():
+                bank.commit(slots)  # failed reads' slots too: the caller empties them
             if any(t.demand for t in inline):  # the caller was waiting for these: a stall, as `wait`
                 self._stalled(t0, now_us(), inline[0].layer, "demand")
         return tasks
 
     def _inline(self, task: ReadTask, n: int) -> bool:
+        """Read on the calling thread: a demand read whose whole set is smaller than INLINE_BYTES (a hand-over
+        costs more than its transfer), or a small bundle already in the page cache."""
         if task.whole:
             return False
-        if task.demand and n == 1:
+        small = self.reader.manifest.bundle_bytes <= INLINE_BYTES
+        if task.demand and (n == 1 or n * self.reader.manifest.bundle_bytes <= INLINE_BYTES):
             return True
-        return self.reader.manifest.bundle_bytes <= INLINE_BYTES and self.reader.cached(task.layer, task.expert)
+        return small and self.reader.cached(task.layer, task.expert)
 
-    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, commit=None, step: int = -1) -> None:
+    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, bank=None, slots=None, step: int = -1) -> None:
         """Demand-read (expert, buffers) items, in parallel where that pays, and wait for all of them; then raise
-        the first error, so no read is still writing when the caller handles it. commit(i) runs after item i."""
-        tasks = [ReadTask(layer, e, bufs, demand=True, step=step,
-                          commit=None if commit is None else (lambda i=i: commit(i)))
+        the first error, so no read is still writing when the caller handles it. bank, slots: item i lands in
+        bank slot slots[i] (committed once it has)."""
+        tasks = [ReadTask(layer, e, bufs, demand=True, step=step, commit=None if bank is None else (bank, [slots[i]]))
                  for i, (e, bufs) in enumerate(items)]
         self.wait(self.run(tasks), layer=layer, why="demand")
 
@@ -224,7 +234,8 @@ class ReadPool:
             else:
                 n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers)
             if task.commit is not None:
-                task.commit()
+                bank, slots = task.commit
+                bank.commit(slots)
             task.record = ReadRecord(n, cold, start, now_us())
         except BaseException as e:  # handed to whoever waits for the task, on its own thread
             task.error = e

@@ -135,7 +135,7 @@ class Scheduler:
             raise
         cache.filling[[slot for slot, _ in plan.fills]] = True
         plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                             speculative=speculative, commit=lambda s=slot: bank.commit([s]))
+                                             speculative=speculative, commit=(bank, [slot]))
                                     for (slot, expert), bufs in zip(plan.fills, buffers)])
         self.in_flight += len(plan.fills)
 
