@@ -31,11 +31,11 @@ async def serve_batched(queue, max_batch: int) -> None:
         except Exception as e:
             log.error("a batched step failed", error=repr(e), traceback=traceback.format_exc())
             failed = [jobs.pop(id(s)) for s in batch.abandon() if id(s) in jobs] + newcomers
+            queue.unhealthy = f"a generation failed ({type(e).__name__})"
+            await queue._reset()  # before the clients hear of the failure: their next request finds it reset
             for job in failed:
                 queue.metrics.failed += 1
                 job.events.put_nowait(("error", e))
-            queue.unhealthy = f"a generation failed ({type(e).__name__})"
-            await queue._reset()
             _set_running(queue, batch, jobs)
             continue
         for job, e in refused:

@@ -216,9 +216,9 @@ class JobQueue:
         except Exception as e:  # reported to the client as a 500; the engine is reset before the next job
             log.error("generation failed", error=repr(e), traceback=traceback.format_exc())
             self.metrics.failed += 1
-            job.events.put_nowait(("error", e))
             self.unhealthy = f"a generation failed ({type(e).__name__})"
-            await self._reset()
+            await self._reset()  # before the client hears of the failure: its next request finds the engine reset
+            job.events.put_nowait(("error", e))
             return
         self.metrics.add(fig)
         # emit's call_soon_threadsafe callbacks were queued before this point: the text comes first
