@@ -9,7 +9,10 @@ The rule of the pipeline, written once:
   slots stay reserved until its step consumes them. Each bundle is one task on the I/O pool (io/pool.py),
   so a layer's fills run at a queue depth of up to the pool's threads. At layer L of step s+1 the
   graph-building thread waits for that plan only if its reads have not landed (a stall), then reads what
-  the prediction missed as demand reads, which the pool runs before any prefetch.
+  the prediction missed as demand reads, which the pool runs before any prefetch. A speculative plan (a
+  guess the router may not follow: prefetch routing) is not waited for as a whole: once the layer has routed,
+  its reads of experts the router chose are waited for, its reads not started yet of the others are taken
+  back, and those already running land in the background (their slots stay `filling` until then).
 
 Threads: there is no event loop. Planning and collecting run on the graph-building thread, between
   graphs: numpy on arrays of a few ids, microseconds per bundle (the executors draw it as the `sched`
@@ -55,6 +58,7 @@ class LayerPlan:
     fills: list[tuple[int, int]] = field(default_factory=list)  # (slot, expert) of each read
     tasks: list[ReadTask] = field(default_factory=list)  # one per fill, until collected
     demand: bool = False  # read for the step being built (misses), not ahead
+    speculative: bool = False  # a guess: consumed without waiting for the reads the router did not choose
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Scheduler:
         self.trace = trace
         self.step = 0  # decode step now being built
         self.plans: dict[tuple[int, int], LayerPlan] = {}  # (layer, step) -> plan not consumed yet
+        self.landing: list[LayerPlan] = []  # speculative plans consumed while some of their reads still run
         self.stats = SchedStats()
         self.in_flight = 0  # reads submitted and not yet collected
 
@@ -102,7 +107,7 @@ class Scheduler:
         if got is None:  # a multi-token step's union that does not fit, or no free slots now
             self.stats.dropped += 1
             return None
-        plan = LayerPlan(layer, step, ids, cache, got[0], got[1])
+        plan = LayerPlan(layer, step, ids, cache, got[0], got[1], speculative=speculative)
         self._submit(plan, demand=False, speculative=speculative)
         cache.reserved[plan.slots] = True
         self.plans[key] = plan
@@ -111,7 +116,8 @@ class Scheduler:
     def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray | None:
         """Make `cache` hold `ids` (unique) now: misses read on demand, in parallel, and waited for; returns
         their slots, or None when the bank cannot take them now (the caller reads them the exact way)."""
-        self._harvest(layer)
+        self._take_back(layer, ids)
+        self._harvest(layer)  # reads landed or taken back: their slots are free again
         got = cache.assign(ids)
         if got is None:
             return None
@@ -141,12 +147,15 @@ class Scheduler:
 
     # -- collecting -----------------------------------------------------------------------------------
 
-    def _collect(self, plan: LayerPlan, why: str | None) -> None:
-        """Apply a plan's finished reads (waiting for them first, as a stall when `why` names one); a failed
-        read empties its slot, and the first error is raised once every read of the plan has stopped."""
-        tasks = plan.tasks
-        if not tasks:
+    def _collect(self, plan: LayerPlan, why: str | None, only=None) -> None:
+        """Apply a plan's reads, all of them or those filling the slots in `only` (waiting for them first, as a
+        stall when `why` names one); a failed read empties its slot, as does a read taken back before it
+        started, and the first error is raised once every read collected has stopped."""
+        picked = [i for i, ((slot, _), t) in enumerate(zip(plan.fills, plan.tasks))
+                  if t is not None and (only is None or slot in only)]
+        if not picked:
             return
+        tasks = [plan.tasks[i] for i in picked]
         if why is not None:
             before = self.pool.waited_s
             try:
@@ -157,30 +166,45 @@ class Scheduler:
         else:
             self.pool.finish(tasks)
         error = None
-        for (slot, _), task in zip(plan.fills, tasks):
-            if task.error is not None:
-                plan.cache.forget([slot])  # the worker stopped before committing: the slot holds no bundle
+        for i in picked:
+            slot, task = plan.fills[i][0], plan.tasks[i]
+            plan.tasks[i] = None
+            plan.cache.filling[slot] = False
+            if task.error is not None or task.record is None:  # failed, or taken back: the slot holds no bundle
+                plan.cache.forget([slot])
                 error = error or task.error
                 continue
             self.stats.loads += 1
             self.stats.demand_loads += plan.demand
-        plan.cache.filling[[slot for slot, _ in plan.fills]] = False
-        plan.tasks = []
-        self.in_flight -= len(tasks)
+        if all(t is None for t in plan.tasks):
+            plan.tasks = []
+        self.in_flight -= len(picked)
         if error is not None:
             self._unreserve(plan)
             raise error
 
     def _harvest(self, layer: int) -> None:
-        """Collect this layer's plans whose reads have all landed: their slots stop counting as filling."""
-        for plan in self.plans.values():
-            if plan.layer == layer and plan.tasks and all(t.done for t in plan.tasks):
-                self._collect(plan, None)
+        """Collect this layer's reads that have landed: their slots stop counting as filling."""
+        for plan in [*self.plans.values(), *self.landing]:
+            if plan.layer == layer and plan.tasks:
+                self._collect(plan, None, {s for (s, _), t in zip(plan.fills, plan.tasks) if t is not None and t.done})
+        self.landing = [p for p in self.landing if p.tasks]
 
     def _wait_filling(self, layer: int, cache, slots: np.ndarray) -> None:
-        for plan in list(self.plans.values()):
-            if plan.layer == layer and plan.tasks and np.isin(slots, [s for s, _ in plan.fills]).any():
-                self._collect(plan, "prefetch")
+        """Wait for the reads still filling `slots` (experts the layer routed to now), and only for those."""
+        wanted = set(slots.tolist())
+        for plan in [*self.plans.values(), *self.landing]:
+            if plan.layer == layer and plan.tasks:
+                self._collect(plan, "prefetch", wanted)
+        self.landing = [p for p in self.landing if p.tasks]
+
+    def _take_back(self, layer: int, ids: np.ndarray) -> None:
+        """A consumed guess's reads of experts the router did not choose (not in `ids`): those not started are
+        taken back from the pool; running ones land in the background."""
+        keep = set(ids.tolist())
+        for plan in self.landing:
+            if plan.layer == layer:
+                self.pool.cancel([t for (_, e), t in zip(plan.fills, plan.tasks) if t is not None and e not in keep])
 
     # -- consuming ------------------------------------------------------------------------------------
 
@@ -189,6 +213,11 @@ class Scheduler:
         plan = self.plans.pop((layer, self.step), None)
         if plan is None:
             return None
+        if plan.speculative:  # the reads the router chooses are waited for in `demand`, the others taken back
+            self._unreserve(plan)
+            if plan.tasks:
+                self.landing.append(plan)
+            return plan
         try:
             self._collect(plan, "prefetch")
         finally:
@@ -229,8 +258,9 @@ class Scheduler:
     def cancel(self) -> None:
         """Abandon every plan (a generation ended); waits for reads in flight so no worker writes later. A
         failed read's error is dropped here (its slot was emptied): nobody consumes that plan."""
-        plans = list(self.plans.values())
+        plans = [*self.plans.values(), *self.landing]
         self.plans.clear()
+        self.landing = []
         for plan in plans:
             self._drop(plan)
 
@@ -242,7 +272,7 @@ class Scheduler:
     @property
     def pending(self) -> int:
         """Plans with a read still running."""
-        return sum(1 for p in self.plans.values() if any(not t.done for t in p.tasks))
+        return sum(1 for p in [*self.plans.values(), *self.landing] if any(t is not None and not t.done for t in p.tasks))
 
     def close(self) -> None:
         self.cancel()

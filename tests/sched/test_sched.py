@@ -90,7 +90,7 @@ class FakeReader:
     def cached(self, layer, expert):
         return False  # every read a cold one: prefetches go to the pool's threads
 
-    def read_bundle(self, layer, expert, buffers):
+    def read_bundle(self, layer, expert, buffers, pause=None, chunk=0):
         self.release.wait()
         if expert in self.fail:
             raise Edge0Error(f"layer {layer}: read of expert {expert} failed")
@@ -114,7 +114,7 @@ def held(cache) -> dict[int, int]:
 
 def test_prefetch_is_submitted_ahead_and_consumed_only_when_landed():
     reader, fence, caches, sched = fake_setup()
-    sched.prefetch(1, caches[1], np.array([2, 3]))  # during step 0, for step 1
+    sched.prefetch(1, caches[1], np.array([2, 3]), speculative=False)  # during step 0, for step 1: certain
     assert sched.pending == 1 and reader.log == []  # submitted, not landed: the reads wait on the pool
     reader.release.set()
     sched.next_step()
@@ -135,7 +135,7 @@ def test_prefetch_is_submitted_ahead_and_consumed_only_when_landed():
 def test_ready_waits_for_a_read_in_flight():
     """ready() returns only once the planned bytes are in the slot: the read is held until released."""
     reader, fence, caches, sched = fake_setup()
-    sched.prefetch(1, caches[1], np.array([4]))
+    sched.prefetch(1, caches[1], np.array([4]), speculative=False)
     sched.next_step()
     got = {}
     t = threading.Thread(target=lambda: got.update(plan=sched.ready(1)))
@@ -145,6 +145,29 @@ def test_ready_waits_for_a_read_in_flight():
     reader.release.set()
     t.join()
     assert held(caches[1]) == {4: 16 + 4} and sched.stats.stall_s > 0.2
+    sched.close()
+    sched.pool.close()
+
+
+def test_a_guess_is_waited_for_only_where_the_router_chose_it():
+    """A speculative plan is consumed without waiting; the layer then waits for the read of the guessed expert it
+    routed to, and the guesses it did not route to that have not started are never read."""
+    reader, fence, caches, sched = fake_setup(slots=4, workers=1)
+    cache = caches[1]
+    sched.prefetch(1, cache, np.array([2, 3, 4]))  # a guess (the default), for step 1
+    sched.next_step()
+    plan = sched.ready(1)
+    assert plan is not None and sched.pending == 1 and reader.log == []  # consumed; nothing has landed
+    got = {}
+    t = threading.Thread(target=lambda: got.update(slots=sched.demand(1, cache, np.array([2, 5]))))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # waiting for the read of 2, the guess it routed to
+    reader.release.set()
+    t.join()
+    assert sorted(e for _, e, _ in reader.log) == [2, 5]  # 3 and 4 were taken back before they started
+    assert held(cache) == {2: 16 + 2, 5: 16 + 5} and got["slots"].tolist() == [cache.slot_of[2], cache.slot_of[5]]
+    assert sched.pending == 0 and sched.in_flight == 0 and not cache.filling.any()
     sched.close()
     sched.pool.close()
 
@@ -243,7 +266,7 @@ def test_a_failed_fill_empties_its_slots_and_reset_starts_over():
     reader.fail = {5}
     cache = caches[1]
     sched.demand(1, cache, np.array([0, 1]))
-    sched.prefetch(1, cache, np.array([1, 5]))  # for step 1: 1 is held, 5 fails on the worker
+    sched.prefetch(1, cache, np.array([1, 5]), speculative=False)  # for step 1: 1 is held, 5 fails
     sched.next_step()
     with pytest.raises(Edge0Error, match="read of expert 5 failed"):
         sched.ready(1)  # the worker's error, raised where the step consumes the fill
