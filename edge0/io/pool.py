@@ -5,11 +5,9 @@ the pool's threads. Three classes of task, taken in this order: demand reads (a 
 them), planned reads that are certain (a layer whose routing a head decided for the next step), and
 speculative reads (a prediction that may be wrong: prefetch routing), at most SPECULATIVE of those at
 once. `reserved` threads never take anything but demand reads, so a demand read never queues behind
-reads for the next step. A read for a later step is made in READ_CHUNK parts and pauses between two while any
-demand read is queued or running, or a step waits for a read: a bundle read takes the disk for milliseconds, and
-a demand read arriving in the middle of one would share the disk with it; paused, it has the disk alone, and
-the guess costs only time the disk would have been idle. A read a step comes to wait for (`wait`) is promoted:
-taken first if still queued, never paused if running. Threads block in the kernel for most of a read, so more threads than cores is normal; the
+reads for the next step. A planned read a step comes to wait for (`wait`) while it is still queued is promoted
+to the front of the demand reads; `cancel` takes back planned reads that have not started. Threads block in
+the kernel for most of a read, so more threads than cores is normal; the
 default was sized by measurement (docs/results/pipeline.md).
 
 Workers only read bytes into the buffers a task names, commit its slots (`bank.commit`: numpy widening
@@ -30,7 +28,6 @@ from dataclasses import dataclass
 IO_WORKERS = 8  # pool threads: 1 MiB cold reads gain up to about 8 in flight on the development disk
 RESERVED = 2  # threads that only take demand reads
 SPECULATIVE = 2  # most speculative reads in flight: a guess must not take the disk from reads that are certain
-READ_CHUNK = 1 << 20  # bytes a read for a later step makes before it checks whether a demand read waits
 INLINE_BYTES = 1 << 20  # a bundle this small and already in the page cache is read on the calling thread: a copy
 # of a few microseconds costs less than handing it to a worker
 SWITCH_INTERVAL = 0.0005  # s: Python's GIL hand-over; its 5 ms default makes the graph-building thread wait up to
@@ -39,10 +36,6 @@ SWITCH_INTERVAL = 0.0005  # s: Python's GIL hand-over; its 5 ms default makes th
 
 def now_us() -> float:
     return time.perf_counter() * 1e6
-
-
-class Dropped(Exception):
-    """A read taken back while it ran (ReadPool.cancel): raised between two of its parts."""
 
 
 @dataclass
@@ -59,7 +52,7 @@ class ReadTask:
     """One read: what to read, and (once `done`) how it went."""
 
     __slots__ = ("layer", "expert", "buffers", "commit", "demand", "speculative", "step", "whole", "queued_us", "done",
-                 "record", "error", "urgent", "promoted", "dropped")
+                 "record", "error", "promoted")
 
     def __init__(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None, step: int = -1,
                  whole: bool = False, speculative: bool = False):
@@ -68,9 +61,7 @@ class ReadTask:
         self.demand, self.step, self.whole = demand, step, whole  # step: the decode step it serves (traces)
         self.speculative = speculative and not demand  # a guess: read only with disk time to spare
         self.queued_us = 0.0
-        self.urgent = False  # a step waits for it: never paused
         self.promoted = False  # a planned read a step came to wait for while it was queued: queued as a demand read
-        self.dropped = False  # taken back while running: it stops at its next part, with neither record nor error
         self.done = False  # set last, by the worker: record or error are final
         self.record: ReadRecord | None = None
         self.error: BaseException | None = None
@@ -108,8 +99,6 @@ class ReadPool:
         self._cv = threading.Condition()  # the queues, the counters
         self._landed = threading.Condition()  # tasks becoming done
         self._prefetching = 0  # threads now running a prefetch read
-        self._demanding = 0  # demand reads queued or running (on a worker or inline)
-        self._waiting = 0  # callers in `wait` for reads that have not landed
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.waited_s = 0.0  # time callers waited on reads (`wait`): the graph-building thread's stalls
@@ -137,7 +126,6 @@ class ReadPool:
                 self._start_threads()
             for task in tasks:
                 task.queued_us = t
-                self._demanding += task.demand
                 (self._demand if task.demand else self._speculative if task.speculative else self._prefetch).append(task)
             self._cv.notify(len(tasks))
         return tasks
@@ -153,8 +141,6 @@ class ReadPool:
             t0, here = now_us(), threading.current_thread()
             name = "main" if here is threading.main_thread() else here.name  # the trace's lane names
             landed: dict[int, tuple] = {}  # one commit per bank for the reads made here
-            with self._cv:
-                self._demanding += sum(t.demand for t in inline)
             for t in inline:
                 t.queued_us = t0
                 if t.commit is not None:
@@ -193,27 +179,18 @@ class ReadPool:
         if pending:
             t0 = now_us()
             self._promote(pending)
-            try:
-                self.finish(tasks)
-            finally:
-                with self._cv:
-                    self._waiting -= 1
-                    self._cv.notify_all()
+            self.finish(tasks)
             self._stalled(t0, now_us(), layer, why)
         raise_first(tasks)
 
     def _promote(self, tasks: list[ReadTask]) -> None:
-        """A step waits for these reads: queued ones become demand reads (taken first), running ones stop pausing,
-        and reads for later steps pause until the wait is over."""
+        """A step waits for these reads: those still queued as planned reads are taken next, as demand reads."""
         with self._cv:
-            self._waiting += 1
             for t in tasks:
-                t.urgent = True
                 for q in (self._prefetch, self._speculative):
                     if t in q:
                         q.remove(t)
                         t.promoted, t.speculative = True, False
-                        self._demanding += 1
                         self._demand.appendleft(t)
             self._cv.notify_all()
 
@@ -270,50 +247,28 @@ class ReadPool:
         try:
             if task.whole:
                 n, cold = self.reader.read_layer_into(task.layer, task.buffers), 0.0
-            elif task.demand:
-                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers)
             else:
-                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers,
-                                                  pause=lambda: self._pause(task), chunk=READ_CHUNK)
+                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers)
             if task.commit is not None:
                 bank, slots = task.commit
                 bank.commit(slots)
             task.record = ReadRecord(n, cold, start, now_us())
-        except Dropped:  # taken back: neither record nor error
-            pass
         except BaseException as e:  # handed to whoever waits for the task, on its own thread
             task.error = e
         self._finished(task, name)
 
     def cancel(self, tasks: list[ReadTask]) -> None:
-        """Take back reads: those not started are done at once, running ones stop at their next part (a read
-        for a later step is made in parts); either way with neither record nor error, their buffers not to be
-        used. Demand reads and finished ones are left alone."""
+        """Take back planned reads that have not started: they are done at once, with neither record nor error
+        (their buffers untouched). Running, finished and demand reads are left alone."""
         gone = []
         with self._cv:
             for t in tasks:
-                if t.demand or t.done:
-                    continue
-                t.dropped = True
                 for q in (self._prefetch, self._speculative):
                     if t in q:
                         q.remove(t)
                         gone.append(t)
-            self._cv.notify_all()  # a paused one stops now
         for t in gone:
             self._finished(t, "")
-
-    def _pause(self, task: ReadTask) -> None:
-        """Between two parts of a read for a later step: wait while a demand read is queued or running, or a
-        step waits for a read (unless this is the one it waits for)."""
-        if not task.dropped and (task.urgent or not self.reserved or not (self._demanding or self._waiting)):
-            return  # unlocked: a stale answer costs one part; without reserved threads a paused read could hold the
-            # only thread a demand read needs
-        with self._cv:
-            self._cv.wait_for(lambda: task.dropped or task.urgent or self._closed
-                              or not (self._demanding or self._waiting))
-        if task.dropped:
-            raise Dropped
 
     def _finished(self, task: ReadTask, name: str) -> None:
         r = task.record
@@ -322,10 +277,6 @@ class ReadPool:
                             bytes=r.nbytes, cold=r.cold, wait_ms=(r.start_us - task.queued_us) / 1e3,
                             demand=task.demand, step=task.step, whole_layer=task.whole)
         with self._cv:
-            if task.demand or task.promoted:
-                self._demanding -= 1
-                if not self._demanding:
-                    self._cv.notify_all()  # paused reads go on
             if r is not None:
                 st = self.stats
                 if task.whole:

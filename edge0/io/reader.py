@@ -123,22 +123,10 @@ class BundleReader:
         """Read bundle (layer, expert) into buffers (one writable buffer per piece, manifest order)."""
         return self.read_bundle(layer, expert, buffers)[0]
 
-    def read_bundle(self, layer: int, expert: int, buffers: list, *, pause=None,
-                    chunk: int = 0) -> tuple[int, float]:
-        """As read_into; returns (bytes read, fraction of them that were not in the page cache). With `pause`, the
-        bundle is read `chunk` bytes at a time (a multiple of the page size), calling pause() between two."""
+    def read_bundle(self, layer: int, expert: int, buffers: list) -> tuple[int, float]:
+        """As read_into; returns (bytes read, fraction of them that were not in the page cache)."""
         m = self.manifest
-        where = self.offset(layer, expert)
-        if pause is None or not chunk or chunk >= m.bundle_bytes:
-            n, cold = self._read(layer, where, m.bundle_bytes, buffers, f"expert {expert}")
-        else:
-            parts, n, cold = _Parts(buffers), 0, 0.0
-            for a in range(0, m.bundle_bytes, chunk):
-                if a:
-                    pause()
-                b = min(a + chunk, m.bundle_bytes)
-                got, c = self._read(layer, where + a, b - a, parts.range(a, b), f"expert {expert}")
-                n, cold = n + got, cold + c
+        n, cold = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}")
         if self.verify:
             self._check(layer, expert, buffers)
         return n, cold / n
@@ -237,22 +225,6 @@ class BundleReader:
             os.close(fd)
         self._fds.clear()
         self._residency.clear()
-
-
-class _Parts:
-    """Byte ranges of a list of buffers taken as one: range(a, b) is the list of views that covers [a, b)."""
-
-    def __init__(self, iov: list):
-        self.iov = [np.frombuffer(b, dtype=np.uint8) for b in iov]
-        self.starts = np.cumsum([0] + [len(b) for b in self.iov])
-
-    def range(self, a: int, b: int) -> list:
-        out = []
-        for buf, s in zip(self.iov, self.starts):
-            lo, hi = max(a - s, 0), min(b - s, len(buf))
-            if lo < hi:
-                out.append(buf[lo:hi])
-        return out
 
 
 class _Scatter:

@@ -1,6 +1,6 @@
 """The I/O pool's order: demand reads first, then certain planned reads, then at most SPECULATIVE guesses;
-reserved threads take demand reads only; reads for later steps pause while a demand read runs or a step waits,
-and the read a step waits for is promoted; a failed read's error reaches the thread that waits for it."""
+reserved threads take demand reads only; a queued read a step waits for is promoted; reads not started can be
+taken back; a failed read's error reaches the thread that waits for it."""
 
 import threading
 
@@ -19,7 +19,6 @@ class GatedReader:
     def __init__(self):
         self.gates: dict[int, threading.Event] = {}
         self.started: list[int] = []
-        self.parts: list[int] = []  # experts whose read went past its pause point
         self.lock = threading.Lock()
 
     def cached(self, layer, expert):
@@ -29,14 +28,10 @@ class GatedReader:
         with self.lock:
             return self.gates.setdefault(expert, threading.Event())
 
-    def read_bundle(self, layer, expert, buffers, pause=None, chunk=0):
+    def read_bundle(self, layer, expert, buffers):
         with self.lock:
             self.started.append(expert)
         self.gate(expert).wait()
-        if pause is not None:  # a second part, after the gate: where the pool may hold it
-            pause()
-            with self.lock:
-                self.parts.append(expert)
         if expert < 0:
             raise Edge0Error(f"read of expert {expert} failed")
         return 1, 1.0
@@ -84,56 +79,21 @@ def test_a_failed_read_is_raised_where_it_is_waited_for():
     pool.close()
 
 
-def test_reads_for_later_steps_pause_while_a_demand_read_runs():
-    reader = GatedReader()
-    pool = ReadPool(reader, 4)
-    guess = pool.submit([ReadTask(0, 10, [], demand=False, speculative=True)])
-    assert until(lambda: reader.started == [10])
-    demand = pool.submit([ReadTask(0, 30, [], demand=True)])
-    assert until(lambda: reader.started == [10, 30])
-    reader.gate(10).set()  # the guess's first part is in: its second waits for the demand read
-    assert not until(lambda: reader.parts, timeout=0.3)
-    reader.gate(30).set()
-    pool.finish(demand)
-    pool.finish(guess)
-    assert reader.parts == [10] and guess[0].record is not None
-    pool.close()
-
-
-def test_the_read_a_step_waits_for_is_promoted():
-    """A step waiting on a queued planned read takes it first (a reserved thread reads it); a running one stops
-    pausing, while the other planned reads pause until the wait is over."""
+def test_the_read_a_step_waits_for_is_promoted_and_reads_not_started_can_be_taken_back():
     reader = GatedReader()
     pool = ReadPool(reader, 4)  # 2 reserved: 2 threads for planned reads
-    tasks = pool.submit([ReadTask(0, e, [], demand=False) for e in (10, 11, 12, 13)])
+    tasks = pool.submit([ReadTask(0, e, [], demand=False) for e in (10, 11, 12, 13, 14)])
     assert until(lambda: reader.started == [10, 11])
-    waiter = threading.Thread(target=pool.wait, args=([tasks[0], tasks[3]],), kwargs={"layer": 0, "why": "ready"})
+    waiter = threading.Thread(target=pool.wait, args=([tasks[3]],), kwargs={"layer": 0, "why": "ready"})
     waiter.start()
     assert until(lambda: reader.started == [10, 11, 13])  # promoted past 12, on a reserved thread
-    reader.gate(11).set()  # not waited for: pauses while the step waits
-    assert not until(lambda: reader.parts, timeout=0.3)
-    reader.gate(10).set()
-    reader.gate(13).set()
-    waiter.join(5)
-    assert not waiter.is_alive() and tasks[0].done and tasks[3].done
-    reader.gate(12).set()
-    pool.finish(tasks)
-    assert reader.parts[:2] in ([10, 13], [13, 10]) and sorted(reader.parts) == [10, 11, 12, 13]
-    assert pool.stats.demand_loads == 0  # all four were planned
-    pool.close()
-
-
-def test_a_read_taken_back_stops_at_its_next_part():
-    reader = GatedReader()
-    pool = ReadPool(reader, 4)
-    tasks = pool.submit([ReadTask(0, e, [], demand=False) for e in (10, 11, 12)])  # 2 threads: 12 waits
-    assert until(lambda: reader.started == [10, 11])
-    pool.cancel(tasks[1:])  # 11 runs, 12 never started
-    assert tasks[2].done and tasks[2].record is None and tasks[2].error is None
-    for e in (10, 11):
+    pool.cancel(tasks[1:3] + tasks[4:])  # 11 runs: left alone; 12 and 14 never start
+    assert tasks[2].done and tasks[2].record is None and tasks[2].error is None and tasks[4].done
+    for e in (10, 11, 13):
         reader.gate(e).set()
+    waiter.join(5)
+    assert not waiter.is_alive() and tasks[3].done
     pool.finish(tasks)
-    assert reader.parts == [10] and reader.started == [10, 11]  # 11 stopped before its second part
-    assert tasks[0].record is not None and tasks[1].record is None and tasks[1].error is None
-    assert pool.stats.loads == 1
+    assert reader.started == [10, 11, 13] and all(tasks[i].record is not None for i in (0, 1, 3))
+    assert pool.stats.loads == 3 and pool.stats.demand_loads == 0  # all were planned reads
     pool.close()
