@@ -133,8 +133,9 @@ class ReadPool:
     def run(self, tasks: list[ReadTask]) -> list[ReadTask]:
         """Start tasks: those the calling thread does faster itself (a small bundle already in the page cache;
         a demand read alone) are read now, on this thread; the others are queued for the workers, first."""
-        inline = [t for t in tasks if self._inline(t, len(tasks))]
-        queued = [t for t in tasks if t not in inline] if inline else tasks
+        inline, queued = [], []
+        for t in tasks:
+            (inline if self._inline(t, len(tasks)) else queued).append(t)
         if queued:
             self.submit(queued)
         if inline:
@@ -147,7 +148,7 @@ class ReadPool:
                     bank, slots = t.commit
                     landed.setdefault(id(bank), (bank, []))[1].extend(slots)
                     t.commit = None
-                self._execute(t, name)
+                self._execute(t, name, inline=True)
             for bank, slots in landed.values():
                 bank.commit(slots)  # failed reads' slots too: the caller empties them
             if any(t.demand for t in inline):  # the caller was waiting for these: a stall, as `wait`
@@ -241,7 +242,7 @@ class ReadPool:
                     self._speculating -= task.speculative
                     self._cv.notify()
 
-    def _execute(self, task: ReadTask, name: str) -> None:
+    def _execute(self, task: ReadTask, name: str, inline: bool = False) -> None:
         """Read, commit, record: on a worker, or inline on the thread that started the task."""
         start = now_us()
         try:
@@ -255,7 +256,7 @@ class ReadPool:
             task.record = ReadRecord(n, cold, start, now_us())
         except BaseException as e:  # handed to whoever waits for the task, on its own thread
             task.error = e
-        self._finished(task, name)
+        self._finished(task, name, inline)
 
     def cancel(self, tasks: list[ReadTask]) -> None:
         """Take back planned reads that have not started: they are done at once, with neither record nor error
@@ -270,7 +271,9 @@ class ReadPool:
         for t in gone:
             self._finished(t, "")
 
-    def _finished(self, task: ReadTask, name: str) -> None:
+    def _finished(self, task: ReadTask, name: str, inline: bool = False) -> None:
+        """Record a task's outcome and mark it done; `inline`: made by the thread that will wait for it, so
+        nobody waits on `_landed` for it."""
         r = task.record
         if r is not None and self.trace is not None and self.trace.on:
             self.trace.span("read", "io", r.start_us, r.end_us, thread=name, layer=task.layer, expert=task.expert,
@@ -287,6 +290,9 @@ class ReadPool:
                     st.bytes += r.nbytes
                     st.cold_bytes += r.cold * r.nbytes
         task.buffers = task.commit = None  # the slot's views: not kept alive by a finished task
+        if inline:
+            task.done = True
+            return
         with self._landed:
             task.done = True
             self._landed.notify_all()
