@@ -68,6 +68,11 @@ class Bank:
             self._flat = [memoryview(self._arrays[p.name]).cast("B") for p in self.pieces]
             self._stage = np.zeros((self.slots, self._stage_bytes), dtype=np.uint8) if self._stage_bytes else None
             self._views = [self._slot_views(slot) for slot in range(self.slots)]  # made once: fills are per token
+            # commit's views, made once: the staged bf16 words and, per widened piece, (first word, words, (S, n) dst)
+            self._stage16 = self._stage.view(np.uint16) if self._stage_bytes else None
+            self._widen_views = [(self._stage_at[i] // 2, p.nbytes // 2,
+                                  np.frombuffer(self._flat[i], dtype=np.uint32).reshape(self.slots, -1))
+                                 for i, p in enumerate(self.pieces) if self.widen[i]]
         return self._arrays
 
     @property
@@ -114,13 +119,16 @@ class Bank:
         """Widen the staged bf16 pieces of `slots` into the float32 bank (numpy on the bank's memory, no MLX op)."""
         if not self._stage_bytes:
             return
-        slots = np.asarray(slots, dtype=np.int64)
-        for i, p in enumerate(self.pieces):
-            if self.widen[i]:
-                at = self._stage_at[i]
-                bf16 = self._stage[slots, at:at + p.nbytes].view(np.uint16)  # (n, nbytes/2)
-                dst = np.frombuffer(self._flat[i], dtype=np.uint32).reshape(self.slots, -1)
-                dst[slots] = bf16.astype(np.uint32) << 16  # bf16 -> f32 is exact: the high half of the word
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(slots) <= 2:  # a slot or two (most commits): shifts straight into the bank, no temporaries
+            for slot in slots.tolist():
+                row = self._stage16[slot]
+                for at, n, dst in self._widen_views:  # bf16 -> f32 is exact: the high half of the word
+                    np.left_shift(row[at:at + n], 16, out=dst[slot], dtype=np.uint32)
+            return
+        rows = self._stage16[slots]
+        for at, n, dst in self._widen_views:
+            dst[slots] = rows[:, at:at + n].astype(np.uint32) << 16
 
     def read(self, slots=None) -> dict[str, mx.array]:
         """The bank's arrays for a graph about to be built that reads `slots` (default all): marks them read

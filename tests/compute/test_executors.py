@@ -195,3 +195,31 @@ def test_a_failed_fill_leaves_its_slots_empty(models):
     fence.sync()
     assert np.array_equal(np.array(slotted(x, inds)), np.array(exact(x, inds)))
     reader.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_commit_widens_the_staged_bf16_pieces_of_exactly_the_slots_named(n):
+    """bf16 scales and biases staged for a few slots (one at a time) or many (at once) land in the float32 bank
+    as their exact float32 values; other slots are untouched."""
+    from edge0.io.manifest import Piece
+
+    pieces = [Piece(name="s", dtype="BF16", shape=[3, 4], offset=0, nbytes=24),
+              Piece(name="w", dtype="U32", shape=[2], offset=24, nbytes=8),
+              Piece(name="b", dtype="BF16", shape=[5], offset=32, nbytes=10)]
+    bank = Bank(pieces, 6, Fence(), mx.float32)
+    bank.arrays
+    rng = np.random.default_rng(n)
+    values = {p.name: rng.standard_normal((6, *p.shape)).astype(np.float32) for p in pieces if p.dtype == "BF16"}
+    for slot in range(6):
+        views = bank.write_buffers(slot)
+        for p, view in zip(pieces, views):
+            if p.dtype == "BF16":  # bf16: the high half of the float32 word
+                bits = (values[p.name][slot].view(np.uint32) >> 16).astype(np.uint16)
+                np.frombuffer(view, dtype=np.uint16)[:] = bits.reshape(-1)
+    slots = [5, 0, 3, 1, 4][:n]
+    bank.commit(slots)
+    for name, v in values.items():
+        got = np.array(bank.arrays[name])
+        want = (v.view(np.uint32) & 0xFFFF0000).view(np.float32)
+        assert np.array_equal(got[slots], want[slots])
+        assert not np.any(got[[s for s in range(6) if s not in slots]])  # never committed: still zero
