@@ -56,7 +56,20 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("arms", nargs="+")
     a = p.parse_args()
+    a.store, a.replay = str(Path(a.store).resolve()), str(Path(a.replay).resolve())  # runs start in /
     arms = [x.split("|", 2) for x in a.arms]
+    bad = next((x for x, arm in zip(a.arms, arms) if len(arm) != 3), None)
+    if bad is not None:
+        p.error(f"arm {bad!r}: expected LABEL|CODE|FLAGS (CODE: a directory holding edge0/, or -)")
+    for _, code, _ in arms:
+        if code != "-" and not (Path(code) / "edge0").is_dir():
+            p.error(f"arm code {code!r}: no edge0/ package there")
+    if not Path(a.store, "edge0.json").is_file():
+        p.error(f"--store {a.store}: not an Edge0 store (no edge0.json)")
+    try:
+        json.loads(Path(a.replay).read_text())["tokens"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"--replay {a.replay}: not a replay file ({e})")
     runs: dict[tuple, list] = {}
     with open(a.out, "a") as log:
         for r in range(a.rounds):

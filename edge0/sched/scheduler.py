@@ -108,7 +108,7 @@ class Scheduler:
             self.stats.dropped += 1
             return None
         plan = LayerPlan(layer, step, ids, cache, got[0], got[1], speculative=speculative)
-        self._submit(plan, demand=False, speculative=speculative)
+        self._submit(plan, demand=False)
         cache.reserved[plan.slots] = True
         self.plans[key] = plan
         return plan
@@ -132,7 +132,7 @@ class Scheduler:
             self._collect(plan, "demand")
         return slots
 
-    def _submit(self, plan: LayerPlan, demand: bool, speculative: bool = False) -> None:
+    def _submit(self, plan: LayerPlan, demand: bool) -> None:
         cache, bank = plan.cache, plan.cache.bank
         try:
             buffers = [bank.write_buffers(slot) for slot, _ in plan.fills]  # the write rule is checked here
@@ -141,7 +141,7 @@ class Scheduler:
             raise
         cache.filling[[slot for slot, _ in plan.fills]] = True
         plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                             speculative=speculative, commit=(bank, [slot]))
+                                             speculative=plan.speculative, commit=(bank, [slot]))
                                     for (slot, expert), bufs in zip(plan.fills, buffers)])
         self.in_flight += len(plan.fills)
 
