@@ -96,17 +96,18 @@ class QMV : public mx::UnaryPrimitive {
       std::vector<Pair> pairs(R);
       for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
       const float* xd = dense_data<float>(x, xt);
+      const bool prompt = Rx >= PROMPT_ROWS;  // token rows: a prompt chunk
       if (!glu) {
-        qmv(q[0], xd, Rx, pairs, out.data<float>());
+        qmv(q[0], xd, Rx, pairs, out.data<float>(), prompt);
         return;
       }
       const int64_t H = q[0].N;
       std::vector<float> g(R * H), u(R * H);
-      qmv(q[0], xd, Rx, pairs, g.data());
-      qmv(q[1], xd, Rx, pairs, u.data());
+      qmv(q[0], xd, Rx, pairs, g.data(), prompt);
+      qmv(q[1], xd, Rx, pairs, u.data(), prompt);
       for (int64_t i = 0; i < R * H; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];  // swiglu
       for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
-      qmv(q[2], g.data(), R, pairs, out.data<float>());
+      qmv(q[2], g.data(), R, pairs, out.data<float>(), prompt);
     });
   }
 
@@ -411,6 +412,10 @@ NB_MODULE(_kernels, m) {
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");
   m.def("set_impl", [](const std::string& n) { return edge0::set_impl(n.c_str()); }, "name"_a);
-  m.def("set_num_threads", &edge0::set_num_threads, "n"_a, "Compute threads, the caller included.");
+  m.def("set_num_threads", &edge0::set_num_threads, "n"_a, "prompt"_a = 0,
+        "Compute threads, the caller included: n for decode steps, prompt (n when 0) for prompt chunks\n"
+        "(products of at least PROMPT_ROWS token rows, attention over as many queries).");
   m.def("num_threads", &edge0::num_threads);
+  m.def("prompt_threads", &edge0::prompt_threads);
+  m.attr("PROMPT_ROWS") = edge0::PROMPT_ROWS;
 }

@@ -2,6 +2,7 @@
 // quantized products, what they save is MLX's per-node dispatch.
 
 #include "dense.h"
+#include "qmv.h"
 
 #include <algorithm>
 #include <cmath>
@@ -63,44 +64,47 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
 void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out) {
   const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], Dh = q.shape[3];
   const int64_t Hkv = k.shape[1], S = k.shape[2], group = Hq / Hkv;
-  std::vector<float> p(S), qv(Dh), acc(Dh);
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < Hq; h++)
-      for (int64_t l = 0; l < L; l++) {
-        const int64_t seen = causal ? std::min(S, S - L + l + 1) : S;  // keys this query attends to
-        const float* qr = q.data + b * q.strides[0] + h * q.strides[1] + l * q.strides[2];
-        for (int64_t d = 0; d < Dh; d++) qv[d] = qr[d * q.strides[3]] * scale;
-        const float* kb = k.data + b * k.strides[0] + (h / group) * k.strides[1];
-        const float* vb = v.data + b * v.strides[0] + (h / group) * v.strides[1];
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < seen; t++) {
-          const float* kr = kb + t * k.strides[2];
-          float dot = 0.f;
-          if (k.strides[3] == 1) {
+  // tasks: (sequence, head, block of QB queries); a prompt's run on the prompt threads
+  const int64_t QB = 16, blocks = (L + QB - 1) / QB;
+  parallel_for(B * Hq * blocks, [&](int64_t task) {
+    const int64_t b = task / (Hq * blocks), h = task / blocks % Hq, l0 = task % blocks * QB;
+    std::vector<float> p(S), qv(Dh), acc(Dh);
+    const float* kb = k.data + b * k.strides[0] + (h / group) * k.strides[1];
+    const float* vb = v.data + b * v.strides[0] + (h / group) * v.strides[1];
+    for (int64_t l = l0; l < std::min(L, l0 + QB); l++) {
+      const int64_t seen = causal ? std::min(S, S - L + l + 1) : S;  // keys this query attends to
+      const float* qr = q.data + b * q.strides[0] + h * q.strides[1] + l * q.strides[2];
+      for (int64_t d = 0; d < Dh; d++) qv[d] = qr[d * q.strides[3]] * scale;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < seen; t++) {
+        const float* kr = kb + t * k.strides[2];
+        float dot = 0.f;
+        if (k.strides[3] == 1) {
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d];
-          } else
-            for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d * k.strides[3]];
-          p[t] = dot;
-          mx = std::max(mx, dot);
-        }
-        for (int64_t t = 0; t < seen; t++) p[t] = std::exp(p[t] - mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < seen; t++) sum += p[t];
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < seen; t++) {
-          const float* vr = vb + t * v.strides[2];
-          const float pt = p[t];
-          if (v.strides[3] == 1)
-            for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d];
-          else
-            for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d * v.strides[3]];
-        }
-        float* o = out + ((b * Hq + h) * L + l) * Dh;
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < Dh; d++) o[d] = acc[d] * inv;
+          for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d];
+        } else
+          for (int64_t d = 0; d < Dh; d++) dot += qv[d] * kr[d * k.strides[3]];
+        p[t] = dot;
+        mx = std::max(mx, dot);
       }
+      for (int64_t t = 0; t < seen; t++) p[t] = std::exp(p[t] - mx);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < seen; t++) sum += p[t];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < seen; t++) {
+        const float* vr = vb + t * v.strides[2];
+        const float pt = p[t];
+        if (v.strides[3] == 1)
+          for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d];
+        else
+          for (int64_t d = 0; d < Dh; d++) acc[d] += pt * vr[d * v.strides[3]];
+      }
+      float* o = out + ((b * Hq + h) * L + l) * Dh;
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < Dh; d++) o[d] = acc[d] * inv;
+    }
+  }, L >= PROMPT_ROWS);
 }
 
 void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores) {

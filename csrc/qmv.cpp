@@ -57,13 +57,15 @@ class Pool {
     for (auto& t : workers_) t.join();
     workers_.clear();
     stop_ = false;
-    for (int i = 1; i < n; i++) workers_.emplace_back([this] { loop(); });
+    for (int i = 1; i < n; i++) workers_.emplace_back([this, i] { loop(i - 1); });
   }
 
   int threads() const { return 1 + (int)workers_.size(); }
 
-  void run(int64_t n, const std::function<void(int64_t)>& fn) {
-    if (workers_.empty() || n <= 1) {
+  // fn(i) for i in [0, n) on `want` threads at most (the caller and want - 1 workers); serial on the
+  // caller, waking no worker, when want or n is 1.
+  void run(int64_t n, const std::function<void(int64_t)>& fn, int want) {
+    if (workers_.empty() || n <= 1 || want <= 1) {
       for (int64_t i = 0; i < n; i++) fn(i);
       return;
     }
@@ -74,6 +76,7 @@ class Pool {
       gen = (gen_.load(std::memory_order_relaxed) + 1) & 0xffffffffu;
       fn_ = &fn;
       ntask_ = n;
+      helpers_ = want - 1;
       done_.store(0, std::memory_order_relaxed);
       next_.store(gen << 32, std::memory_order_release);
       gen_.store(gen, std::memory_order_release);
@@ -100,7 +103,7 @@ class Pool {
     }
   }
 
-  void loop() {
+  void loop(int index) {
     uint64_t seen = gen_.load();
     for (;;) {
       // spin briefly: decode calls come back to back, and a sleeping worker costs a wake-up each
@@ -114,6 +117,7 @@ class Pool {
       const std::function<void(int64_t)>* fn;
       int64_t n;
       uint64_t gen;
+      bool helps;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || gen_.load() != seen; });
@@ -121,8 +125,9 @@ class Pool {
         gen = seen = gen_.load();
         fn = fn_;
         n = ntask_;
+        helps = index < helpers_;
       }
-      work(gen, fn, n);
+      if (helps) work(gen, fn, n);
     }
   }
 
@@ -135,6 +140,7 @@ class Pool {
   std::atomic<int64_t> done_{0};
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t ntask_ = 0;
+  int helpers_ = 0;  // workers the running job may use
 };
 
 static Pool& pool() {
@@ -142,8 +148,22 @@ static Pool& pool() {
   return p;
 }
 
-void set_num_threads(int n) { pool().resize(n); }
-int num_threads() { return pool().threads(); }
+static std::atomic<int> decode_threads{1}, prompt_threads_{1};
+
+void set_num_threads(int n, int prompt) {
+  n = std::max(1, n);
+  prompt = prompt > 0 ? prompt : n;
+  pool().resize(std::max(n, prompt));
+  decode_threads.store(n);
+  prompt_threads_.store(prompt);
+}
+
+int num_threads() { return decode_threads.load(); }
+int prompt_threads() { return prompt_threads_.load(); }
+
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, bool prompt) {
+  pool().run(n, fn, prompt ? prompt_threads_.load() : decode_threads.load());
+}
 
 // The code path: 0 portable, 1 AVX2, 2 AVX-512 VNNI; the best one built is the default.
 enum Impl { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
@@ -422,13 +442,14 @@ static float dot_vnni8(const uint8_t* w, const float* s, const float* b, const i
 
 // ---------------------------------------------------------------------------------------------
 
-void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out) {
+void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out, bool prompt) {
   const int64_t N = q.N, D = q.D, G = D / q.group_size;
   const int gs = q.group_size;
   // 8-bit weights: the VNNI path, else the plain one (int8 x uint8 pairs overflow vpmaddubsw)
   const int impl = q.bits == 8 && use_impl.load() != VNNI ? PORTABLE : use_impl.load();
   const bool quant = impl != PORTABLE;
   Pool& p = pool();
+  const int threads = prompt ? prompt_threads_.load() : decode_threads.load();
 
   // activations: one task per block of rows
   thread_local Acts tl_acts;
@@ -441,7 +462,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
     for (int64_t r = t * RB; r < std::min(x_rows, (t + 1) * RB); r++)
       prepare_row(x + r * D, D, gs, impl, q.bits, acts.sums.data() + r * G, acts.scale.data() + r * G,
                   quant ? acts.q.data() + r * D : nullptr);
-  });
+  }, threads);
 
   // pairs grouped by expert, so that rows sharing an expert read its weights once (prefill)
   std::vector<Pair> sorted(pairs);
@@ -459,7 +480,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
 
   // tasks: (run, block of output features); enough of them to keep every thread busy
   int64_t nb = 64;
-  while (nb > 8 && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * p.threads()) nb /= 2;
+  while (nb > 8 && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * threads) nb /= 2;
   const int64_t blocks = (N + nb - 1) / nb;
   const int64_t ntask = (int64_t)runs.size() * blocks;
   const int64_t row_bytes = D * q.bits / 8;
@@ -511,7 +532,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
         }
       }
     }
-  });
+  }, threads);
 }
 
 }  // namespace edge0

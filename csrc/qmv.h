@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace edge0 {
@@ -29,16 +30,27 @@ struct QWeights {
   int bits;  // 4 or 8
 };
 
+// Token rows from which a product or an attention is a prompt chunk (prefill): it runs on the prompt
+// threads, a decode step's on the decode threads.
+constexpr int64_t PROMPT_ROWS = 16;
+
 // out[p.out, :N] = W[p.expert] @ x[p.xrow] for every pair; x (rows, D) float32, out (*, N) float32.
-void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out);
+// prompt: on the prompt threads.
+void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out,
+         bool prompt = false);
 
 // "avx512" (VNNI), "avx2" or "portable": the code path qmv takes (the best built by default);
 // set_impl names another one built here (tests, benchmarks), false when it is not.
 const char* impl();
 bool set_impl(const char* name);
 
-// Compute threads of qmv, the caller included (a persistent pool of n-1 workers).
-void set_num_threads(int n);
+// Compute threads, the caller included (one persistent pool of max(n, prompt) - 1 workers): n for a
+// decode step's products, prompt (n when 0) for prompt chunks'.
+void set_num_threads(int n, int prompt = 0);
 int num_threads();
+int prompt_threads();
+
+// fn(i) for every i in [0, n) on the pool's prompt threads (prompt) or decode threads, the caller included.
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, bool prompt);
 
 }  // namespace edge0

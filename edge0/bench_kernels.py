@@ -193,7 +193,7 @@ def bench_kernels(args) -> dict:
     finally:
         if ext is not None:
             ext.set_impl(default_impl)
-        kernels.set_num_threads(kernels.default_threads())
+        kernels.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
     if getattr(args, "kernel_graph", None):
         for kernel in ["mlx"] + (["edge0"] if ext is not None else []):
             nodes = graph_nodes(args.kernel_graph, kernel)

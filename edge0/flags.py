@@ -53,7 +53,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="quantized products and per-token dense ops: edge0 (the built CPU extension: int8 activations, "
                         "AVX-512 VNNI or AVX2), mlx (MLX's own), auto (edge0 on CPU when built; default, or $EDGE0_KERNEL)")
     p.add_argument("--kernel-threads", type=int, default=None, metavar="N",
-                   help="threads of the edge0 kernels, at most the machine's cores")
+                   help="threads of the edge0 kernels, at most the machine's cores (default: one for decode steps and every core for prompts on 2 cores; cores - 1 and every core above)")
     p.add_argument("--prompt-cache-gib", type=float, default=1.0, metavar="GIB",
                    help="KV caches kept so that a prompt sharing a prefix with an earlier one (a chat's next turn) "
                         "prefills only the rest (default 1; 0: off)")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
-# Compute threads of the kernels, the calling thread included. On a 2-core machine one thread leaves
-# the other core to the I/O workers (docs/DESIGN.md §15); EDGE0_KERNEL_THREADS overrides.
+# Compute threads of the kernels, the calling thread included. On a 2-core machine a decode step's
+# products take one thread, leaving the other core to the I/O workers and to the Python that builds the
+# next layer's graph (docs/DESIGN.md §15); a prompt chunk's products and attention (at least PROMPT_ROWS
+# token rows: compute-bound, nothing to overlap) take every core. EDGE0_KERNEL_THREADS sets both.
 DEFAULT_THREADS_2_CORES = 1
 MAX_DEFAULT_THREADS = 8
 
@@ -19,12 +21,25 @@ _reason: str | None = None  # why it is unavailable, once load() failed
 _noticed = False
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads() -> int:
+    """Decode threads."""
     env = os.environ.get("EDGE0_KERNEL_THREADS")
     if env:
         return max(1, int(env))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     return DEFAULT_THREADS_2_CORES if cores <= 2 else min(cores - 1, MAX_DEFAULT_THREADS)
+
+
+def default_prompt_threads() -> int:
+    """Prompt threads: every core (up to MAX_DEFAULT_THREADS)."""
+    env = os.environ.get("EDGE0_KERNEL_THREADS")
+    if env:
+        return max(1, int(env))
+    return min(_cores(), MAX_DEFAULT_THREADS)
 
 
 def load():
@@ -46,7 +61,7 @@ def load():
     if built != mx.__version__:
         _reason = f"built against mlx {built} but mlx {mx.__version__} is installed; rebuild: pip install -e ."
         return None
-    _kernels.set_num_threads(default_threads())
+    _kernels.set_num_threads(default_threads(), default_prompt_threads())
     _ext = _kernels
     return _ext
 
@@ -71,7 +86,9 @@ def notice() -> None:
         log.info(f"CPU kernels {reason()}; using MLX's kernels")
 
 
-def set_num_threads(n: int) -> None:
+def set_num_threads(n: int, prompt: int | None = None) -> None:
+    """n threads for decode steps, prompt (n when None) for prompt chunks: an explicit thread count
+    (--kernel-threads) holds for both."""
     if load() is not None:
-        _ext.set_num_threads(max(1, int(n)))
+        _ext.set_num_threads(max(1, int(n)), max(1, int(prompt or n)))
 

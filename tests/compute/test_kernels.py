@@ -24,7 +24,7 @@ def restore():
     yield
     if EXT is not None:
         EXT.set_impl(IMPLS[-1])
-        EXT.set_num_threads(kernels.default_threads())
+        EXT.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
 
 
 def quantized(shape, gs, seed, bits=4):
@@ -266,6 +266,32 @@ def test_threads_give_identical_results():
         EXT.set_num_threads(t)
         outs.append(np.array(qmm.gather_qmm(x, w, s, b, inds, group_size=64, bits=4, mode="affine")))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@needs_ext
+def test_prompt_chunks_on_prompt_threads_give_identical_results():
+    """A prompt chunk (at least PROMPT_ROWS token rows) runs its products and attention on the prompt
+    threads, a decode step's on the decode threads: the numbers are the same on any count."""
+    use_kernel("edge0")
+    e, d, h, t = 8, 256, 128, 3 * EXT.PROMPT_ROWS + 5
+    parts = {n: quantized((e, *shape), 64, seed=i) for i, (n, shape) in
+             enumerate((("gate_proj", (h, d)), ("up_proj", (h, d)), ("down_proj", (d, h))))}
+    bank = {f"{n}.{f}": a for n, p in parts.items() for f, a in zip(("weight", "scales", "biases"), p)}
+    rng = np.random.default_rng(5)
+    inds = mx.array(rng.integers(0, e, size=(t, 4)).astype(np.uint32))
+    x = mx.array(rng.standard_normal((t, d)).astype(np.float32))
+    q, k, v = (mx.array(rng.standard_normal((1, hh, t, 64)).astype(np.float32)) for hh in (4, 2, 2))
+    outs = []
+    for decode, prompt in ((1, 1), (1, 2), (1, 3), (2, 1)):
+        EXT.set_num_threads(decode, prompt)
+        assert (EXT.num_threads(), EXT.prompt_threads()) == (decode, prompt)
+        outs.append([np.array(a) for a in (qmm.gather_glu(x, inds, bank, group_size=64, bits=4, mode="affine"),
+                                           EXT.attention(q, k, v, 0.125, True),
+                                           qmm.gather_glu(x[:1], inds[:1], bank, group_size=64, bits=4,
+                                                          mode="affine"))])
+    assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+    EXT.set_num_threads(2)  # an explicit count holds for both
+    assert EXT.prompt_threads() == 2
 
 
 @needs_ext
