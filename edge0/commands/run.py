@@ -131,7 +131,7 @@ def _loads(pool, rt, steps: int) -> dict:
            "load_cold_fraction": s.cold_fraction, "io_workers": pool.workers}
     if getattr(rt, "sched", None) is not None:
         out.update(sched_ms_per_token=1e3 * rt.sched_s / steps, sched_cpu_ms_per_token=1e3 * rt.sched_cpu_s / steps,
-                   pull_ms_per_token=1e3 * rt.pull_s / steps)
+                   pull_ms_per_token=1e3 * rt.pull_s / steps, paused_steps=rt.paused_steps)
     return out
 
 

@@ -113,6 +113,12 @@ class BundleReader:
     def offset(self, layer: int, expert: int) -> int:
         return self._entries[layer].data_offset + expert * self.manifest.bundle_stride
 
+    @property
+    def sees_cache(self) -> bool:
+        """Whether a read from the page cache is a mere copy this reader can tell apart (a mincore probe,
+        buffered I/O, no throttle): else every read is counted cold (--io direct) or paced (--io-throttle)."""
+        return self.io != "direct" and bool(self._residency) and self.throttle is None
+
     def cached(self, layer: int, expert: int) -> bool:
         """Whether the whole bundle is in the page cache (mincore); never with --io direct or without a probe."""
         if self.io == "direct" or not self._residency:

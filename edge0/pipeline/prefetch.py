@@ -128,7 +128,7 @@ class PrefetchExperts:
         if self.waiting:
             with rt.scheduling(self.layer):
                 self.plan_waiting()
-        predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
+        predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 and not rt.paused else []
         self.prev_inds = inds[..., -1:, :]
         y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
         t0 = now_us()
@@ -188,6 +188,16 @@ class PrefetchRuntime(Runtime):
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
+    # Reading ahead only while reads cost (prefetch routing). Prefetch hides reads from the disk; while
+    # every bundle read of the last PAUSE_AFTER steps came from the page cache (a warm store that fits in
+    # memory) a demand read is a copy of microseconds, and the predictor (its graphs, pulls and plans)
+    # costs more than it can hide: the layers stop predicting until a read comes from the disk again.
+    # With --io direct or --io-throttle every read costs; predicted routing always predicts (its heads route).
+    PAUSE_AFTER = 4
+    paused = False  # this step's layers predict nothing
+    paused_steps = 0  # steps run paused (--json)
+    _warm_steps = 0  # steps since a bundle came from the disk
+    _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
 
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
@@ -217,6 +227,7 @@ class PrefetchRuntime(Runtime):
 
     def flush(self) -> None:
         """Before a step's evaluation (pipeline/steps.py): plan what the last layers predicted."""
+        self.paused_steps += self.paused
         with self.scheduling(-1):
             self.pull()
 
@@ -224,6 +235,17 @@ class PrefetchRuntime(Runtime):
         with self.scheduling(-1):
             self.pull()  # whatever was predicted after the flush
             self.sched.next_step()
+            self._watch_reads()
+
+    def _watch_reads(self) -> None:
+        """At a step boundary: whether the next step's layers predict (PAUSE_AFTER)."""
+        pool = self.sched.pool
+        if self.predicted_routing or not pool.reader.sees_cache:
+            return
+        cold = pool.stats.cold_bytes
+        self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
+        self._cold_bytes = cold
+        self.paused = self._warm_steps >= self.PAUSE_AFTER
 
     def finish(self) -> None:
         self.pending = []

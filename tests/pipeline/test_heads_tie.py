@@ -25,6 +25,7 @@ def test_served_features_are_the_training_features(monkeypatch):
         return f
 
     monkeypatch.setattr(prefetch, "features", recording)
+    monkeypatch.setattr(prefetch.PrefetchRuntime, "PAUSE_AFTER", 10**9)  # every step predicts, warm store or not
     prompt = 24
     with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
         owners = sorted(set(engine.store.runtime.heads.owners.values()))

@@ -1,0 +1,101 @@
+"""Prefetch reads ahead only while reads come from the disk: on a warm store its layers stop predicting
+after PAUSE_AFTER steps whose reads all came from the page cache (and it still equals native), a read
+from the disk (the store evicted mid-generation with posix_fadvise) brings the predictions back at the
+next step, and with --io-throttle (every read costs) or predicted routing it never pauses."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.io.pagecache import evict
+from edge0.model.demo import DEMO_STORE
+from edge0.pipeline.prefetch import PrefetchRuntime
+from edge0.pipeline.steps import generate_steps
+
+from .test_identity import real_text
+
+TOKENS = 48
+EVICT_AT = 24  # decode step at which the store leaves the page cache
+
+
+def expert_files():
+    return sorted((DEMO_STORE / "experts").glob("*.safetensors"))
+
+
+def ahead(rt) -> int:
+    """Fills the scheduler read ahead (not on demand)."""
+    return rt.sched.stats.loads - rt.sched.stats.demand_loads
+
+
+def warm_store():
+    for f in expert_files():
+        f.read_bytes()
+
+
+def forced(engine, ids, at_step=None):
+    """Forced decoding of ids as engine.forced_logprobs does it; at_step(i, runtime) runs before step i."""
+    rt = engine.store.runtime
+    with engine.kernel.active():
+        steps = generate_steps(engine.store.model, ids[:1], max_tokens=len(ids) - 1, sampler=make_sampler(0.0),
+                               runtime=rt, forced=ids[1:])
+        out = []
+        for i, (_, lp) in enumerate(steps):
+            out.append(np.array(lp.astype(mx.float32)))
+            if at_step is not None:
+                at_step(i + 1, rt)
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def text():
+    ids = real_text(TOKENS)
+    warm_store()
+    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+        return ids, forced(engine, ids)
+
+
+def test_warm_store_pauses_prefetch_and_still_equals_native(text):
+    ids, want = text
+    warm_store()
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        got = forced(engine, ids)
+        rt = engine.store.runtime
+        predicted = rt.sched.stats.routed
+    assert np.array_equal(got, want)
+    steps = len(ids) - 1  # step 0 takes the first token; the first PAUSE_AFTER steps predict, the others not
+    assert rt.paused_steps == steps - PrefetchRuntime.PAUSE_AFTER
+    assert predicted > 0
+
+
+def test_a_read_from_the_disk_resumes_predicting(text):
+    ids, want = text
+    warm_store()
+    seen = {}
+
+    def at_step(i, rt):
+        if i == EVICT_AT:
+            seen["paused"], seen["ahead"] = rt.paused, ahead(rt)
+            for f in expert_files():
+                evict(f)
+        if i == EVICT_AT + 2:
+            seen["after"] = rt.paused
+
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        got = forced(engine, ids, at_step)
+        after, cold = ahead(engine.store.runtime), engine.store.reader.pool.stats.cold_bytes
+    assert np.array_equal(got, want)
+    assert seen["paused"] is True and seen["after"] is False  # the cold demand reads of step EVICT_AT + 1
+    assert cold > 0 and after > seen["ahead"]  # it read ahead again
+
+
+@pytest.mark.parametrize("config", [{"routing": "prefetch", "predictor": "heads", "io_throttle_mbps": 200},
+                                    {"routing": "predicted"}], ids=["throttled", "predicted"])
+def test_never_pauses_where_reads_cost_or_heads_route(text, config):
+    ids, _ = text
+    warm_store()
+    with open_engine(EngineConfig(**config)) as engine:
+        forced(engine, ids)
+        assert engine.store.runtime.paused_steps == 0
