@@ -3,11 +3,17 @@
 // the kernel on MLX's CPU stream thread.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -55,6 +61,37 @@ static View4 view4(const mx::array& a) {
   return v;
 }
 
+// Time inside each kind of edge0 node (tools/step_breakdown.py): off unless set_profile(true); a node's
+// key is its name, and for products its output and input widths.
+static std::atomic<bool> profiling{false};
+static std::mutex profile_mu;
+static std::map<std::string, std::pair<int64_t, double>> profile_;  // key -> (nodes, seconds)
+
+class ProfileScope {
+ public:
+  template <typename K>
+  explicit ProfileScope(K&& key) {
+    if (profiling.load(std::memory_order_relaxed)) {
+      key_ = key();
+      t0_ = std::chrono::steady_clock::now();
+      on_ = true;
+    }
+  }
+  ~ProfileScope() {
+    if (!on_) return;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    std::lock_guard<std::mutex> lk(profile_mu);
+    auto& e = profile_[key_];
+    e.first += 1;
+    e.second += s;
+  }
+
+ private:
+  std::string key_;
+  std::chrono::steady_clock::time_point t0_;
+  bool on_ = false;
+};
+
 // The packed width tells the bits: D/8 words at 4 bits, D/4 at 8.
 static int bits_of(const mx::array& w, int64_t D) { return w.shape(-1) * 8 == D ? 4 : 8; }
 
@@ -82,6 +119,10 @@ class QMV : public mx::UnaryPrimitive {
       const auto& x = inputs[0];
       const int64_t D = x.shape(-1), Rx = x.size() / D;
       const size_t nw = glu ? 9 : 3;
+      ProfileScope scope([&] {
+        return std::string(glu ? "Edge0GLU " : "Edge0QMV ") + std::to_string(inputs[1].shape(-2)) + "x" +
+               std::to_string(D) + (Rx >= PROMPT_ROWS ? " prompt" : "");
+      });
       std::vector<float> xt;
       std::vector<uint32_t> it;
       std::vector<std::vector<uint32_t>> wt(3);
@@ -219,7 +260,10 @@ class DenseOp : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out, fn = std::forward<F>(fn)]() mutable { fn(inputs, out); });
+    enc.dispatch([inputs, out, fn = std::forward<F>(fn), name = name()]() mutable {
+      ProfileScope scope([&] { return std::string(name); });
+      fn(inputs, out);
+    });
   }
 };
 
@@ -416,6 +460,17 @@ NB_MODULE(_kernels, m) {
         "Compute threads, the caller included: n for decode steps, prompt (n when 0) for prompt chunks\n"
         "(products of at least PROMPT_ROWS token rows, attention over as many queries).");
   m.def("num_threads", &edge0::num_threads);
+  m.def("set_profile", [](bool on) { edge0::profiling.store(on); }, "on"_a,
+        "Time every edge0 node from now on (on) or no more; see profile().");
+  m.def(
+      "profile",
+      [](bool reset) {
+        std::lock_guard<std::mutex> lk(edge0::profile_mu);
+        auto out = edge0::profile_;
+        if (reset) edge0::profile_.clear();
+        return out;
+      },
+      "reset"_a = true, "{node name and widths: (nodes, seconds)} timed since the last reset.");
   m.def("prompt_threads", &edge0::prompt_threads);
   m.attr("PROMPT_ROWS") = edge0::PROMPT_ROWS;
 }

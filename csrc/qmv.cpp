@@ -286,6 +286,36 @@ static inline __m256i chunk16(const uint8_t* w, const int8_t* xq) {
 
 static inline __m256i widen(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
 
+#if defined(__FMA__)
+#define EDGE0_AVX2_8BIT 1
+// 8-bit weights on AVX2 (routers): float activations, as u8 x s8 pairs overflow vpmaddubsw; 16 weights per
+// step into two 8-lane FMA sums, scaled per group in the lanes, one horizontal sum per output.
+static float dot_avx2_8(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
+                        int64_t D, int gs) {
+  const int64_t G = D / gs;
+  __m256 acc = _mm256_setzero_ps();
+  float bias = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* wg = w + g * gs;
+    const float* xg = x + g * gs;
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    for (int j = 0; j < gs; j += 16) {
+      const __m128i w16 = _mm_loadu_si128((const __m128i*)(wg + j));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(w16));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(w16, 8)));
+      t0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg + j), t0);
+      t1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + j + 8), t1);
+    }
+    acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(s[g]), acc);
+    bias += b[g] * xsum[g];
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h) + bias;
+}
+#endif
+
 // Per 128-bit lane: [sum4(a0), sum4(a1), sum4(a2), sum4(a3)] of that lane's 4 int32s.
 static inline __m256i tree4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
   return _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
@@ -448,6 +478,7 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   // 8-bit weights: the VNNI path, else the plain one (int8 x uint8 pairs overflow vpmaddubsw)
   const int impl = q.bits == 8 && use_impl.load() != VNNI ? PORTABLE : use_impl.load();
   const bool quant = impl != PORTABLE;
+  const bool avx2_8bit = q.bits == 8 && use_impl.load() == AVX2;  // float activations (dot_avx2_8)
   Pool& p = pool();
   const int threads = prompt ? prompt_threads_.load() : decode_threads.load();
 
@@ -523,6 +554,11 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
 #if defined(EDGE0_AVX2)
             if (impl == AVX2)
               v = dot_avx2(w, s, b, xq, xs, xsum, D, gs);
+            else
+#endif
+#if defined(EDGE0_AVX2_8BIT)
+            if (avx2_8bit)
+              v = dot_avx2_8(w, s, b, x + pr.xrow * D, xsum, D, gs);
             else
 #endif
               v = q.bits == 8 ? dot_portable8(w, s, b, x + pr.xrow * D, xsum, D, gs)

@@ -295,6 +295,27 @@ def test_prompt_chunks_on_prompt_threads_give_identical_results():
 
 
 @needs_ext
+def test_profile_times_each_node_kind_only_while_on():
+    use_kernel("edge0")
+    w, s, b = quantized((48, 256), 64, seed=2)
+    x = mx.random.normal((3, 256), key=mx.random.key(4))
+    EXT.profile(True)
+    mx.eval(qmm.quantized_matmul(x, w, s, b, group_size=64, bits=4, mode="affine"))
+    assert EXT.profile(True) == {}  # off by default
+    EXT.set_profile(True)
+    try:
+        for _ in range(2):
+            mx.eval(qmm.quantized_matmul(x, w, s, b, group_size=64, bits=4, mode="affine"))
+        mx.eval(EXT.rms_norm(x, mx.ones((256,)), 1e-6))
+    finally:
+        EXT.set_profile(False)
+    got = EXT.profile(True)
+    assert set(got) == {"Edge0QMV 48x256", "Edge0RMSNorm"}
+    assert got["Edge0QMV 48x256"][0] == 2 and got["Edge0RMSNorm"][0] == 1 and all(t > 0 for _, t in got.values())
+    assert EXT.profile(True) == {}  # reset
+
+
+@needs_ext
 def test_products_it_does_not_cover_run_on_mlx():
     """2-bit, bf16 activations, D not a multiple of 64: MLX's kernels, bitwise."""
     use_kernel("edge0")

@@ -1,0 +1,123 @@
+"""Where a decode step's time goes, for docs/results/cpu-kernels.md (issue #19).
+
+    python tools/step_breakdown.py --store S [--replay R] [--threads 1] [--steps 48] [--routing native]
+
+Runs one generation (the replay's prompt, then its tokens forced, or a prompt of Python source and greedy
+tokens) and splits each decode step of the graph-building thread into
+  * wait: inside mx.eval / mx.async_eval (the graph computing, or the stream's queue full),
+  * python: the rest (building the graph, planning and issuing reads, sampling on the host);
+and the stream thread's compute into the edge0 kernels' nodes by kind and width (timed inside the
+kernels, EDGE0 set_profile) and the rest (MLX's own nodes: cache updates, adds, reshapes, the
+embedding). Prints a markdown table; --json prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+
+class EvalClock:
+    """Wall time the calling thread spends inside mx.eval and mx.async_eval (patched module-wide)."""
+
+    def __init__(self):
+        self.s = 0.0
+        self._eval, self._async = mx.eval, mx.async_eval
+
+    def __enter__(self):
+        def timed(fn):
+            def call(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.s += time.perf_counter() - t0
+            return call
+        mx.eval, mx.async_eval = timed(self._eval), timed(self._async)
+        return self
+
+    def __exit__(self, *exc):
+        mx.eval, mx.async_eval = self._eval, self._async
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--replay", help="JSON {prompt: [ids], tokens: [ids]} (default: Python source, greedy tokens)")
+    p.add_argument("--threads", type=int, default=None, help="--kernel-threads (default: the kernels' default)")
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed (default 48)")
+    p.add_argument("--routing", default="native", choices=("native", "prefetch", "predicted"))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.compute import kernels
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.pipeline.steps import generate_steps
+
+    ext = kernels.load()
+    if ext is None:
+        sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
+    if args.replay:
+        replay = json.loads(Path(args.replay).read_text())
+        prompt, forced = replay["prompt"], replay.get("tokens")
+    else:
+        prompt, forced = None, None
+    config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
+                          prompt_cache_gib=0)
+    with open_engine(config) as engine:
+        if prompt is None:
+            prompt = engine.encode_text(Path(argparse.__file__).read_text())[:256]
+        steps = args.steps if forced is None else min(args.steps, len(forced))
+        rt = engine.store.runtime
+        per_step = []
+        with engine.kernel.active(), EvalClock() as clock:
+            gen = generate_steps(engine.store.model, prompt, max_tokens=steps + 1, sampler=make_sampler(0.0),
+                                 runtime=rt, forced=forced[:steps + 1] if forced else None)
+            next(gen)  # prefill and the first token, untimed
+            ext.profile(True)
+            ext.set_profile(True)
+            t0, w0, c0 = time.perf_counter(), clock.s, time.thread_time()
+            for _ in gen:
+                t1, w1, c1 = time.perf_counter(), clock.s, time.thread_time()
+                per_step.append((t1 - t0, w1 - w0, c1 - c0))
+                t0, w0, c0 = t1, w1, c1
+            ext.set_profile(False)
+            nodes = ext.profile(True)
+        threads = ext.num_threads()
+    n = len(per_step)
+    wall = sum(s[0] for s in per_step) / n
+    wait = sum(s[1] for s in per_step) / n
+    cpu = sum(s[2] for s in per_step) / n
+    kinds = {k: (c / n, s / n) for k, (c, s) in sorted(nodes.items(), key=lambda kv: -kv[1][1])}
+    kernel_s = sum(s for _, s in kinds.values())
+    out = {"store": args.store, "routing": args.routing, "decode_threads": threads, "steps": n,
+           "step_ms": 1e3 * wall, "main_wait_ms": 1e3 * wait, "main_python_ms": 1e3 * (wall - wait),
+           "main_cpu_ms": 1e3 * cpu, "kernel_nodes_ms": 1e3 * kernel_s,
+           "nodes": {k: {"per_step": c, "ms": 1e3 * s} for k, (c, s) in kinds.items()}}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{args.store}: {n} decode steps, routing {args.routing}, {threads} decode thread(s); per step:")
+    print("| part | ms | share of the step |\n|---|---|---|")
+    print(f"| step (wall) | {1e3 * wall:.2f} | 100% |")
+    print(f"| main thread: python (graph building, reads, host work) | {1e3 * (wall - wait):.2f} | "
+          f"{(wall - wait) / wall:.0%} |")
+    print(f"| main thread: waiting in mx.eval / async_eval | {1e3 * wait:.2f} | {wait / wall:.0%} |")
+    print(f"| stream: edge0 nodes | {1e3 * kernel_s:.2f} | {kernel_s / wall:.0%} |")
+    for k, (c, s) in kinds.items():
+        print(f"| - {k} (x{c:.1f}) | {1e3 * s:.3f} | {s / wall:.1%} |")
+    print(f"| stream: the rest (MLX's nodes, dispatch, idle) | {1e3 * (wall - kernel_s):.2f} | "
+          f"{(wall - kernel_s) / wall:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
