@@ -169,6 +169,68 @@ class QMV : public mx::UnaryPrimitive {
   bool has_idx_, glu_;
 };
 
+// A dense quantized linear with an unmerged low-rank adapter, one node: out = W x + scale * (x A) B, for
+// x (..., D), W (N, D*bits/32), A (D, r), B (r, N) float32 (the recovery adapter of model/lora.py).
+class QMVLoRA : public mx::UnaryPrimitive {
+ public:
+  QMVLoRA(mx::Stream stream, int group_size, float scale)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, gs = group_size_, scale = scale_]() mutable {
+      const auto& x = inputs[0];
+      const int64_t D = x.shape(-1), R = x.size() / D;
+      ProfileScope scope([&] {
+        return "Edge0QMV+LoRA " + std::to_string(inputs[1].shape(-2)) + "x" + std::to_string(D) +
+               (R >= PROMPT_ROWS ? " prompt" : "");
+      });
+      std::vector<float> xt, at, bt2, st, bt;
+      std::vector<uint32_t> wt;
+      const QWeights q = qweights(inputs[1], inputs[2], inputs[3], D, gs, wt, st, bt);
+      const int64_t N = q.N, r = inputs[4].shape(-1);
+      std::vector<Pair> pairs(R);
+      for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
+      const float* xd = dense_data<float>(x, xt);
+      float* y = out.data<float>();
+      qmv(q, xd, R, pairs, y, R >= PROMPT_ROWS);
+      const float* a = dense_data<float>(inputs[4], at);  // (D, r)
+      const float* b = dense_data<float>(inputs[5], bt2);  // (r, N)
+      parallel_for(R, [&](int64_t row) {
+        std::vector<float> t(r, 0.f);
+        const float* xr = xd + row * D;
+        for (int64_t d = 0; d < D; d++) {
+          const float xv = xr[d];
+          const float* ad = a + d * r;
+          for (int64_t j = 0; j < r; j++) t[j] += xv * ad[j];
+        }
+        float* yr = y + row * N;
+        for (int64_t j = 0; j < r; j++) {
+          const float tj = scale * t[j];
+          const float* bj = b + j * N;
+          for (int64_t n = 0; n < N; n++) yr[n] += tj * bj[n];
+        }
+      }, R >= PROMPT_ROWS);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0QMVLoRA"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QMVLoRA&>(other);
+    return group_size_ == o.group_size_ && scale_ == o.scale_;
+  }
+
+ private:
+  int group_size_;
+  float scale_;
+};
+
 [[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv/glu: " + m); }
 
 // w (E, N, D*bits/32) or (N, D*bits/32) uint32 (4 or 8 bits), scales and biases (..., N, D/gs) float32 -> N
@@ -225,6 +287,21 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, (bool)idx, false),
                    with_idx({x, w, scales, biases}, idx, s));
+}
+
+static mx::array qmv_lora_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                             const mx::array& a, const mx::array& b, float scale, int group_size) {
+  const int64_t rx = check_x(x, group_size);
+  const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
+  if (w.ndim() != 2) fail("qmv_lora: w must be (N, D*bits/32)");
+  if (a.dtype() != mx::float32 || b.dtype() != mx::float32 || a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != D ||
+      b.shape(1) != N || a.shape(1) != b.shape(0) || a.shape(1) < 1)
+    fail("qmv_lora: lora_a must be (D, r) and lora_b (r, N), float32");
+  auto s = mx::default_stream(mx::Device::cpu);
+  mx::Shape shape(x.shape().begin(), x.shape().end());
+  shape.back() = (int)N;
+  (void)rx;
+  return mx::array(shape, mx::float32, std::make_shared<QMVLoRA>(s, group_size, scale), {x, w, scales, biases, a, b});
 }
 
 // Routed experts' whole products, one node: row o = down(swiglu(gate(x), up(x))) of expert idx[o].
@@ -440,6 +517,10 @@ NB_MODULE(_kernels, m) {
   m.def("glu", &edge0::glu_op, "x"_a, "idx"_a, "gate"_a, "up"_a, "down"_a, "group_size"_a = 64, "shape"_a = nb::none(),
         "out[o] = down[e] @ (silu(gate[e] @ xr) * (up[e] @ xr)), e = idx[o], xr = x[o // (R / Rx)]: a routed\n"
         "expert's SwiGLU in one node; gate, up, down are (w, scales, biases) of 4-bit affine (E, ., .) weights.");
+  m.def("qmv_lora", &edge0::qmv_lora_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "lora_a"_a, "lora_b"_a, "scale"_a,
+        "group_size"_a = 64,
+        "W x + scale * (x lora_a) lora_b for a dense 4- or 8-bit affine W (N, D*bits/32), lora_a (D, r),\n"
+        "lora_b (r, N) float32: a quantized linear with its unmerged adapter in one node.");
   m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
   m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,

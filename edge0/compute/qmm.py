@@ -85,6 +85,19 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                                bits=bits, mode=mode)
 
 
+def lora_linear(x: mx.array, linear: nn.Module, lora_a: mx.array, lora_b: mx.array, scale: float) -> mx.array | None:
+    """linear(x) + scale * (x @ lora_a) @ lora_b in one node of the edge0 kernel, for a quantized linear
+    without bias (an unmerged adapter's projection); None where that kernel does not cover it."""
+    ext = current().ext
+    if ext is None or not isinstance(linear, KernelQuantizedLinear) or "bias" in linear:
+        return None
+    w, s, b = linear["weight"], linear["scales"], linear.get("biases")
+    if not (w.ndim == 2 and lora_a.dtype == lora_b.dtype == mx.float32
+            and _fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
+        return None
+    return ext.qmv_lora(x, w, s, b, lora_a, lora_b, float(scale), linear.group_size)
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product goes through quantized_matmul (same parameters and math)."""
 

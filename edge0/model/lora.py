@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compute.qmm import lora_linear
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
 from .heads import model_fingerprint
@@ -44,7 +45,10 @@ class LoRALinear(nn.Module):
         self.scale = scale
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.addmm(self.base(x), x @ self.lora_a, self.lora_b, alpha=self.scale)  # two nodes per projection
+        fused = lora_linear(x, self.base, self.lora_a, self.lora_b, self.scale)  # one node (edge0 kernel)
+        if fused is not None:
+            return fused
+        return mx.addmm(self.base(x), x @ self.lora_a, self.lora_b, alpha=self.scale)  # MLX: two more nodes
 
 
 def kind_of(rel: str) -> str | None:

@@ -295,6 +295,30 @@ def test_prompt_chunks_on_prompt_threads_give_identical_results():
 
 
 @needs_ext
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_lora_linear_is_the_product_plus_the_adapter(rows):
+    """An unmerged adapter's projection in one node equals the edge0 product plus MLX's low-rank branch."""
+    use_kernel("edge0")
+    from edge0.model.lora import LoRALinear
+
+    lin = nn.QuantizedLinear(256, 96, bias=False, group_size=64, bits=4)
+    lin.update(dict(zip(("weight", "scales", "biases"), quantized((96, 256), 64, seed=7))))
+    assert qmm.use_kernel_products(lin) == 1
+    rng = np.random.default_rng(rows)
+    a = mx.array(rng.standard_normal((256, 8)).astype(np.float32) * 0.1)
+    b = mx.array(rng.standard_normal((8, 96)).astype(np.float32) * 0.1)
+    x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
+    layer = LoRALinear(lin, a, b, 2.0)
+    got = layer(x)
+    want = lin(x) + 2.0 * (np.array(x) @ np.array(a)) @ np.array(b)
+    assert got.shape == (1, rows, 96)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    assert qmm.lora_linear(x, lin, a, b, 2.0) is not None  # the fused node, not MLX's fallback
+    with pytest.raises(ValueError, match="lora_a must be"):
+        EXT.qmv_lora(x, lin["weight"], lin["scales"], lin["biases"], b, a, 1.0, 64)
+
+
+@needs_ext
 def test_profile_times_each_node_kind_only_while_on():
     use_kernel("edge0")
     w, s, b = quantized((48, 256), 64, seed=2)
