@@ -198,6 +198,7 @@ class BatchDecoder:
             n = len(s.fig.tokens) - 1
             s.fig.decode_tok_s = n / s.fig.decode_s if n > 0 and s.fig.decode_s else 0.0
             s.fig.prefill_tok_s = (s.fig.prompt_tokens - s.fig.cached_tokens) / s.fig.prefill_s if s.fig.prefill_s else 0.0
+            s.fig.peak_mlx_bytes = mx.get_peak_memory()
             if cache is not None:
                 self._keep_cache(s, self.seqs.index(s))
 

@@ -41,7 +41,7 @@ IDLE_SAMPLES = 2  # solo requests timed on the idle server
 SOURCES = ("argparse", "json.decoder", "textwrap", "difflib", "csv", "shlex", "heapq", "statistics", "fractions",
            "pprint", "ast", "bisect")  # the standard library's own text: real code, the same on every machine
 FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms", "bytes_per_token", "idle_ttft_ms",
-           "peak_rss_gib", "wall_s", "tokens")
+           "peak_rss_gib", "peak_mlx_gib", "resident_expert_gib", "wall_s", "tokens")
 
 
 def add_bench_serve_flags(p) -> None:
@@ -217,6 +217,7 @@ def run_arm(args, store: Path, max_batch: int | None, texts: dict, log: Path) ->
         wall = max(r["end"] for r in results) - start
         after = [server.metric(m) for m in ("bytes_read_total", "completion_tokens_total")]
         rss = server.peak_rss_gib()
+        mlx, experts = (server.metric(m) / 2**30 for m in ("peak_mlx_bytes", "resident_expert_bytes"))
     except Exception as e:
         if isinstance(e, Edge0Error):
             raise
@@ -229,7 +230,8 @@ def run_arm(args, store: Path, max_batch: int | None, texts: dict, log: Path) ->
     return {"tok_s": tokens / wall, "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p95_ms": 1e3 * percentile(ttft, 95),
             "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p95_ms": 1e3 * percentile(tpot, 95),
             "bytes_per_token": (after[0] - before[0]) / max(after[1] - before[1], 1),
-            "idle_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in idle), "peak_rss_gib": rss, "wall_s": wall,
+            "idle_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in idle), "peak_rss_gib": rss,
+            "peak_mlx_gib": mlx, "resident_expert_gib": experts, "wall_s": wall,
             "tokens": tokens, "requests": len(results), "max_batch": max_batch}
 
 
@@ -281,7 +283,8 @@ def bench_serve(args) -> int:
                      else None for f in FIGURES} | {"max_batch": arms[arm]} for arm, rs in runs.items()}
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "model": str(store), "clients": n, "requests_per_client": r,
-            "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "note": note}
+            "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "note": note,
+            "memory_budget_gib": args.memory_budget}
     ratios = compare(summary)
     write_atomic(out / "results.json", json.dumps({"meta": meta, "median": summary, "ratios": ratios, "runs": runs},
                                                   indent=1).encode())
@@ -307,17 +310,24 @@ def table(summary: dict, ratios: dict, meta: dict) -> list[str]:
              f"tokens each after {meta['prompt_tokens']}-token prompts, {meta['model']}; medians of {meta['rounds']} "
              f"rounds; {meta['cores']} cores, load average {meta['load_avg']:.1f} at the start", "",
              "| arm | --max-batch | tok/s | TTFT p50 ms | TTFT p95 ms | ms/token p50 | ms/token p95 | MiB read/token "
-             "| idle TTFT ms | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| idle TTFT ms | peak RSS GiB | peak MLX GiB | resident experts MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         rss = f"{s['peak_rss_gib']:.2f}" if s["peak_rss_gib"] is not None else "-"
         lines.append(f"| {arm} | {s['max_batch'] or '-'} | {s['tok_s']:.2f} | {s['ttft_p50_ms']:.0f} | "
                      f"{s['ttft_p95_ms']:.0f} | {s['tpot_p50_ms']:.1f} | {s['tpot_p95_ms']:.1f} | "
-                     f"{s['bytes_per_token'] / 2**20:.3f} | {s['idle_ttft_ms']:.0f} | {rss} |")
+                     f"{s['bytes_per_token'] / 2**20:.3f} | {s['idle_ttft_ms']:.0f} | {rss} | "
+                     f"{s['peak_mlx_gib']:.3f} | {1024 * s['resident_expert_gib']:.1f} |")
     if ratios:
         per_token = ratios["bytes_per_token_vs_fifo"]
         read = f", {per_token:.2f}x bytes read per token" if per_token is not None else ""
         lines += ["", f"batched / FIFO: {ratios['tok_s_vs_fifo']:.2f}x tok/s{read}",
                   f"batched TTFT p50 / idle TTFT: {ratios['ttft_p50_vs_idle']:.2f}x"]
+    budget = meta["memory_budget_gib"]
+    if budget is not None:
+        held = max(s["resident_expert_gib"] for s in summary.values())
+        lines += ["", f"resident experts after the load: at most {1024 * held:.1f} MiB of the {1024 * budget:.1f} MiB "
+                  f"--memory-budget ({'inside' if held <= budget else 'OVER'})"]
     if meta["note"]:
         lines += ["", f"note: {meta['note']}"]
     return lines

@@ -43,6 +43,7 @@ class EngineConfig:
     routing: str | None = None  # native | prefetch | predicted; None: predicted when the store has heads
     predictor: str | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
+    guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
     executor: str = "auto"  # auto (staged) | exact | staged | hot | resident
@@ -69,6 +70,7 @@ class EngineConfig:
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kernel", self.kernel, KERNELS, optional=True)
         _int("--k", self.top_k, 1, None)
+        _int("--guesses", self.guesses, 1, None)
         _int("--slots", self.slots, 1, None)
         _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
         _int("--kernel-threads", self.kernel_threads, 1, _cores(), "the machine's cores")

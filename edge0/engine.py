@@ -74,6 +74,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
     if heads is not None and routing == "prefetch" and predictor != "heads":
         raise Edge0Error(f"--heads: --predictor {predictor} does not read heads (use --predictor heads)")
     routing = routing or "native"
+    if c.guesses is not None and routing != "prefetch":
+        raise Edge0Error(f"--guesses {c.guesses}: only used with --routing prefetch (other routings read what they route)")
     if predictor is not None and routing == "native":
         raise Edge0Error(f"--predictor {predictor}: only used with --routing prefetch or predicted")
     if routing == "predicted" and predictor not in (None, "heads"):
@@ -257,7 +259,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
-                                      slots=slots, trace=trace, heads=heads,
+                                      slots=slots, trace=trace, heads=heads, guesses=c.guesses,
                                       predicted_routing=c.routing == "predicted")
     return build
 

@@ -46,6 +46,8 @@ class Figures:
     reads: int = 0
     stall_s: float = 0.0  # decode steps' compute waiting on prefetch reads (scheduled routing), as decode_s
     prefill_stall_s: float = 0.0  # the same during the prompt and its first token (banks start empty)
+    peak_mlx_bytes: int = 0  # MLX's peak allocation when it ended (since the generation began, or while batched,
+    # since the last generation alone began)
 
     @property
     def cold_fraction(self) -> float:
@@ -112,6 +114,7 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
     fig.bytes_read, fig.cold_bytes, fig.reads, _ = (a - b for a, b in zip(after, before))
     first = first or after
     fig.prefill_stall_s, fig.stall_s = first[3] - before[3], after[3] - first[3]
+    fig.peak_mlx_bytes = mx.get_peak_memory()
     return fig
 
 

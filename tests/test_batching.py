@@ -10,6 +10,7 @@ from edge0.batching import BatchDecoder
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.generation import GenRequest
+from tests import helpers
 
 PROMPTS = ["def fibonacci(n):\n    if n", "import os", "class Stack:\n    def push(self, item", "x",
            "for i in range(10):", "while True:\n    line = input(", "def main(argv):", "import sys"]
@@ -84,6 +85,36 @@ def test_server_batches_concurrent_streaming_clients():
         finally:
             srv.stop()
     assert answers["4"] == answers["1"]
+
+
+def test_a_full_batch_stays_inside_the_memory_budget():
+    """8 concurrent clients with long prompts on the default server with --memory-budget 14 MiB (predicted
+    routing's staged banks on the demo need 12.4 MiB): after the load /metrics reports the banks held, inside the
+    budget, and a peak allocation above them."""
+    openai = pytest.importorskip("openai")
+    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.serve.server import BackgroundServer
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    budget = 14 * 2**20
+    srv = BackgroundServer(*serve_configs(p.parse_args(["--memory-budget", str(budget / 2**30)])), port=0).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def ask(prompt):
+        chunks = client.completions.create(model="store", prompt=prompt, max_tokens=N, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, [p * 12 for p in PROMPTS]))  # prompts long enough for whole-layer prefill
+        assert all(answers)
+        assert helpers.metric(srv.url, "memory_budget_bytes") == budget
+        held = helpers.metric(srv.url, "resident_expert_bytes")
+        assert 12 * 2**20 < held <= budget  # the staged banks, and no prefill banks
+        assert helpers.metric(srv.url, "peak_mlx_bytes") > held
+    finally:
+        srv.stop()
 
 
 def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypatch):

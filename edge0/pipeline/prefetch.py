@@ -148,18 +148,24 @@ class PrefetchExperts:
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan."""
-        rt, step = self.rt, self.rt.sched.step
+        rt, step, n = self.rt, self.rt.sched.step, self.rt.guesses
         out = []
         for head, consumer in self.heads:
             blk = consumer.block
             router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
             feats = features(x, inds, self.prev_inds, self.num_experts)
+            scores = _per_row(head, feats, router)
+            if n is not None:  # a guess: the head's n likeliest experts
+                out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None))
+                continue
             decide = getattr(blk, "decide", None) or blk.select
-            p_inds, plan = decide(_per_row(head, feats, router))
+            p_inds, plan = decide(scores)
             out.append(Prediction(consumer, step + 1, p_inds, plan if consumer.predicted_routing else None))
         owned = {c.layer for _, c in self.heads}
         if self.next is not None and self.next.layer not in owned and self.predictor in ("next-router", "heads"):
-            out.append(Prediction(self.next, step + 1, self.next.block.route(x)[0], None))  # (B, T, K)
+            blk = self.next.block
+            p_inds = blk.route(x)[0] if n is None else _likeliest(blk.logits(x), n)
+            out.append(Prediction(self.next, step + 1, p_inds, None))  # (B, T, K or n)
         elif self.predictor == "repeat":
             with rt.scheduling(self.layer):
                 rt.sched.prefetch(self.layer, self.cache, ids)  # all held already: the reuse is the prediction
@@ -167,6 +173,11 @@ class PrefetchExperts:
         return out
 
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
+
+
+def _likeliest(scores: mx.array, n: int) -> mx.array:
+    """The ids of the n highest scores on the last axis (unordered)."""
+    return mx.argpartition(-scores, kth=n - 1, axis=-1)[..., :n]
 
 
 def _per_row(head, feats: mx.array, router: mx.array) -> mx.array:
@@ -184,6 +195,7 @@ class PrefetchRuntime(Runtime):
     sched: Scheduler = None
     heads = None  # HeadSet when predicting with trained heads
     predicted_routing = False
+    guesses: int | None = None  # experts read ahead per predicted set, the predictor's likeliest (None: all K)
     pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
@@ -343,14 +355,18 @@ class _Scheduling:
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
-                           predicted_routing: bool = False, **_) -> PrefetchRuntime:
+                           predicted_routing: bool = False, guesses: int | None = None, **_) -> PrefetchRuntime:
     """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
-    heads: a HeadSet (predictor "heads" and predicted routing need one)."""
+    heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
+    N likeliest experts of each predicted set (None: all K)."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
         raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
+    k = reader.manifest.top_k if heads is None else heads.top_k
+    if guesses is not None and not 1 <= guesses <= k:
+        raise Edge0Error(f"--guesses {guesses}: between 1 and K = {k}")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
     rt.pending = []
@@ -359,6 +375,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.trace = trace
     rt.heads = heads
     rt.predicted_routing = predicted_routing
+    rt.guesses = None if guesses == k or predicted_routing else guesses
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor)
     return rt

@@ -92,9 +92,11 @@ class Metrics:
     stall_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    peak_mlx_bytes: int = 0  # the largest of the generations' peaks
 
     def add(self, f: Figures) -> None:
         self.generations += 1
+        self.peak_mlx_bytes = max(self.peak_mlx_bytes, f.peak_mlx_bytes)
         self.cancelled += f.finish_reason == "cancelled"
         self.prompt_tokens += f.prompt_tokens
         self.completion_tokens += f.completion_tokens
@@ -121,6 +123,7 @@ class Metrics:
             ("stall_seconds_total", "counter", "time compute waited on prefetch reads", self.stall_s),
             ("prefill_seconds_total", "counter", "time spent processing prompts", self.prefill_s),
             ("decode_seconds_total", "counter", "time spent decoding", self.decode_s),
+            ("peak_mlx_bytes", "gauge", "MLX's peak allocation over the generations so far", self.peak_mlx_bytes),
             ("queue_waiting", "gauge", "requests waiting for the generation slot", waiting),
             ("generating", "gauge", "generations running (0 or 1)", generating),
         ]:

@@ -141,8 +141,8 @@ class Api:
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     def _batch_metrics(self, generating: int) -> str:
-        """Batch size and prompt-cache figures, read where the queue and the engine keep them (0 before they
-        do): jobs.batch_size, engine.prompt_cache.stats (hits, tokens)."""
+        """Batch size, prompt-cache and memory figures, read where the queue and the engine keep them (0 before
+        they do): jobs.batch_size, engine.prompt_cache.stats (hits, tokens), the runtime's resident expert bytes."""
         stats = getattr(getattr(self.engine, "prompt_cache", None), "stats", None)
         get = stats.get if isinstance(stats, dict) else (lambda name, default: getattr(stats, name, default))
         out, batch = [], getattr(self.jobs, "batch_size", generating)  # 0 or 1 while FIFO
@@ -150,6 +150,10 @@ class Api:
             ("batch_size", "gauge", "sequences in the running decode step", batch),
             ("prompt_cache_hits_total", "counter", "requests whose prompt began with a cached prefix", get("hits", 0)),
             ("prompt_cache_tokens_total", "counter", "prompt tokens served from the prompt cache", get("tokens", 0)),
+            ("resident_expert_bytes", "gauge", "expert bytes held in slot banks and prefill banks now",
+             getattr(self.engine.store.runtime, "resident_expert_bytes", 0)),
+            ("memory_budget_bytes", "gauge", "--memory-budget (0: none given)",
+             int((self.engine.config.memory_budget_gib or 0) * 2**30)),
         ]:
             out += [f"# HELP edge0_{name} {text}", f"# TYPE edge0_{name} {kind}", f"edge0_{name} {value}"]
         return "\n".join(out) + "\n"

@@ -1,0 +1,51 @@
+"""--guesses N: prefetch reads ahead only the predictor's N likeliest experts of each predicted set. Under a
+throttled disk (every read costs, so prefetch never pauses) it still equals native on real text, reads fewer
+bundles ahead than with all K guesses, and each guess is among the K it would have read."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.pipeline import prefetch
+
+from .test_pause import ahead, forced, warm_store
+from .test_identity import real_text
+
+TOKENS = 40
+THROTTLE = 200  # MB/s
+
+
+@pytest.fixture(scope="module")
+def text():
+    ids = real_text(TOKENS)
+    warm_store()
+    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+        return ids, forced(engine, ids)
+
+
+@pytest.mark.parametrize("predictor", ["heads", "next-router"])
+def test_fewer_guesses_read_less_ahead_and_equal_native(text, predictor, monkeypatch):
+    ids, want = text
+    picked = []  # (all K, the n likeliest) of every guess made with n < K
+    real = prefetch._likeliest
+
+    def spy(scores, n):
+        got = real(scores, n)
+        picked.append((mx.argsort(-scores, axis=-1)[..., :4], got))  # the K highest scores
+        return got
+
+    monkeypatch.setattr(prefetch, "_likeliest", spy)
+    read_ahead = {}
+    for guesses in (None, 1):
+        cfg = EngineConfig(routing="prefetch", predictor=predictor, guesses=guesses, io_throttle_mbps=THROTTLE)
+        with open_engine(cfg) as engine:
+            got = forced(engine, ids)
+            read_ahead[guesses] = ahead(engine.store.runtime)
+        assert np.array_equal(got, want)
+    assert 0 < read_ahead[1] < read_ahead[None]
+    assert picked and all(g.shape[-1] == 1 for _, g in picked)
+    for every, one in picked:  # the one guess is the likeliest of the K
+        e, o = np.array(every), np.array(one)
+        assert all(o[i][0] in e[i] for i in np.ndindex(o.shape[:-1]))
