@@ -49,15 +49,17 @@ def _arm_flags(arm: str) -> list[str]:
         return ["--routing", "predicted"]  # the heads next to the store, for its K (and its adapter, if any)
     if arm == "predicted:no-lora":
         return ["--routing", "predicted", "--lora", "none"]  # the same without the recovery adapter
-    if arm.startswith("prefetch:"):
-        return ["--routing", "prefetch", "--predictor", arm.split(":", 1)[1]]
+    if arm.startswith("prefetch:"):  # prefetch:PREDICTOR[/N]: N guesses read ahead per predicted set
+        predictor, _, guesses = arm.split(":", 1)[1].partition("/")
+        return ["--routing", "prefetch", "--predictor", predictor] + (["--guesses", guesses] if guesses else [])
     return ["--routing", "native", "--executor", arm]
 
 
 def add_bench_flags(p) -> None:
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm)")
     p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it")
-    p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}")
+    p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}; "
+                   "prefetch:PREDICTOR/N reads ahead N guesses per set (--guesses N)")
     p.add_argument("--lora", metavar="FILE", help="the predicted arm's adapter (default: lora-k{K}.safetensors beside "
                                                   "the store; predicted:no-lora runs without one)")
     p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
@@ -248,6 +250,9 @@ def check_args(args) -> tuple[list[str], list[str]]:
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:
         base, _, kernel = a.partition("@")
+        base, _, guesses = base.partition("/") if base.startswith("prefetch:") else (base, "", "")
+        if guesses and not (guesses.isdigit() and int(guesses) >= 1):
+            raise Edge0Error(f"--arms {a}: a prefetch arm's /N (guesses read ahead) is a whole number of at least 1")
         if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
                                                                                    or is_llama(base))):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")

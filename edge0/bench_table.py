@@ -29,7 +29,7 @@ def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
         s["step_ms"] = 1e3 / s["decode_tok_s"] if s["decode_tok_s"] else 0.0
         summary[key] = s
     for key, s in summary.items():
-        arm, cache = key.split("/")
+        arm, cache = key.rsplit("/", 1)
         cf = s["load_cold_fraction"]
         par = "_parallel" if "cold_parallel_ms" in cost else ""  # a layer's reads run together on the I/O pool
         s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost[f"cold{par}_ms"] + (1 - cf) * cost[f"warm{par}_ms"])
@@ -59,7 +59,7 @@ def table(summary: dict, meta: dict) -> list[str]:
              "cold | slot hits | resident experts MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in summary.items():
-        arm, cache = key.split("/")
+        arm, cache = key.rsplit("/", 1)
         if s["killed"] == s["runs"]:
             lines.append(f"| {arm} | - | - | - | {cache} | killed: {s['killed_why']} |" + " - |" * 15)
             continue
