@@ -17,7 +17,10 @@ export-gguf` with this interpreter, and the venv needs only numpy beside the bui
 What it needs:
   * the llama-cpp-python source distribution (`pip download --no-binary :all: --no-deps llama-cpp-python`);
     it vendors llama.cpp, whose convert_hf_to_gguf.py and gguf-py make the GGUF;
-  * a C/C++ compiler and CMake (llama.cpp is built from source, with -march=native: minutes);
+  * a C/C++ compiler and CMake (llama.cpp is built from source, with -march=native: minutes; the build takes
+    llama.cpp's CMake options from $CMAKE_ARGS: on a virtual machine whose CPU advertises AMX but faults on it
+    (the bench arm dies with -4 or -11, "Illegal instruction" in ggml_backend_amx_mul_mat), build with
+    CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF");
   * network access to a package index for the converter's needs in the venv: numpy, torch, transformers,
     sentencepiece, pyyaml, tqdm, requests (--torch picks the torch requirement; a CPU-only wheel is enough,
     e.g. --torch "torch --index-url https://download.pytorch.org/whl/cpu");
