@@ -19,8 +19,10 @@ What it needs:
     it vendors llama.cpp, whose convert_hf_to_gguf.py and gguf-py make the GGUF;
   * a C/C++ compiler and CMake (llama.cpp is built from source, with -march=native: minutes; the build takes
     llama.cpp's CMake options from $CMAKE_ARGS: on a virtual machine whose CPU advertises AMX but faults on it
-    (the bench arm dies with -4 or -11, "Illegal instruction" in ggml_backend_amx_mul_mat), build with
-    CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF");
+    (the bench arm dies with -4 or -11, "Illegal instruction" in ggml_backend_amx_mul_mat), build without
+    -march=native, naming the CPU's other extensions: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
+    -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF");
   * network access to a package index for the converter's needs in the venv: numpy, torch, transformers,
     sentencepiece, pyyaml, tqdm, requests (--torch picks the torch requirement; a CPU-only wheel is enough,
     e.g. --torch "torch --index-url https://download.pytorch.org/whl/cpu");
