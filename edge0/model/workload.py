@@ -141,9 +141,10 @@ def write_config(base: Path, out: Path, width: int) -> None:
 
 
 def copy_resident(base: Path, out: Path) -> None:
-    """Everything of the base but its experts, manifest and heads (the heads are bound to the base's bytes)."""
+    """Everything of the base but its experts, manifest, heads and adapters (bound to the base's bytes, and the
+    adapters to its heads: the workload trains its own heads)."""
     for f in base.iterdir():
-        if f.is_file() and f.name not in (MANIFEST, "config.json") and not f.name.startswith("heads-"):
+        if f.is_file() and f.name not in (MANIFEST, "config.json") and not f.name.startswith(("heads-", "lora-")):
             shutil.copy2(f, out / f.name)
 
 

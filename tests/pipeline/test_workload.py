@@ -59,6 +59,22 @@ def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
     assert np.array_equal(got[0], got[1])
 
 
+def test_a_base_with_an_adapter_gives_a_workload_that_runs_by_default(models, tmp_path):
+    """The built-in model ships recovery adapters bound to its own bytes and heads: the workload must not carry
+    them, or its default (predicted routing, the adapter next to the store) refuses to load."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(models("qwen3_moe"), base)
+    (base / "lora-k2.safetensors").write_bytes(b"an adapter of the base")
+    out = tmp_path / "wide"
+    make_workload(str(out), base=str(base), width=2 * hidden_of(read_manifest(base)), heads_steps=2, progress=False)
+    assert not list(out.glob("lora-*"))
+    with open_engine(EngineConfig(model=str(out))) as engine:
+        assert engine.config.routing == "predicted" and engine.config.lora == "none"  # no adapter next to it
+        assert len(engine.generate(engine.request([1, 2, 3], max_tokens=2)).tokens) == 2
+
+
 def test_heads_route_only_where_told(made, tmp_path):
     """A head file's `routes`: predicted routing routes those consumers; the others keep their router."""
     from edge0.model.arch import read_config
