@@ -65,8 +65,9 @@ class PrefetchExperts:
     """One MoE layer under the scheduler: gather from its bank, prefetched during the step before."""
 
     def __init__(self, layer: int, cache: SlotCache, rt: "PrefetchRuntime", exact: ExactExperts,
-                 prefill: WholeLayer | None, predictor: str):
+                 prefill: WholeLayer | None, predictor: str, staged=None):
         self.layer, self.cache, self.rt = layer, cache, rt
+        self.staged = staged  # the staged executor on the same bank: the whole layer while prefetch is paused
         self.exact, self.prefill, self.predictor = exact, prefill, predictor
         self.quant = exact.quant
         self.num_experts = exact.num_experts
@@ -104,6 +105,10 @@ class PrefetchExperts:
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
         rt, sched, step = self.rt, self.rt.sched, self.rt.sched.step
+        if rt.paused and self.staged is not None and not (sched.plans or sched.landing or self.waiting):
+            self.ran = step  # paused with nothing planned: native routing on the same bank, no scheduler
+            self.prev_inds = inds[..., -1:, :]
+            return self.staged(x, inds)
         d = self.decided.get(step) if self.answered == step else None
         if d is not None:  # decided a step ahead: ids and slots are on the host already
             host, ids = d.host, d.ids
@@ -377,5 +382,5 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.predicted_routing = predicted_routing
     rt.guesses = None if guesses == k or predicted_routing else guesses
     for layer, staged in base.executors.items():
-        rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor)
+        rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
     return rt
