@@ -10,8 +10,7 @@ from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.pipeline import prefetch
 
-from .test_pause import ahead, forced, warm_store
-from .test_identity import real_text
+from .test_pause import ahead, forced, native_reference
 
 TOKENS = 40
 THROTTLE = 200  # MB/s
@@ -19,10 +18,7 @@ THROTTLE = 200  # MB/s
 
 @pytest.fixture(scope="module")
 def text():
-    ids = real_text(TOKENS)
-    warm_store()
-    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
-        return ids, forced(engine, ids)
+    return native_reference(TOKENS)
 
 
 @pytest.mark.parametrize("predictor", ["heads", "next-router"])

@@ -49,12 +49,17 @@ def forced(engine, ids, at_step=None):
     return np.stack(out)
 
 
-@pytest.fixture(scope="module")
-def text():
-    ids = real_text(TOKENS)
+def native_reference(n: int):
+    """n tokens of real text and native routing's log-probabilities on them (the store warm)."""
+    ids = real_text(n)
     warm_store()
     with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
         return ids, forced(engine, ids)
+
+
+@pytest.fixture(scope="module")
+def text():
+    return native_reference(TOKENS)
 
 
 def test_warm_store_pauses_prefetch_and_still_equals_native(text):
