@@ -24,7 +24,8 @@ MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
 
 
-def _cores() -> int:
+def machine_cores() -> int:
+    """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -73,7 +74,7 @@ class EngineConfig:
         _int("--guesses", self.guesses, 1, None)
         _int("--slots", self.slots, 1, None)
         _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
-        _int("--kernel-threads", self.kernel_threads, 1, _cores(), "the machine's cores")
+        _int("--kernel-threads", self.kernel_threads, 1, machine_cores(), "the machine's cores")
         _float("--memory-budget", self.memory_budget_gib, 0.0, _memory_gib(), "the machine's memory", lo_open=False)
         _float("--prompt-cache-gib", self.prompt_cache_gib, 0.0, _memory_gib(), "the machine's memory",
                lo_open=False)

@@ -85,3 +85,21 @@ def test_argparse_refusals(argv, capsys):
 
 def test_at_least_forty_bad_command_lines():
     assert len(BAD) + len(ARGPARSE_BAD) >= 40
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_bad_kernel_threads_variable_is_one_line(value):
+    """$EDGE0_KERNEL_THREADS is read when the edge0 kernels load (a fresh process that uses them)."""
+    import os
+    import subprocess
+    import sys
+
+    from edge0.compute import kernels
+
+    if not kernels.available():
+        pytest.skip(f"edge0 kernels: {kernels.reason()}")
+    env = {**os.environ, "EDGE0_KERNEL": "edge0", "EDGE0_KERNEL_THREADS": value}
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "run", "--max-tokens", "1"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and f"EDGE0_KERNEL_THREADS={value}: expected a whole number" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from ..config import machine_cores
+from ..errors import Edge0Error
+
 # Compute threads of the kernels, the calling thread included. On a 2-core machine a decode step's
 # products take one thread, leaving the other core to the I/O workers and to the Python that builds the
 # next layer's graph (docs/DESIGN.md §15); a prompt chunk's products and attention (at least PROMPT_ROWS
@@ -21,25 +24,25 @@ _reason: str | None = None  # why it is unavailable, once load() failed
 _noticed = False
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def _env_threads() -> int | None:
+    """$EDGE0_KERNEL_THREADS, when set: the thread count of decode steps and prompts alike."""
+    env = os.environ.get("EDGE0_KERNEL_THREADS", "").strip()
+    if not env:
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise Edge0Error(f"EDGE0_KERNEL_THREADS={env}: expected a whole number of at least 1")
+    return int(env)
 
 
 def default_threads() -> int:
     """Decode threads."""
-    env = os.environ.get("EDGE0_KERNEL_THREADS")
-    if env:
-        return max(1, int(env))
-    cores = _cores()
-    return DEFAULT_THREADS_2_CORES if cores <= 2 else min(cores - 1, MAX_DEFAULT_THREADS)
+    cores = machine_cores()
+    return _env_threads() or (DEFAULT_THREADS_2_CORES if cores <= 2 else min(cores - 1, MAX_DEFAULT_THREADS))
 
 
 def default_prompt_threads() -> int:
     """Prompt threads: every core (up to MAX_DEFAULT_THREADS)."""
-    env = os.environ.get("EDGE0_KERNEL_THREADS")
-    if env:
-        return max(1, int(env))
-    return min(_cores(), MAX_DEFAULT_THREADS)
+    return _env_threads() or min(machine_cores(), MAX_DEFAULT_THREADS)
 
 
 def load():
