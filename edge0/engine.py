@@ -259,7 +259,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
-                                      slots=slots, trace=trace, heads=heads, guesses=c.guesses,
+                                      slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
                                       predicted_routing=c.routing == "predicted")
     return build
 

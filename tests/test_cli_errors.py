@@ -39,6 +39,7 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--routing", "predicted", "--predictor", "repeat"], "--predictor repeat does not apply"),
     (["run", "--guesses", "0", "--routing", "prefetch"], "--guesses 0: must be at least 1"),
     (["run", "--guesses", "5", "--routing", "prefetch"], "--guesses 5: between 1 and K = 4"),
+    (["run", "--guesses", "3", "--k", "2", "--routing", "prefetch"], "--guesses 3: between 1 and K = 2"),
     (["run", "--guesses", "2"], "--guesses 2: only used with --routing prefetch"),
     (["run", "--guesses", "2", "--routing", "native"], "--guesses 2: only used with --routing prefetch"),
     (["run", "--routing", "prefetch", "--executor", "hot"], "--executor hot does not apply"),

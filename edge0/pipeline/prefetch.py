@@ -360,18 +360,20 @@ class _Scheduling:
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
-                           predicted_routing: bool = False, guesses: int | None = None, **_) -> PrefetchRuntime:
+                           predicted_routing: bool = False, guesses: int | None = None, top_k: int | None = None,
+                           **_) -> PrefetchRuntime:
     """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
-    N likeliest experts of each predicted set (None: all K)."""
+    N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's)."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
         raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
-    k = reader.manifest.top_k if heads is None else heads.top_k
-    if guesses is not None and not 1 <= guesses <= k:
-        raise Edge0Error(f"--guesses {guesses}: between 1 and K = {k}")
+    k = top_k or reader.manifest.top_k
+    if guesses is not None and (predicted_routing or not 1 <= guesses <= k):
+        why = "predicted routing reads what its heads route" if predicted_routing else f"between 1 and K = {k}"
+        raise Edge0Error(f"--guesses {guesses}: {why}")
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
     rt.pending = []
@@ -380,7 +382,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.trace = trace
     rt.heads = heads
     rt.predicted_routing = predicted_routing
-    rt.guesses = None if guesses == k or predicted_routing else guesses
+    rt.guesses = None if guesses == k else guesses
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
     return rt
