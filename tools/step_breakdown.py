@@ -54,7 +54,34 @@ def main() -> int:
     p.add_argument("--routing", default="native", choices=("native", "prefetch", "predicted"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: must be at least 1")
 
+    from edge0.errors import Edge0Error
+
+    try:
+        return breakdown(args)
+    except Edge0Error as e:
+        sys.exit(f"step_breakdown: error: {e}")
+
+
+def read_replay(path: str) -> tuple[list[int], list[int] | None]:
+    """A replay file's prompt ids and forced tokens, or one clear error naming the file."""
+    from edge0.errors import Edge0Error
+
+    try:
+        replay = json.loads(Path(path).read_text())
+        prompt, forced = replay["prompt"], replay.get("tokens")
+    except OSError as e:
+        raise Edge0Error(f"--replay {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise Edge0Error(f"--replay {path}: not a replay file (JSON with a 'prompt' list of ids): {e}") from None
+    if not prompt or (forced is not None and len(forced) < 2):
+        raise Edge0Error(f"--replay {path}: needs a prompt and at least 2 forced tokens")
+    return prompt, forced
+
+
+def breakdown(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from edge0.compute import kernels
@@ -65,11 +92,7 @@ def main() -> int:
     ext = kernels.load()
     if ext is None:
         sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
-    if args.replay:
-        replay = json.loads(Path(args.replay).read_text())
-        prompt, forced = replay["prompt"], replay.get("tokens")
-    else:
-        prompt, forced = None, None
+    prompt, forced = read_replay(args.replay) if args.replay else (None, None)
     config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
                           prompt_cache_gib=0)
     with open_engine(config) as engine:
