@@ -46,8 +46,8 @@ class Figures:
     reads: int = 0
     stall_s: float = 0.0  # decode steps' compute waiting on prefetch reads (scheduled routing), as decode_s
     prefill_stall_s: float = 0.0  # the same during the prompt and its first token (banks start empty)
-    peak_mlx_bytes: int = 0  # MLX's peak allocation when it ended (since the generation began, or while batched,
-    # since the last generation alone began)
+    peak_mlx_bytes: int = 0  # MLX's peak allocation when the generation ended: since it began (alone), or since
+    # the process or the last generation alone began (batched: a batch does not reset the peak)
 
     @property
     def cold_fraction(self) -> float:
