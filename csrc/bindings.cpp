@@ -95,10 +95,24 @@ class ProfileScope {
 // The packed width tells the bits: D/8 words at 4 bits, D/4 at 8.
 static int bits_of(const mx::array& w, int64_t D) { return w.shape(-1) * 8 == D ? 4 : 8; }
 
-static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int64_t D, int gs,
-                         std::vector<uint32_t>& wt, std::vector<float>& st, std::vector<float>& bt) {
-  return {(const uint8_t*)dense_data<uint32_t>(w, wt), dense_data<float>(s, st), dense_data<float>(b, bt),
-          w.ndim() == 3 ? w.shape(0) : 1, w.shape(-2), D, gs, bits_of(w, D)};
+// Scales and biases float32, or bfloat16 as stored (the kernel widens them a row at a time).
+struct QTemps {
+  std::vector<uint32_t> w;
+  std::vector<float> s, b;
+  std::vector<uint16_t> s16, b16;
+};
+
+static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int64_t D, int gs, QTemps& t) {
+  QWeights q{(const uint8_t*)dense_data<uint32_t>(w, t.w), nullptr, nullptr, w.ndim() == 3 ? w.shape(0) : 1,
+             w.shape(-2), D, gs, bits_of(w, D)};
+  if (s.dtype() == mx::bfloat16) {
+    q.scales16 = dense_data<uint16_t>(s, t.s16);
+    q.biases16 = dense_data<uint16_t>(b, t.b16);
+  } else {
+    q.scales = dense_data<float>(s, t.s);
+    q.biases = dense_data<float>(b, t.b);
+  }
+  return q;
 }
 
 // Output row o reads x row o / ratio (ratio = rows per x row) and expert idx[o] (or 0 without idx).
@@ -125,12 +139,11 @@ class QMV : public mx::UnaryPrimitive {
       });
       std::vector<float> xt;
       std::vector<uint32_t> it;
-      std::vector<std::vector<uint32_t>> wt(3);
-      std::vector<std::vector<float>> st(3), bt(3);
+      std::vector<QTemps> temps(3);
       std::vector<QWeights> q;
       for (size_t j = 0; j < nw; j += 3) {
         const int64_t Dj = j < 6 ? D : inputs[1].shape(-2);  // down reads the gate/up width
-        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, wt[j / 3], st[j / 3], bt[j / 3]));
+        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, temps[j / 3]));
       }
       const int64_t N = q.back().N, R = out.size() / N;
       const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
@@ -188,9 +201,9 @@ class QMVLoRA : public mx::UnaryPrimitive {
         return "Edge0QMV+LoRA " + std::to_string(inputs[1].shape(-2)) + "x" + std::to_string(D) +
                (R >= PROMPT_ROWS ? " prompt" : "");
       });
-      std::vector<float> xt, at, bt2, st, bt;
-      std::vector<uint32_t> wt;
-      const QWeights q = qweights(inputs[1], inputs[2], inputs[3], D, gs, wt, st, bt);
+      std::vector<float> xt, at, bt2;
+      QTemps temps;
+      const QWeights q = qweights(inputs[1], inputs[2], inputs[3], D, gs, temps);
       const int64_t N = q.N, r = inputs[4].shape(-1);
       std::vector<Pair> pairs(R);
       for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
@@ -233,11 +246,13 @@ class QMVLoRA : public mx::UnaryPrimitive {
 
 [[noreturn]] static void fail(const std::string& m) { throw std::invalid_argument("edge0 qmv/glu: " + m); }
 
-// w (E, N, D*bits/32) or (N, D*bits/32) uint32 (4 or 8 bits), scales and biases (..., N, D/gs) float32 -> N
+// w (E, N, D*bits/32) or (N, D*bits/32) uint32 (4 or 8 bits), scales and biases (..., N, D/gs) float32 or
+// both bfloat16 -> N
 static int64_t check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t D,
                              int group_size) {
   if ((w.ndim() != 2 && w.ndim() != 3) || w.dtype() != mx::uint32) fail("w must be (E, N, D*bits/32) uint32");
-  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) fail("scales and biases must be float32");
+  if (scales.dtype() != biases.dtype() || (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16))
+    fail("scales and biases must be both float32 or both bfloat16");
   const int64_t N = w.shape(-2), G = D / group_size;
   if (N < 1 || (w.ndim() == 3 && w.shape(0) < 1)) fail("w must hold at least one expert and one output row");
   if (D < 64 || D % 64 != 0 || D % group_size != 0 || (w.shape(-1) * 8 != D && w.shape(-1) * 4 != D))

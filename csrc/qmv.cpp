@@ -271,7 +271,21 @@ static float dot_portable8(const uint8_t* w, const float* s, const float* b, con
   return acc;
 }
 
+// A scale or bias, float32 or bfloat16 bits (exactly: the high half of the word).
+static inline float at(const float* p, int64_t i) { return p[i]; }
+static inline float at(const uint16_t* p, int64_t i) {
+  const uint32_t v = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+
 #if defined(EDGE0_AVX2)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // 64 weights (32 bytes) against 64 permuted int8 activations: 16 int16 partial sums, the low
 // 128 bits from elements 0..31, the high from 32..63 (each |sum| <= 2*2*15*127, no overflow).
 static inline __m256i chunk16(const uint8_t* w, const int8_t* xq) {
@@ -290,8 +304,9 @@ static inline __m256i widen(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_
 #define EDGE0_AVX2_8BIT 1
 // 8-bit weights on AVX2 (routers): float activations, as u8 x s8 pairs overflow vpmaddubsw; 16 weights per
 // step into two 8-lane FMA sums, scaled per group in the lanes, one horizontal sum per output.
-static float dot_avx2_8(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
-                        int64_t D, int gs) {
+template <typename S>
+static float dot_avx2_8(const uint8_t* w, const S* s, const S* b, const float* x, const float* xsum, int64_t D,
+                        int gs) {
   const int64_t G = D / gs;
   __m256 acc = _mm256_setzero_ps();
   float bias = 0.f;
@@ -306,8 +321,8 @@ static float dot_avx2_8(const uint8_t* w, const float* s, const float* b, const 
       t0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg + j), t0);
       t1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + j + 8), t1);
     }
-    acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(s[g]), acc);
-    bias += b[g] * xsum[g];
+    acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(at(s, g)), acc);
+    bias += at(b, g) * xsum[g];
   }
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -357,24 +372,26 @@ static void group_sums(const uint8_t* w, const int8_t* xq, int64_t D, int32_t* i
 }
 
 // sum_g s[g] * xs[g] * isum[g] + b[g] * xsum[g]
-static inline float combine(const float* s, const float* b, const float* xs, const float* xsum, const int32_t* isum,
+template <typename S>
+static inline float combine(const S* s, const S* b, const float* xs, const float* xsum, const int32_t* isum,
                             int64_t G) {
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
-    __m256 d = _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g));
+    __m256 d = _mm256_mul_ps(load8(s + g), _mm256_loadu_ps(xs + g));
     acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(isum + g))), acc);
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xsum + g), acc);
+    acc = _mm256_fmadd_ps(load8(b + g), _mm256_loadu_ps(xsum + g), acc);
   }
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   float r = _mm_cvtss_f32(h);
-  for (; g < G; g++) r += s[g] * xs[g] * (float)isum[g] + b[g] * xsum[g];
+  for (; g < G; g++) r += at(s, g) * xs[g] * (float)isum[g] + at(b, g) * xsum[g];
   return r;
 }
 
-static float dot_avx2(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+template <typename S>
+static float dot_avx2(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
                       const float* xsum, int64_t D, int gs) {
   alignas(32) int32_t isum[MAX_GROUPS + 8];
   switch (gs) {
@@ -387,11 +404,17 @@ static float dot_avx2(const uint8_t* w, const float* s, const float* b, const in
 #endif
 
 #if defined(EDGE0_VNNI)
+// Scales and biases as float32 or as bfloat16 bits (widened in the register: the high half of the word).
+static inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+static inline __m512 load16(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
 // 128 weights (64 bytes) per step: vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l
 // covering elements 8l..8l+7 of the step, so a lane lies in one group: GS/8 lanes per group. The lane
 // sums are scaled in float by their group's s * xs and accumulated; no horizontal sums until the end.
-template <int GS>
-static float dot_vnni(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+template <int GS, typename S>
+static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
                       const float* xsum, int64_t D) {
   // The groups' factors s * xs stay in a register, 16 groups at a time, and reach the lanes by a
   // permute: no store and reload per step.
@@ -406,8 +429,8 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
   int64_t i = 0;
   for (int64_t g0 = 0; g0 < G; g0 += 16) {
     const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
-    const __m512 d = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g0), _mm512_maskz_loadu_ps(k, xs + g0));
-    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g0), _mm512_maskz_loadu_ps(k, xsum + g0), bias);
+    const __m512 d = _mm512_mul_ps(load16(s + g0, k), _mm512_maskz_loadu_ps(k, xs + g0));
+    bias = _mm512_fmadd_ps(load16(b + g0, k), _mm512_maskz_loadu_ps(k, xsum + g0), bias);
     __m512i lane_group = first;
     for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
       const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
@@ -430,7 +453,7 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
     const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
     __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq + c)));
     acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq + c + 32)));
-    const float d0 = s[g] * xs[g], d1 = GS == 32 ? s[g + 1] * xs[g + 1] : d0;
+    const float d0 = at(s, g) * xs[g], d1 = GS == 32 ? at(s, g + 1) * xs[g + 1] : d0;
     const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
     alignas(32) float t[8];
     _mm256_store_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
@@ -440,16 +463,16 @@ static float dot_vnni(const uint8_t* w, const float* s, const float* b, const in
 }
 
 // 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
-template <int GS>
-static float dot_vnni8(const uint8_t* w, const float* s, const float* b, const int8_t* xq, const float* xs,
+template <int GS, typename S>
+static float dot_vnni8(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
                        const float* xsum, int64_t D) {
   const int64_t G = D / GS;
   alignas(64) float d[MAX_GROUPS + 16];
   __m512 bias = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-    _mm512_store_ps(d + g, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + g), _mm512_maskz_loadu_ps(k, xs + g)));
-    bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g), _mm512_maskz_loadu_ps(k, xsum + g), bias);
+    _mm512_store_ps(d + g, _mm512_mul_ps(load16(s + g, k), _mm512_maskz_loadu_ps(k, xs + g)));
+    bias = _mm512_fmadd_ps(load16(b + g, k), _mm512_maskz_loadu_ps(k, xsum + g), bias);
   }
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
@@ -468,7 +491,37 @@ static float dot_vnni8(const uint8_t* w, const float* s, const float* b, const i
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(f0, f1)) + _mm512_reduce_add_ps(bias);
 }
+
+template <typename S>
+static float vnni(int bits, int gs, const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
+                  const float* xsum, int64_t D) {
+  if (bits == 8)
+    return gs == 32   ? dot_vnni8<32>(w, s, b, xq, xs, xsum, D)
+           : gs == 64 ? dot_vnni8<64>(w, s, b, xq, xs, xsum, D)
+                      : dot_vnni8<128>(w, s, b, xq, xs, xsum, D);
+  return gs == 32   ? dot_vnni<32>(w, s, b, xq, xs, xsum, D)
+         : gs == 64 ? dot_vnni<64>(w, s, b, xq, xs, xsum, D)
+                    : dot_vnni<128>(w, s, b, xq, xs, xsum, D);
+}
 #endif
+
+// bfloat16 bits -> float32, exactly (the high half of the word), n values.
+static inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
+#elif defined(EDGE0_AVX2)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i))), 16)));
+#endif
+  for (; i < n; i++) {
+    const uint32_t v = (uint32_t)src[i] << 16;
+    std::memcpy(dst + i, &v, 4);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -479,6 +532,11 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   const int impl = q.bits == 8 && use_impl.load() != VNNI ? PORTABLE : use_impl.load();
   const bool quant = impl != PORTABLE;
   const bool avx2_8bit = q.bits == 8 && use_impl.load() == AVX2;  // float activations (dot_avx2_8)
+#if defined(EDGE0_AVX2_8BIT)
+  const bool widen_here = q.scales16 != nullptr && impl == PORTABLE && !avx2_8bit;  // the SIMD paths widen bf16
+#else                                                                               // scales in their registers
+  const bool widen_here = q.scales16 != nullptr && impl == PORTABLE;
+#endif
   Pool& p = pool();
   const int threads = prompt ? prompt_threads_.load() : decode_threads.load();
 
@@ -525,39 +583,46 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
       return;
     }
     const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
+    alignas(64) float s16[NS][MAX_GROUPS], b16[NS][MAX_GROUPS];  // a tile's bf16 scales, widened once
     for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
       const int64_t i1 = std::min(run.end, i0 + PB);
       for (int64_t m0 = n0; m0 < n1; m0 += NS) {
         const int64_t m1 = std::min(n1, m0 + NS);
+        if (widen_here) {
+          for (int64_t n = m0; n < m1; n++) {
+            widen_bf16(q.scales16 + (e * N + n) * G, s16[n - m0], G);
+            widen_bf16(q.biases16 + (e * N + n) * G, b16[n - m0], G);
+          }
+        }
         for (int64_t i = i0; i < i1; i++) {
           const Pair& pr = sorted[i];
           const float* xsum = acts.sums.data() + pr.xrow * G;
           for (int64_t n = m0; n < m1; n++) {
             const int64_t row = e * N + n;
             const uint8_t* w = q.w + row * row_bytes;
-            const float* s = q.scales + row * G;
-            const float* b = q.biases + row * G;
+            const float* s = q.scales16 != nullptr ? s16[n - m0] : q.scales + row * G;
+            const float* b = q.biases16 != nullptr ? b16[n - m0] : q.biases + row * G;
             const int8_t* xq = quant ? acts.q.data() + pr.xrow * D : nullptr;
             const float* xs = acts.scale.data() + pr.xrow * G;
             float v;
 #if defined(EDGE0_VNNI)
-            if (impl == VNNI && q.bits == 8)
-              v = gs == 32   ? dot_vnni8<32>(w, s, b, xq, xs, xsum, D)
-                  : gs == 64 ? dot_vnni8<64>(w, s, b, xq, xs, xsum, D)
-                             : dot_vnni8<128>(w, s, b, xq, xs, xsum, D);
+            if (impl == VNNI && q.scales16 != nullptr)
+              v = vnni(q.bits, gs, w, q.scales16 + row * G, q.biases16 + row * G, xq, xs, xsum, D);
             else if (impl == VNNI)
-              v = gs == 32   ? dot_vnni<32>(w, s, b, xq, xs, xsum, D)
-                  : gs == 64 ? dot_vnni<64>(w, s, b, xq, xs, xsum, D)
-                             : dot_vnni<128>(w, s, b, xq, xs, xsum, D);
+              v = vnni(q.bits, gs, w, q.scales + row * G, q.biases + row * G, xq, xs, xsum, D);
             else
 #endif
 #if defined(EDGE0_AVX2)
-            if (impl == AVX2)
+            if (impl == AVX2 && q.scales16 != nullptr)
+              v = dot_avx2(w, q.scales16 + row * G, q.biases16 + row * G, xq, xs, xsum, D, gs);
+            else if (impl == AVX2)
               v = dot_avx2(w, s, b, xq, xs, xsum, D, gs);
             else
 #endif
 #if defined(EDGE0_AVX2_8BIT)
-            if (avx2_8bit)
+            if (avx2_8bit && q.scales16 != nullptr)
+              v = dot_avx2_8(w, q.scales16 + row * G, q.biases16 + row * G, x + pr.xrow * D, xsum, D, gs);
+            else if (avx2_8bit)
               v = dot_avx2_8(w, s, b, x + pr.xrow * D, xsum, D, gs);
             else
 #endif

@@ -2,7 +2,7 @@
 //
 // Layout (as MLX stores it, no repacking): W (E, N, D*bits/32) uint32; 4-bit: 8 nibbles per word,
 // element j of a word in bits 4j..4j+3; 8-bit: a byte per element. Scales and biases (E, N, D/gs)
-// float32; w = s * q + b per group.
+// float32, or bfloat16 as stored (widened a row at a time, exactly); w = s * q + b per group.
 // So per group: sum_i x_i w_i = s * sum_i x_i q_i + b * sum_i x_i.
 #pragma once
 
@@ -23,11 +23,13 @@ struct Pair {
 
 struct QWeights {
   const uint8_t* w;  // (E, N, D/2) bytes
-  const float* scales;  // (E, N, D/gs)
-  const float* biases;  // (E, N, D/gs)
+  const float* scales;  // (E, N, D/gs) float32, or null with scales16
+  const float* biases;  // (E, N, D/gs) float32, or null with biases16
   int64_t E, N, D;
   int group_size;
   int bits;  // 4 or 8
+  const uint16_t* scales16 = nullptr;  // (E, N, D/gs) bfloat16 bits: 2 bytes a group instead of 4 to stream
+  const uint16_t* biases16 = nullptr;
 };
 
 // Token rows from which a product or an attention is a prompt chunk (prefill): it runs on the prompt

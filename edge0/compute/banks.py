@@ -14,6 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .kernel import current
+
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
 
@@ -37,10 +39,10 @@ class Fence:
 class Bank:
     """S slots of expert bundles, one (S, ...) array per piece, plus which expert each slot holds.
 
-    With a compute dtype wider than the stored one (float32 on CPU, bf16 on disk), the float pieces
-    (scales, biases) are kept widened: their bytes land in a per-slot staging area and `commit`
-    widens them into the bank with numpy, so no MLX cast runs per step and weights still go
-    straight from disk into the bank.
+    With a compute dtype wider than the stored one (float32 on CPU, bf16 on disk) and MLX's kernels, the
+    float pieces (scales, biases) are kept widened: their bytes land in a per-slot staging area and
+    `commit` widens them into the bank with numpy, so no MLX cast runs per step and weights still go
+    straight from disk into the bank. The edge0 kernel reads them as stored: no staging, no widening.
     """
 
     def __init__(self, pieces, slots: int, fence: Fence, compute_dtype: mx.Dtype | None = None):
@@ -81,7 +83,10 @@ class Bank:
 
     @staticmethod
     def widened(pieces, compute_dtype) -> list[bool]:
-        return [p.dtype == "BF16" and compute_dtype is not None and compute_dtype == mx.float32 for p in pieces]
+        """Which pieces the bank keeps as float32: bf16 ones under a float32 compute dtype, unless the edge0 kernel
+        builds the graphs (it reads bf16 scales and biases as stored: fewer bytes to hold and to stream)."""
+        widen = compute_dtype is not None and compute_dtype == mx.float32 and not current().edge0
+        return [widen and p.dtype == "BF16" for p in pieces]
 
     @classmethod
     def slot_bytes(cls, pieces, compute_dtype) -> int:

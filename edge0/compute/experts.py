@@ -14,6 +14,7 @@ from mlx_lm.models.activations import swiglu
 
 from . import expert_math
 from .banks import MLX_DTYPES
+from .kernel import current
 from .qmm import gather_glu, gather_qmm
 
 
@@ -83,7 +84,7 @@ class ExactExperts:
                  for slot, expert in enumerate(ids.tolist())]
         self.reader.pool.read_bundles(self.layer, items)  # all at once on the I/O pool
         del flat, items  # release the buffer exports before MLX reads the arrays
-        if self.dtype is not None:
+        if self.dtype is not None and not (self.dtype == mx.float32 and current().edge0):  # edge0 reads bf16 as stored
             for name, arr in bank.items():
                 if arr.dtype != self.dtype and mx.issubdtype(arr.dtype, mx.floating):
                     bank[name] = arr.astype(self.dtype)

@@ -15,13 +15,14 @@ import mlx.nn as nn
 from .kernel import current
 
 GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens a row at a time, exactly
 
 
 def _fits(ext, d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
           bits: int, mode: str) -> bool:
     """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
     return (bits in (4, 8) and mode == "affine" and biases is not None and group_size in GROUP_SIZES
-            and x_dtype == mx.float32 and scales.dtype == mx.float32 and biases.dtype == mx.float32
+            and x_dtype == mx.float32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype
             and w.dtype == mx.uint32 and d % 64 == 0 and w.shape[-1] * 32 == d * bits and d % group_size == 0
             and d // group_size <= ext.MAX_GROUPS)
 

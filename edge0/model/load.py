@@ -12,6 +12,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from ..compute.dense import use_kernel_ops
+from ..compute.kernel import current
 from ..compute.qmm import use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
@@ -58,13 +59,18 @@ def compute_dtype(name: str) -> mx.Dtype | None:
     return DTYPES[name]
 
 
-def cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
-    """Cast floating parameters (quantization scales and biases included) to dtype, as mlx-lm's convert does."""
+def cast_floats(model: nn.Module, dtype: mx.Dtype | None, *, scales_as_stored: bool = False) -> None:
+    """Cast floating parameters (quantization scales and biases included) to dtype, as mlx-lm's convert does;
+    with scales_as_stored, quantized linears' scales and biases keep their stored dtype (the edge0 kernel reads
+    bf16 ones as they are: half the bytes to stream of a float32 copy, the same products)."""
     if dtype is None:
         return
     keep = getattr(model, "cast_predicate", lambda _: True)
+    stored = {f"{path}.{name}" for path, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
+              for name in ("scales", "biases")} if scales_as_stored else set()
     model.update(tree_map_with_path(
-        lambda k, v: v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+        lambda k, v: v.astype(dtype) if keep(k) and k not in stored and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
 
 
 def quantize_like_config(model: nn.Module, config: dict, weights: dict) -> None:
@@ -165,7 +171,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
             raise Edge0Error(f"{root / RESIDENT}: does not match the {arch.model_type} model of config.json ({e})") from None
-        cast_floats(model, cdtype)
+        cast_floats(model, cdtype, scales_as_stored=current().edge0)
         use_kernel_products(model)  # dense quantized linears through compute.qmm too (the one call site)
         use_kernel_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())

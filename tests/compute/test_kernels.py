@@ -170,6 +170,39 @@ def test_dense_ops_match_mlx():
 
 @needs_ext
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits,d,gs", [(4, 2048, 64), (4, 1088, 32), (4, 640, 128), (8, 1024, 64), (8, 256, 32)])
+def test_bf16_scales_give_the_bits_of_their_float32_widening(impl, bits, d, gs):
+    """Scales and biases as stored (bfloat16) and widened to float32 first: the same products, bit for bit, dense,
+    gathered and fused (GLU), on every code path; and the edge0 kernel takes them (no MLX fallback)."""
+    assert EXT.set_impl(impl)
+    use_kernel("edge0")
+    rng = np.random.default_rng(d + bits)
+    w, s, b = quantized((5, 48, d), gs, seed=d, bits=bits)
+    s16, b16 = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    s32, b32 = s16.astype(mx.float32), b16.astype(mx.float32)  # exactly the bf16 values
+    x = mx.array(rng.standard_normal((3, d)).astype(np.float32))
+    assert qmm._fits(EXT, d, x.dtype, w, s16, b16, gs, bits, "affine")
+    dense = [qmm.quantized_matmul(x, w[2], sc[2], bi[2], group_size=gs, bits=bits, mode="affine")
+             for sc, bi in ((s16, b16), (s32, b32))]
+    assert np.array_equal(np.array(dense[0]), np.array(dense[1]))
+    inds = mx.array([[0, 4, 2], [3, 3, 1], [4, 0, 1]], dtype=mx.uint32)
+    xe = mx.expand_dims(x, (-2, -3))
+    gathered = [qmm.gather_qmm(xe, w, sc, bi, inds, group_size=gs, bits=bits, mode="affine")
+                for sc, bi in ((s16, b16), (s32, b32))]
+    assert np.array_equal(np.array(gathered[0]), np.array(gathered[1]))
+    if bits == 4:
+        parts = [quantized((5, *shape), gs, seed=i) for i, shape in enumerate(((256, d), (256, d), (d, 256)))]
+        glu = []
+        for dtype in (mx.bfloat16, mx.float32):  # as stored, then widened
+            bank = {f"{n}.{f}": a if f == "weight" else a.astype(mx.bfloat16).astype(dtype)
+                    for n, part in zip(("gate_proj", "up_proj", "down_proj"), parts)
+                    for f, a in zip(("weight", "scales", "biases"), part)}
+            glu.append(np.array(qmm.gather_glu(x, inds, bank, group_size=gs, bits=4, mode="affine")))
+        assert np.array_equal(glu[0], glu[1])
+
+
+@needs_ext
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_8bit_matches_reference(impl, gs):
     """8-bit weights (the routers): dense and gathered, against float64."""

@@ -2,6 +2,7 @@
 prompt gives first in a freshly opened store (greedy), under the default routing (the demo store ships
 heads: predicted) and the others; a generation that fails mid-way leaves the next one exact."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
@@ -100,10 +101,12 @@ def assert_clean(engine) -> None:
 
 
 def slot_bytes(bank, slot: int) -> list[bytes]:
-    """The stored bytes a bank slot holds, per piece (bf16 pieces widened to float32 narrowed back)."""
+    """The stored bytes a bank slot holds, per piece (bf16 pieces widened to float32 narrowed back; bf16 pieces
+    kept as stored, under the edge0 kernel, read as their 16-bit words)."""
     out = []
     for p, widened in zip(bank.pieces, bank.widen):
-        a = np.array(bank.arrays[p.name][slot])
+        a = bank.arrays[p.name][slot]
+        a = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
         out.append((a.view(np.uint32) >> 16).astype(np.uint16).tobytes() if widened else a.tobytes())
     return out
 
