@@ -119,14 +119,54 @@ class SlottedExperts:
         if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
+        early = None
+        if fills and len(fills) < len(ids):  # some routed experts are held: they compute while the rest are read
+            early = hits_first(x, host, ids, slots, cache.bank, np.isin(slots, [s for s, _ in fills], invert=True),
+                               self.quant)
         try:
             fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
         except BaseException:
             cache.forget([slot for slot, _ in fills])  # none of them was committed
             raise
-        y = switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots), self.quant)
+        y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots),
+                                                         self.quant)
         mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
+
+
+def hits_first(x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray, bank: Bank, held: np.ndarray,
+               quant: Quant):
+    """Start the routed rows whose experts a bank already holds (`held`, per unique id) computing now, before
+    the others' reads land; returns the function that, once they have, builds the rest and puts the rows back in
+    routed order. Each (token, k) row is the same product on the same bytes either way, so the output is bitwise
+    the one-node gather's; only the stream no longer idles while the misses are read.
+
+    x (..., D), host (..., K) routed ids, ids (U,) their sorted unique values, slots (U,) where each is held."""
+    lead, k = host.shape[:-1], host.shape[-1]
+    flat = host.reshape(-1)  # (R,) rows in routed order, R = T*K
+    at = np.searchsorted(ids, flat)
+    pos = np.asarray(slots, dtype=np.uint32)[at]  # (R,) bank positions
+    hit = held[at]  # (R,)
+    order = np.concatenate([np.flatnonzero(hit), np.flatnonzero(~hit)])  # hits first
+    n_hit = int(hit.sum())
+    xs = x.reshape(-1, x.shape[-1])  # (T, D)
+    token = order // k  # (R,) the token of each reordered row
+
+    def part(rows: np.ndarray) -> mx.array:  # (n, D): row i is token rows[i]'s product with its expert
+        p = pos[order[rows]]
+        used = bank.read(np.unique(p))
+        if xs.shape[0] == 1:  # one token (a decode step): its rows are one gather of n experts
+            return switch_glu(xs, mx.array(p[None]), used, quant)[0]
+        return switch_glu(xs[mx.array(token[rows].astype(np.uint32))], mx.array(p[:, None]), used, quant)[:, 0]
+
+    first = part(np.arange(n_hit))
+    mx.async_eval(first)
+
+    def rest() -> mx.array:
+        y = mx.concatenate([first, part(np.arange(n_hit, len(order)))], axis=0)  # (R, D) in `order`
+        return y[mx.array(np.argsort(order).astype(np.uint32))].reshape(*lead, k, -1)
+
+    return rest
 
 
 class WholeLayer:
