@@ -4,8 +4,10 @@ this machine's memory read bandwidth measured in the same run.
 
     edge0 bench --kernels            (or: python -m edge0.bench_kernels)
 
-At MLX's 4-bit affine format with float32 scales and biases a weight costs 0.5 + 8/gs bytes
-(0.625 at gs 64): bandwidth / that is the ceiling of a decode matvec whose weights come from memory.
+Each kernel gets its scales and biases as the engine hands them over: float32 to MLX's (widened at load),
+bfloat16 as stored to edge0's. At MLX's 4-bit affine format a weight then costs 0.5 + 8/gs bytes (0.625 at
+gs 64) for MLX and 0.5 + 4/gs (0.5625) for edge0: bandwidth / that is the ceiling of a decode matvec whose
+weights come from memory.
 Shapes: E experts, K routed, D hidden, H expert width, R rows.
 """
 
@@ -24,7 +26,7 @@ from .compute import kernels, qmm
 from .compute.kernel import Kernel
 
 GROUP = 64
-BYTES_PER_WEIGHT = 0.5 + 2 * 4 / GROUP
+BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # edge0's: bf16 scales and biases (MLX's float32 ones: 0.5 + 2 * 4 / GROUP)
 EXPERTS = 128  # as Qwen3-30B-A3B: the routed set changes every call, weights come from memory
 DENSE_BYTES = 256 << 20  # dense matrices cycled through, so that they do not sit in cache
 PER_EVAL = 8  # products per mx.eval, as a decode step evaluates several per sync (the sync is not the kernel's)
@@ -54,14 +56,16 @@ def memory_read_gbs(threads: int, nbytes: int = 256 << 20) -> float:
     return best / 1e9
 
 
-def _quantized(shape, seed=0):
-    """Random packed 4-bit weights (..., N, D/8) with float32 scales and biases: the speed does not
+def _quantized(shape, seed=0, dtype=mx.float32):
+    """Random packed 4-bit weights (..., N, D/8) with scales and biases of `dtype`: the speed does not
     depend on the values, and mx.quantize of a few hundred MB takes minutes on this CPU."""
     rng = np.random.default_rng(seed)
     *lead, d = shape
     w = mx.array(rng.integers(0, 1 << 32, size=(*lead, d // 8), dtype=np.uint32))
-    s = mx.array(rng.random((*lead, d // GROUP), dtype=np.float32) * 0.01)
-    return w, s, -8 * s
+    s = mx.array(rng.random((*lead, d // GROUP), dtype=np.float32) * 0.01).astype(dtype)
+    b = (-8 * s).astype(dtype)
+    mx.eval(w, s, b)
+    return w, s, b
 
 
 def _rate(fn, seconds: float) -> float:
@@ -78,8 +82,8 @@ def _rate(fn, seconds: float) -> float:
             return best
 
 
-def _gather_case(d, h, k, seconds, prefill_rows=0):
-    w, s, b = _quantized((EXPERTS, h, d))
+def _gather_case(d, h, k, seconds, prefill_rows=0, dtype=mx.float32):
+    w, s, b = _quantized((EXPERTS, h, d), dtype=dtype)
     rng = np.random.default_rng(0)
     steps = [mx.array(np.stack([rng.choice(EXPERTS, k, replace=False) for _ in range(max(1, prefill_rows))])
                       .astype(np.uint32)) for _ in range(64)]
@@ -105,9 +109,9 @@ def _gather_case(d, h, k, seconds, prefill_rows=0):
     return _rate(call, seconds) * rows * k * h * d / 1e9
 
 
-def _dense_case(d, n, seconds, rows=1):
+def _dense_case(d, n, seconds, rows=1, dtype=mx.float32):
     copies = max(1, int(DENSE_BYTES // (n * d * BYTES_PER_WEIGHT)))
-    mats = [_quantized((n, d), seed=i) for i in range(copies)]
+    mats = [_quantized((n, d), seed=i, dtype=dtype) for i in range(copies)]
     x = mx.random.normal((rows, d))
     it = iter(range(1 << 62))
 
@@ -163,30 +167,33 @@ def bench_kernels(args) -> dict:
            "memory_read_gbs": {t: memory_read_gbs(t) for t in sorted(set(threads + [1]))}}
     say = (lambda *a: None) if args.kernel_json else print
     for t, gbs in out["memory_read_gbs"].items():
-        say(f"memory read, {t} thread(s): {gbs:.1f} GB/s = {gbs / BYTES_PER_WEIGHT:.1f} G weights/s at 4-bit gs {GROUP}")
+        say(f"memory read, {t} thread(s): {gbs:.1f} GB/s = {gbs / BYTES_PER_WEIGHT:.1f} G weights/s at 4-bit gs {GROUP} "
+            "with bf16 scales")
     if not kernels.available():
         say(f"edge0 kernels {kernels.reason()}: measuring MLX's only")
         threads = []
-    say(f"G weights/s (gs {GROUP}, float32 activations and scales; edge0 paths {', '.join(impls) or 'none'})")
-    cases = [(f"gather D{d} H{h} K{k}", lambda d=d, h=h, k=k: _gather_case(d, h, k, seconds))
+    say(f"G weights/s (gs {GROUP}, float32 activations; scales float32 for mlx, bf16 for edge0; edge0 paths "
+        f"{', '.join(impls) or 'none'})")
+    cases = [(f"gather D{d} H{h} K{k}", lambda dt, d=d, h=h, k=k: _gather_case(d, h, k, seconds, dtype=dt))
              for d in (1024, 2048) for h in (512, 768) for k in (4, 8)]
-    cases += [(f"dense {4 * d}x{d}", lambda d=d: _dense_case(d, 4 * d, seconds)) for d in (1024, 2048)]
+    cases += [(f"dense {4 * d}x{d}", lambda dt, d=d: _dense_case(d, 4 * d, seconds, dtype=dt)) for d in (1024, 2048)]
     if args.kernel_prefill_rows:
         r = args.kernel_prefill_rows
-        cases += [(f"prefill gather R{r} D2048 H768 K8", lambda: _gather_case(2048, 768, 8, seconds, prefill_rows=r)),
-                  (f"prefill dense R{r} 4096x1024", lambda: _dense_case(1024, 4096, seconds, rows=r))]
+        cases += [(f"prefill gather R{r} D2048 H768 K8",
+                   lambda dt: _gather_case(2048, 768, 8, seconds, prefill_rows=r, dtype=dt)),
+                  (f"prefill dense R{r} 4096x1024", lambda dt: _dense_case(1024, 4096, seconds, rows=r, dtype=dt))]
     default_impl = ext.impl() if ext is not None else None
     try:
         for name, fn in cases:
             row = {}
             with Kernel.choose("mlx").active():
-                row["mlx"] = fn()
+                row["mlx"] = fn(mx.float32)
             for impl in impls:
                 ext.set_impl(impl)
                 for t in threads:
                     kernels.set_num_threads(t)
                     with Kernel.choose("edge0").active():
-                        row[f"{impl} x{t}"] = fn()
+                        row[f"{impl} x{t}"] = fn(mx.bfloat16)
             out["rows"][name] = row
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
                 + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.banks import Fence
-from ..compute.executors import SlotCache, WholeLayer
+from ..compute.executors import SlotCache, WholeLayer, hits_first
 from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
@@ -124,10 +124,21 @@ class PrefetchExperts:
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             cache = self.cache
-            slots = sched.demand(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
-        if slots is None:  # more experts than slots, or too few writable: read them the exact way
+            got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
+        if got is None:  # more experts than slots, or too few writable: read them the exact way
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
+        slots, reads = got
+        early = None
+        try:
+            if reads is not None and len(reads.fills) < len(ids):  # the held experts compute while the rest are read
+                early = hits_first(x, host, ids, slots, cache.bank,
+                                   np.isin(slots, [slot for slot, _ in reads.fills], invert=True), self.quant)
+        except BaseException:
+            cache.forget([slot for slot, _ in reads.fills])  # assigned, never to be read
+            raise
+        with rt.scheduling(self.layer):
+            sched.demand_end(reads)
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
         self.ran = step
         if self.waiting:
@@ -135,7 +146,7 @@ class PrefetchExperts:
                 self.plan_waiting()
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 and not rt.paused else []
         self.prev_inds = inds[..., -1:, :]
-        y = switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
+        y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
         t0 = now_us()
         if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
             mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))

@@ -116,6 +116,18 @@ class Scheduler:
     def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray | None:
         """Make `cache` hold `ids` (unique) now: misses read on demand, in parallel, and waited for; returns
         their slots, or None when the bank cannot take them now (the caller reads them the exact way)."""
+        got = self.demand_begin(layer, cache, ids)
+        if got is None:
+            return None
+        slots, reads = got
+        self.demand_end(reads)
+        return slots
+
+    def demand_begin(self, layer: int, cache, ids: np.ndarray) -> tuple[np.ndarray, LayerPlan | None] | None:
+        """`demand` in two halves: this one assigns the slots of `ids` (unique) and returns them with the plan
+        of the misses' reads (None when every one is held), not yet started; None when the bank cannot take
+        them now. Between the halves the caller may build graphs on the held slots only; `demand_end` (or, on
+        an error, `cache.forget` of the plan's slots) must follow."""
         self._take_back(layer, ids)
         self._harvest(layer)  # reads landed or taken back: their slots are free again
         got = cache.assign(ids)
@@ -124,13 +136,16 @@ class Scheduler:
         slots, fills = got
         if cache.filling[slots].any():  # a routed expert's slot is still being filled for a later step
             self._wait_filling(layer, cache, slots)
-        if fills:
-            plan = LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True)
-            before = self.pool.waited_s
-            self._submit(plan, demand=True)  # a read the pool makes on this thread is a stall too
-            self.stats.stall_s += self.pool.waited_s - before
-            self._collect(plan, "demand")
-        return slots
+        return slots, LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True) if fills else None
+
+    def demand_end(self, reads: LayerPlan | None) -> None:
+        """`demand`'s second half: read the misses in parallel and wait for them."""
+        if reads is None:
+            return
+        before = self.pool.waited_s
+        self._submit(reads, demand=True)  # a read the pool makes on this thread is a stall too
+        self.stats.stall_s += self.pool.waited_s - before
+        self._collect(reads, "demand")
 
     def _submit(self, plan: LayerPlan, demand: bool) -> None:
         cache, bank = plan.cache, plan.cache.bank

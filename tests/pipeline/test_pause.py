@@ -67,8 +67,8 @@ def test_warm_store_pauses_prefetch_and_still_equals_native(text):
     warm_store()
     with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
         rt = engine.store.runtime
-        demand, calls = rt.sched.demand, []
-        rt.sched.demand = lambda *a: calls.append(rt.sched.step) or demand(*a)
+        demand, calls = rt.sched.demand_begin, []
+        rt.sched.demand_begin = lambda *a: calls.append(rt.sched.step) or demand(*a)
         got = forced(engine, ids)
         predicted = rt.sched.stats.routed
     assert np.array_equal(got, want)
