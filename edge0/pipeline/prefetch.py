@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.banks import Fence
-from ..compute.executors import SlotCache, WholeLayer, hits_first
+from ..compute.executors import SlotCache, WholeLayer, from_disk, hits_first
 from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
@@ -131,7 +131,8 @@ class PrefetchExperts:
         slots, reads = got
         early = None
         try:
-            if reads is not None and len(reads.fills) < len(ids):  # the held experts compute while the rest are read
+            if (reads is not None and len(reads.fills) < len(ids)  # the held experts compute while the rest are read
+                    and from_disk(self.exact.reader, self.layer, reads.fills, self.num_experts)):
                 early = hits_first(x, host, ids, slots, cache.bank,
                                    np.isin(slots, [slot for slot, _ in reads.fills], invert=True), self.quant)
         except BaseException:
