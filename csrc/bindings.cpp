@@ -403,6 +403,26 @@ class RoPEOp : public DenseOp {
   int64_t offset_;
 };
 
+class LinearOp : public DenseOp {
+ public:
+  LinearOp(mx::Stream s, bool bias) : DenseOp(s), bias_(bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [bias = bias_](const std::vector<mx::array>& in, mx::array& o) {
+      std::vector<float> xt, wt, bt;
+      const int64_t D = in[0].shape(-1), N = in[1].shape(0);
+      linear(dense_data<float>(in[0], xt), in[0].size() / D, dense_data<float>(in[1], wt),
+             bias ? dense_data<float>(in[2], bt) : nullptr, N, D, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0Linear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return bias_ == static_cast<const LinearOp&>(other).bias_;
+  }
+
+ private:
+  bool bias_;
+};
+
 class AttentionOp : public DenseOp {
  public:
   AttentionOp(mx::Stream s, float scale, bool causal) : DenseOp(s), scale_(scale), causal_(causal) {}
@@ -480,6 +500,21 @@ static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) 
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
 }
 
+static mx::array linear_op(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
+  need_f32(x, "linear", "x");
+  need_f32(w, "linear", "weight");
+  if (bias) need_f32(*bias, "linear", "bias");
+  if (x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1) ||
+      (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))))
+    throw std::invalid_argument("edge0 linear: weight must be (N, D) and bias (N,) for x (..., D), D >= 1");
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> in{x, w};
+  if (bias) in.push_back(*bias);
+  return mx::array(shape, mx::float32, std::make_shared<LinearOp>(s, (bool)bias), in);
+}
+
 static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm) {
   need_f32(logits, "softmax_topk", "logits");
   if (logits.ndim() < 1 || k < 1 || k > logits.shape(-1))
@@ -538,6 +573,9 @@ NB_MODULE(_kernels, m) {
         "lora_b (r, N) float32: a quantized linear with its unmerged adapter in one node.");
   m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
+  m.def("linear", &edge0::linear_op, "x"_a, "weight"_a, "bias"_a = nb::none(),
+        "x @ weight.T (+ bias), float32, one node; each output one fixed-order sum, so a row's result does not\n"
+        "depend on the rows beside it (a batch equals its rows alone).");
   m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
         "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
   m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,

@@ -139,4 +139,27 @@ void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, f
   }
 }
 
+// The sum of a[i] * b[i], i < D, in 16 lanes (i mod 16) added in order, then the lanes in a fixed tree: the same
+// bits for a row whatever else is computed beside it.
+static float dot16(const float* a, const float* b, int64_t D) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; j++) lane[j] += a[i + j] * b[i + j];
+  }
+  for (int j = 0; i + j < D; j++) lane[j] += a[i + j] * b[i + j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out) {
+  const int64_t NB = 16;  // outputs per task
+  parallel_for((N + NB - 1) / NB, [&](int64_t t) {
+    for (int64_t n = t * NB; n < std::min(N, (t + 1) * NB); n++)
+      for (int64_t r = 0; r < rows; r++) out[r * N + n] = dot16(x + r * D, w + n * D, D) + (bias ? bias[n] : 0.f);
+  }, rows >= PROMPT_ROWS);
+}
+
 }  // namespace edge0

@@ -31,6 +31,10 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
 // lower id), their probabilities renormalised to sum 1 when norm. inds and scores are (T, k).
 void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores);
 
+// out[r, n] = x[r] . w[n] (+ bias[n]) for x (rows, D), w (N, D), float32: a float linear whose every output is
+// one fixed-order sum, so a row's result does not depend on the other rows (a batch equals its rows run alone).
+void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out);
+
 // out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
 

@@ -1,5 +1,5 @@
-"""The per-token dense ops of a decoder layer (RMS norm, rotary embedding, attention) on
-Edge0's CPU kernels when the `edge0` kernel is in use.
+"""The per-token dense ops of a decoder layer (RMS norm, rotary embedding, attention; the prerouter heads'
+float linears) on Edge0's CPU kernels when the `edge0` kernel is in use.
 
 On the CPU, MLX runs its fast ops (mx.fast.rms_norm, rope, scaled_dot_product_attention) as their
 composed fallbacks: 10-20 graph nodes each, at a few microseconds of dispatch per node, about a third
@@ -28,6 +28,16 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if ext is not None and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 1:
         return ext.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
+
+
+def linear(x: mx.array, layer: nn.Linear) -> mx.array:
+    """layer(x) for a float nn.Linear; on the edge0 kernel one node whose every output is one fixed-order sum, so
+    a batch's rows equal the same rows run alone (MLX's matmul may round a batch otherwise, per BLAS)."""
+    ext = current().ext
+    w, b = layer["weight"], layer.get("bias")
+    if ext is not None and x.dtype == w.dtype == mx.float32 and (b is None or b.dtype == mx.float32):
+        return ext.linear(x, w, b)
+    return layer(x)
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset) -> mx.array:

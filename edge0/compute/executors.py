@@ -119,10 +119,7 @@ class SlottedExperts:
         if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
-        early = None
-        if 0 < len(fills) < len(ids) and from_disk(self.reader, self.layer, fills, self.num_experts):
-            early = hits_first(x, host, ids, slots, cache.bank, np.isin(slots, [s for s, _ in fills], invert=True),
-                               self.quant)
+        early = held_first(self.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant)
         try:
             fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
         except BaseException:
@@ -132,6 +129,15 @@ class SlottedExperts:
                                                          self.quant)
         mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
+
+
+def held_first(reader, layer: int, x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray, bank: Bank,
+               fills: list[tuple[int, int]], quant: Quant):
+    """hits_first's `rest` when some routed experts are held and some of the (slot, key) fills wait for the disk;
+    else None (the step is one gather, built once the fills have landed)."""
+    if 0 < len(fills) < len(ids) and from_disk(reader, layer, fills, reader.manifest.num_experts):
+        return hits_first(x, host, ids, slots, bank, np.isin(slots, [slot for slot, _ in fills], invert=True), quant)
+    return None
 
 
 def from_disk(reader, layer: int, fills: list[tuple[int, int]], num_experts: int) -> bool:

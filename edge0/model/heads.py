@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..compute.dense import linear
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
 
@@ -39,7 +40,8 @@ class Head(nn.Module):
         self.delta.weight = mx.zeros_like(self.delta.weight)
 
     def __call__(self, features: mx.array, router_logits: mx.array) -> mx.array:
-        return router_logits + self.delta(features) + self.fc2(nn.gelu(self.fc1(features)))  # (T, E)
+        # (T, E); served on the edge0 kernel, a row's logits do not depend on the rows beside it (compute/dense.py)
+        return router_logits + linear(features, self.delta) + linear(nn.gelu(linear(features, self.fc1)), self.fc2)
 
 
 def multi_hot(inds: mx.array, experts: int) -> mx.array:

@@ -30,8 +30,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.banks import Fence
-from ..compute.executors import SlotCache, WholeLayer, from_disk, hits_first
+from ..compute.executors import SlotCache, WholeLayer, held_first
 from ..compute.experts import ExactExperts, bank_positions, switch_glu
+from ..compute.kernel import current
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..model.heads import features
@@ -129,14 +130,11 @@ class PrefetchExperts:
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
         slots, reads = got
-        early = None
-        try:
-            if (reads is not None and len(reads.fills) < len(ids)  # the held experts compute while the rest are read
-                    and from_disk(self.exact.reader, self.layer, reads.fills, self.num_experts)):
-                early = hits_first(x, host, ids, slots, cache.bank,
-                                   np.isin(slots, [slot for slot, _ in reads.fills], invert=True), self.quant)
+        fills = reads.fills if reads is not None else []
+        try:  # the held experts compute while the rest are read from the disk
+            early = held_first(self.exact.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant)
         except BaseException:
-            cache.forget([slot for slot, _ in reads.fills])  # assigned, never to be read
+            cache.forget([slot for slot, _ in fills])  # assigned, never to be read
             raise
         with rt.scheduling(self.layer):
             sched.demand_end(reads)
@@ -198,10 +196,11 @@ def _likeliest(scores: mx.array, n: int) -> mx.array:
 
 
 def _per_row(head, feats: mx.array, router: mx.array) -> mx.array:
-    """The head on each sequence of a batch apart: MLX's float matmul over B rows rounds differently from one
-    row's, and a head's top-k flips on such a difference, so a batched sequence would route (and answer)
-    otherwise than alone. Heads are small: B nodes per layer cost little."""
-    if feats.shape[0] == 1:
+    """The head on a batch's sequences, each as it would run alone: MLX's float matmul over B rows may round
+    differently from one row's, and a head's top-k flips on such a difference, so a batched sequence would route
+    (and answer) otherwise than alone. On the edge0 kernel the head's linears are row-independent (one node for
+    the batch); on MLX's, each sequence is run apart."""
+    if feats.shape[0] == 1 or current().edge0:
         return head(feats, router)
     return mx.concatenate([head(feats[i:i + 1], router[i:i + 1]) for i in range(feats.shape[0])])
 
