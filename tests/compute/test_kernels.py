@@ -278,7 +278,47 @@ BAD_CALLS = {  # each must raise one ValueError naming the op, never crash or re
     "rope of odd dims": lambda: EXT.rope(mx.zeros((1, 2, 3, 8)), 5, False, 1e4, 1.0, 0),
     "attention, more queries than keys": lambda: EXT.attention(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 3, 8)),
                                                                mx.zeros((1, 2, 3, 8)), 1.0),
+    "linear weight width": lambda: EXT.linear(mx.zeros((2, 8)), mx.zeros((4, 7))),
+    "linear bias length": lambda: EXT.linear(mx.zeros((2, 8)), mx.zeros((4, 8)), mx.zeros((3,))),
 }
+
+
+@needs_ext
+@pytest.mark.parametrize("rows,d,n,bias", [(1, 320, 96, True), (8, 2112, 512, True), (5, 17, 3, False),
+                                           (40, 64, 33, True)])
+def test_linear_matches_mlx_and_a_row_does_not_depend_on_the_others(rows, d, n, bias):
+    """The heads' float linear: x @ W.T + b within float32 rounding of MLX's, and every row bit for bit what it
+    is alone (a batch of sequences routes as each would alone), on one thread or two."""
+    rng = np.random.default_rng(d)
+    x = mx.array(rng.standard_normal((rows, 1, d)).astype(np.float32))
+    w = mx.array(rng.standard_normal((n, d)).astype(np.float32) * 0.05)
+    b = mx.array(rng.standard_normal((n,)).astype(np.float32)) if bias else None
+    y = EXT.linear(x, w, b)
+    want = np.array(x).astype(np.float64) @ np.array(w).astype(np.float64).T + (np.array(b) if bias else 0)
+    assert y.shape == (rows, 1, n) and rel(y, want) < 1e-5
+    alone = mx.concatenate([EXT.linear(x[i:i + 1], w, b) for i in range(rows)])
+    assert np.array_equal(np.array(y), np.array(alone))
+    EXT.set_num_threads(2, 2)
+    assert np.array_equal(np.array(EXT.linear(x, w, b)), np.array(y))
+
+
+@needs_ext
+def test_heads_on_the_edge0_kernel_are_row_independent():
+    """A prerouter head over a batch equals it over each row (edge0 kernel); under MLX's it is nn.Linear's."""
+    from edge0.model.heads import Head
+
+    head = Head(256, 32, 32, hidden=128)
+    head.update({"fc2": {"weight": mx.random.normal((32, 128)) * 0.1, "bias": mx.zeros((32,))},
+                 "delta": {"weight": mx.random.normal((32, 320)) * 0.1}})
+    feats, router = mx.random.normal((8, 1, 320)), mx.random.normal((8, 1, 32))
+    use_kernel("edge0")
+    batch = head(feats, router)
+    alone = mx.concatenate([head(feats[i:i + 1], router[i:i + 1]) for i in range(8)])
+    assert np.array_equal(np.array(batch), np.array(alone))
+    use_kernel("mlx")
+    plain = router + head.delta(feats) + head.fc2(nn.gelu(head.fc1(feats)))
+    assert np.array_equal(np.array(head(feats, router)), np.array(plain))
+    assert rel(batch, np.array(plain).astype(np.float64)) < 1e-5
 
 
 @needs_ext
