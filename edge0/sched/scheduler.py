@@ -250,7 +250,7 @@ class Scheduler:
     def count(self, plan: LayerPlan | None, ids: np.ndarray) -> None:
         if plan is None:
             return
-        hit = int(np.isin(ids, plan.predicted).sum())
+        hit = len(set(ids.tolist()).intersection(plan.predicted.tolist()))  # ids unique; np.isin costs 30x on a few ids
         self.stats.predicted += hit
         self.stats.routed += len(ids)
         if self.trace.on:
