@@ -7,7 +7,6 @@ import ctypes.util
 import mmap
 import os
 
-import numpy as np
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -25,6 +24,9 @@ def evict(path: str | os.PathLike) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+_RESIDENT = bytes(i & 1 for i in range(256))  # mincore's byte -> its resident bit (the others are reserved)
 
 
 class Residency:
@@ -46,7 +48,7 @@ class Residency:
         vec = ctypes.create_string_buffer(npages)
         if _libc.mincore(ctypes.c_void_p(self.addr + start), end - start, vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
-        return int(np.count_nonzero(np.frombuffer(vec.raw, np.uint8) & 1)) / npages
+        return vec.raw.translate(_RESIDENT).count(1) / npages  # bit 0 of each byte; bytes ops: no numpy per call
 
     def close(self) -> None:
         if self.addr not in (None, _MAP_FAILED):
