@@ -95,7 +95,7 @@ class ProfileScope {
 // The packed width tells the bits: D/8 words at 4 bits, D/4 at 8.
 static int bits_of(const mx::array& w, int64_t D) { return w.shape(-1) * 8 == D ? 4 : 8; }
 
-// Scales and biases float32, or bfloat16 as stored (the kernel widens them a row at a time).
+// Scales and biases float32, or bfloat16 as stored (the kernel widens them where it uses them).
 struct QTemps {
   std::vector<uint32_t> w;
   std::vector<float> s, b;

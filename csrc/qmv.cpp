@@ -241,10 +241,22 @@ static void prepare_row(const float* x, int64_t D, int gs, int impl, int bits, f
 }
 
 // ---------------------------------------------------------------------------------------------
+// Every path takes scales and biases (S) as float32 or as bfloat16 bits, widened where they are used.
+
+// A scale or bias, float32 or bfloat16 bits (exactly: the high half of the word).
+static inline float at(const float* p, int64_t i) { return p[i]; }
+static inline float at(const uint16_t* p, int64_t i) {
+  const uint32_t v = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+
 // Plain C++: float activations, nibbles unpacked one byte at a time.
 
-static float dot_portable(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
-                          int64_t D, int gs) {
+template <typename S>
+static float dot_portable(const uint8_t* w, const S* s, const S* b, const float* x, const float* xsum, int64_t D,
+                          int gs) {
   const int64_t G = D / gs;
   float acc = 0.f;
   for (int64_t g = 0; g < G; g++) {
@@ -254,30 +266,22 @@ static float dot_portable(const uint8_t* w, const float* s, const float* b, cons
     for (int j = 0; j < gs / 2; j++) {
       sq += xg[2 * j] * (float)(wg[j] & 15) + xg[2 * j + 1] * (float)(wg[j] >> 4);
     }
-    acc += s[g] * sq + b[g] * xsum[g];
+    acc += at(s, g) * sq + at(b, g) * xsum[g];
   }
   return acc;
 }
 
-static float dot_portable8(const uint8_t* w, const float* s, const float* b, const float* x, const float* xsum,
-                           int64_t D, int gs) {
+template <typename S>
+static float dot_portable8(const uint8_t* w, const S* s, const S* b, const float* x, const float* xsum, int64_t D,
+                           int gs) {
   const int64_t G = D / gs;
   float acc = 0.f;
   for (int64_t g = 0; g < G; g++) {
     float sq = 0.f;
     for (int j = 0; j < gs; j++) sq += x[g * gs + j] * (float)w[g * gs + j];
-    acc += s[g] * sq + b[g] * xsum[g];
+    acc += at(s, g) * sq + at(b, g) * xsum[g];
   }
   return acc;
-}
-
-// A scale or bias, float32 or bfloat16 bits (exactly: the high half of the word).
-static inline float at(const float* p, int64_t i) { return p[i]; }
-static inline float at(const uint16_t* p, int64_t i) {
-  const uint32_t v = (uint32_t)p[i] << 16;
-  float f;
-  std::memcpy(&f, &v, 4);
-  return f;
 }
 
 #if defined(EDGE0_AVX2)
@@ -505,22 +509,21 @@ static float vnni(int bits, int gs, const uint8_t* w, const S* s, const S* b, co
 }
 #endif
 
-// bfloat16 bits -> float32, exactly (the high half of the word), n values.
-static inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
-#elif defined(EDGE0_AVX2)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i))), 16)));
+// One output: W's row w against an activation row, on the code path `impl` (xq, xs: its int8 form; xr: its
+// floats; xsum: its group sums).
+template <typename S>
+static float row_dot(int impl, bool avx2_8bit, int bits, int gs, const uint8_t* w, const S* s, const S* b,
+                     const int8_t* xq, const float* xs, const float* xsum, const float* xr, int64_t D) {
+#if defined(EDGE0_VNNI)
+  if (impl == VNNI) return vnni(bits, gs, w, s, b, xq, xs, xsum, D);
 #endif
-  for (; i < n; i++) {
-    const uint32_t v = (uint32_t)src[i] << 16;
-    std::memcpy(dst + i, &v, 4);
-  }
+#if defined(EDGE0_AVX2)
+  if (impl == AVX2) return dot_avx2(w, s, b, xq, xs, xsum, D, gs);
+#endif
+#if defined(EDGE0_AVX2_8BIT)
+  if (avx2_8bit) return dot_avx2_8(w, s, b, xr, xsum, D, gs);
+#endif
+  return bits == 8 ? dot_portable8(w, s, b, xr, xsum, D, gs) : dot_portable(w, s, b, xr, xsum, D, gs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -532,11 +535,6 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   const int impl = q.bits == 8 && use_impl.load() != VNNI ? PORTABLE : use_impl.load();
   const bool quant = impl != PORTABLE;
   const bool avx2_8bit = q.bits == 8 && use_impl.load() == AVX2;  // float activations (dot_avx2_8)
-#if defined(EDGE0_AVX2_8BIT)
-  const bool widen_here = q.scales16 != nullptr && impl == PORTABLE && !avx2_8bit;  // the SIMD paths widen bf16
-#else                                                                               // scales in their registers
-  const bool widen_here = q.scales16 != nullptr && impl == PORTABLE;
-#endif
   Pool& p = pool();
   const int threads = prompt ? prompt_threads_.load() : decode_threads.load();
 
@@ -583,51 +581,24 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
       return;
     }
     const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
-    alignas(64) float s16[NS][MAX_GROUPS], b16[NS][MAX_GROUPS];  // a tile's bf16 scales, widened once
     for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
       const int64_t i1 = std::min(run.end, i0 + PB);
       for (int64_t m0 = n0; m0 < n1; m0 += NS) {
         const int64_t m1 = std::min(n1, m0 + NS);
-        if (widen_here) {
-          for (int64_t n = m0; n < m1; n++) {
-            widen_bf16(q.scales16 + (e * N + n) * G, s16[n - m0], G);
-            widen_bf16(q.biases16 + (e * N + n) * G, b16[n - m0], G);
-          }
-        }
         for (int64_t i = i0; i < i1; i++) {
           const Pair& pr = sorted[i];
           const float* xsum = acts.sums.data() + pr.xrow * G;
           for (int64_t n = m0; n < m1; n++) {
             const int64_t row = e * N + n;
             const uint8_t* w = q.w + row * row_bytes;
-            const float* s = q.scales16 != nullptr ? s16[n - m0] : q.scales + row * G;
-            const float* b = q.biases16 != nullptr ? b16[n - m0] : q.biases + row * G;
             const int8_t* xq = quant ? acts.q.data() + pr.xrow * D : nullptr;
             const float* xs = acts.scale.data() + pr.xrow * G;
-            float v;
-#if defined(EDGE0_VNNI)
-            if (impl == VNNI && q.scales16 != nullptr)
-              v = vnni(q.bits, gs, w, q.scales16 + row * G, q.biases16 + row * G, xq, xs, xsum, D);
-            else if (impl == VNNI)
-              v = vnni(q.bits, gs, w, q.scales + row * G, q.biases + row * G, xq, xs, xsum, D);
-            else
-#endif
-#if defined(EDGE0_AVX2)
-            if (impl == AVX2 && q.scales16 != nullptr)
-              v = dot_avx2(w, q.scales16 + row * G, q.biases16 + row * G, xq, xs, xsum, D, gs);
-            else if (impl == AVX2)
-              v = dot_avx2(w, s, b, xq, xs, xsum, D, gs);
-            else
-#endif
-#if defined(EDGE0_AVX2_8BIT)
-            if (avx2_8bit && q.scales16 != nullptr)
-              v = dot_avx2_8(w, q.scales16 + row * G, q.biases16 + row * G, x + pr.xrow * D, xsum, D, gs);
-            else if (avx2_8bit)
-              v = dot_avx2_8(w, s, b, x + pr.xrow * D, xsum, D, gs);
-            else
-#endif
-              v = q.bits == 8 ? dot_portable8(w, s, b, x + pr.xrow * D, xsum, D, gs)
-                              : dot_portable(w, s, b, x + pr.xrow * D, xsum, D, gs);
+            const float* xr = x + pr.xrow * D;
+            const float v = q.scales16 != nullptr
+                                ? row_dot(impl, avx2_8bit, q.bits, gs, w, q.scales16 + row * G, q.biases16 + row * G,
+                                          xq, xs, xsum, xr, D)
+                                : row_dot(impl, avx2_8bit, q.bits, gs, w, q.scales + row * G, q.biases + row * G, xq,
+                                          xs, xsum, xr, D);
             out[pr.out * N + n] = v;
           }
         }

@@ -2,7 +2,7 @@
 //
 // Layout (as MLX stores it, no repacking): W (E, N, D*bits/32) uint32; 4-bit: 8 nibbles per word,
 // element j of a word in bits 4j..4j+3; 8-bit: a byte per element. Scales and biases (E, N, D/gs)
-// float32, or bfloat16 as stored (widened a row at a time, exactly); w = s * q + b per group.
+// float32, or bfloat16 as stored (widened where each group is used, exactly); w = s * q + b per group.
 // So per group: sum_i x_i w_i = s * sum_i x_i q_i + b * sum_i x_i.
 #pragma once
 

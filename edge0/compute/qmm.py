@@ -15,7 +15,7 @@ import mlx.nn as nn
 from .kernel import current
 
 GROUP_SIZES = (32, 64, 128)
-SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens a row at a time, exactly
+SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens each where it uses it, exactly
 
 
 def _fits(ext, d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
