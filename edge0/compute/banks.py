@@ -19,6 +19,12 @@ from .kernel import current
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
 
+def scales_as_stored(compute_dtype) -> bool:
+    """Whether bf16 scales and biases stay bf16 under a float32 compute dtype: the edge0 kernel, building the graphs
+    now, widens them where it uses them (half the bytes to hold and to stream); MLX's kernels get float32 copies."""
+    return compute_dtype is not None and compute_dtype == mx.float32 and current().edge0
+
+
 class BankBusy(RuntimeError):
     """A write was attempted into a bank that a built-but-unevaluated graph may still read."""
 
@@ -85,7 +91,7 @@ class Bank:
     def widened(pieces, compute_dtype) -> list[bool]:
         """Which pieces the bank keeps as float32: bf16 ones under a float32 compute dtype, unless the edge0 kernel
         builds the graphs (it reads bf16 scales and biases as stored: fewer bytes to hold and to stream)."""
-        widen = compute_dtype is not None and compute_dtype == mx.float32 and not current().edge0
+        widen = compute_dtype is not None and compute_dtype == mx.float32 and not scales_as_stored(compute_dtype)
         return [widen and p.dtype == "BF16" for p in pieces]
 
     @classmethod

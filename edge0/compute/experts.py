@@ -13,8 +13,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from . import expert_math
-from .banks import MLX_DTYPES
-from .kernel import current
+from .banks import MLX_DTYPES, scales_as_stored
 from .qmm import gather_glu, gather_qmm
 
 
@@ -84,7 +83,7 @@ class ExactExperts:
                  for slot, expert in enumerate(ids.tolist())]
         self.reader.pool.read_bundles(self.layer, items)  # all at once on the I/O pool
         del flat, items  # release the buffer exports before MLX reads the arrays
-        if self.dtype is not None and not (self.dtype == mx.float32 and current().edge0):  # edge0 reads bf16 as stored
+        if self.dtype is not None and not scales_as_stored(self.dtype):
             for name, arr in bank.items():
                 if arr.dtype != self.dtype and mx.issubdtype(arr.dtype, mx.floating):
                     bank[name] = arr.astype(self.dtype)

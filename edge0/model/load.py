@@ -11,8 +11,8 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
+from ..compute.banks import scales_as_stored
 from ..compute.dense import use_kernel_ops
-from ..compute.kernel import current
 from ..compute.qmm import use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
@@ -171,7 +171,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
             raise Edge0Error(f"{root / RESIDENT}: does not match the {arch.model_type} model of config.json ({e})") from None
-        cast_floats(model, cdtype, scales_as_stored=current().edge0)
+        cast_floats(model, cdtype, scales_as_stored=scales_as_stored(cdtype))
         use_kernel_products(model)  # dense quantized linears through compute.qmm too (the one call site)
         use_kernel_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())
