@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from edge0.batching import BatchDecoder
+from edge0.compute import kernels
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.generation import GenRequest
@@ -48,6 +49,19 @@ def test_batched_sequences_answer_as_alone(routing, stagger):
         assert batched[p].tokens == solo[p].tokens, p
         assert batched[p].text == solo[p].text and batched[p].finish_reason == solo[p].finish_reason
         assert batched[p].completion_tokens == lengths[p]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="edge0 CPU kernels not built")
+@pytest.mark.parametrize("routing", ["native", "prefetch"])
+def test_batched_sequences_answer_as_alone_on_the_edge0_kernels(routing):
+    """The same on the edge0 kernels (the default on CPU) where routing is the router's own: every product, the
+    router's top-k and the batch's per-sequence attention compute a row as alone."""
+    lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
+    with open_engine(EngineConfig(routing=routing, max_batch=4, kernel="edge0", prompt_cache_gib=0)) as engine:
+        solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
+        batched = run_batch(engine, PROMPTS, max_batch=4, stagger=False, max_tokens=lengths)
+    for p in PROMPTS:
+        assert batched[p].tokens == solo[p].tokens, p
 
 
 def test_default_kernels_batch_every_request_to_its_end():

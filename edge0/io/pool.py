@@ -11,7 +11,8 @@ the kernel for most of a read, so more threads than cores is normal; the
 default was sized by measurement (docs/results/pipeline.md).
 
 Workers only read bytes into the buffers a task names, commit its slots (`bank.commit`: numpy widening
-of the slot's bf16 pieces, under MLX's kernels) and fill in the task's outcome (`record` or `error`, then `done`); they touch no other state.
+of the slot's bf16 pieces, under MLX's kernels) and fill in the task's outcome (`record` or `error`, then
+`done`); they touch no other state.
 The submitting thread reads outcomes once `done`. A task is a small object, not a Future: the pipeline
 plans a few of them per layer per token, and their cost is on the graph-building thread. With a trace on,
 each read is a span on its worker's lane, in every routing mode.
