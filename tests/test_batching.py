@@ -34,34 +34,28 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
     return out
 
 
-@pytest.mark.parametrize("routing", [None, "native", "prefetch"])
+# (routing, kernel): every routing on MLX's kernels; on the edge0 kernels (the default on CPU) the routings that use
+# the router's own choice. There a product, the router's top-k, the heads' linears and the batch's per-sequence
+# attention each compute a row as alone, but predicted routing's batched answers were seen to part from the solo
+# ones (not pinned down), so it is checked on MLX's kernels only.
+AS_ALONE = [(r, "mlx") for r in (None, "native", "prefetch")] + [
+    (r, "edge0") for r in ("native", "prefetch") if kernels.available()]
+
+
+@pytest.mark.parametrize("routing,kernel", AS_ALONE)
 @pytest.mark.parametrize("stagger", [False, True])
-def test_batched_sequences_answer_as_alone(routing, stagger):
+def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
     """Every sequence's tokens equal its solo generation, whether sequences join together or one per step,
     and whatever their lengths (they leave at different steps); under predicted routing (the default) too:
-    the heads' history follows the rows. MLX's kernels: the edge0 kernels run a batch's attention on MLX's
-    masked attention (left padding), whose rounding differs from their own."""
+    the heads' history follows the rows."""
     lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
-    with open_engine(EngineConfig(routing=routing, max_batch=4, kernel="mlx", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(routing=routing, max_batch=4, kernel=kernel, prompt_cache_gib=0)) as engine:
         solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=stagger, max_tokens=lengths)
     for p in PROMPTS:
         assert batched[p].tokens == solo[p].tokens, p
         assert batched[p].text == solo[p].text and batched[p].finish_reason == solo[p].finish_reason
         assert batched[p].completion_tokens == lengths[p]
-
-
-@pytest.mark.skipif(not kernels.available(), reason="edge0 CPU kernels not built")
-@pytest.mark.parametrize("routing", ["native", "prefetch"])
-def test_batched_sequences_answer_as_alone_on_the_edge0_kernels(routing):
-    """The same on the edge0 kernels (the default on CPU) where routing is the router's own: every product, the
-    router's top-k and the batch's per-sequence attention compute a row as alone."""
-    lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
-    with open_engine(EngineConfig(routing=routing, max_batch=4, kernel="edge0", prompt_cache_gib=0)) as engine:
-        solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
-        batched = run_batch(engine, PROMPTS, max_batch=4, stagger=False, max_tokens=lengths)
-    for p in PROMPTS:
-        assert batched[p].tokens == solo[p].tokens, p
 
 
 def test_default_kernels_batch_every_request_to_its_end():
