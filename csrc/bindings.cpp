@@ -423,6 +423,32 @@ class LinearOp : public DenseOp {
   bool bias_;
 };
 
+class HeadOp : public DenseOp {
+ public:
+  HeadOp(mx::Stream s, bool prev) : DenseOp(s), prev_(prev) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [prev = prev_](const std::vector<mx::array>& in, mx::array& o) {
+      // in: x, now, [prev], router, delta, w1, b1, w2, b2
+      const int p = prev ? 1 : 0;
+      std::vector<float> xt, rt, dt, w1t, b1t, w2t, b2t;
+      std::vector<uint32_t> nt, pt;
+      const int64_t D = in[0].shape(-1), k = in[1].shape(-1), N = in[2 + p].shape(-1), H = in[4 + p].shape(0);
+      const int64_t E = (in[3 + p].shape(1) - D) / 2;
+      head(dense_data<float>(in[0], xt), dense_data<uint32_t>(in[1], nt), prev ? dense_data<uint32_t>(in[2], pt) : nullptr,
+           in[0].size() / D, (int)k, D, E, dense_data<float>(in[2 + p], rt), dense_data<float>(in[3 + p], dt),
+           dense_data<float>(in[4 + p], w1t), dense_data<float>(in[5 + p], b1t), H, dense_data<float>(in[6 + p], w2t),
+           dense_data<float>(in[7 + p], b2t), N, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0Head"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return prev_ == static_cast<const HeadOp&>(other).prev_;
+  }
+
+ private:
+  bool prev_;
+};
+
 class AttentionOp : public DenseOp {
  public:
   AttentionOp(mx::Stream s, float scale, bool causal) : DenseOp(s), scale_(scale), causal_(causal) {}
@@ -515,6 +541,28 @@ static mx::array linear_op(const mx::array& x, const mx::array& w, const std::op
   return mx::array(shape, mx::float32, std::make_shared<LinearOp>(s, (bool)bias), in);
 }
 
+static mx::array head_op(const mx::array& x, const mx::array& now, const std::optional<mx::array>& prev,
+                         const mx::array& router, const mx::array& delta, const mx::array& w1, const mx::array& b1,
+                         const mx::array& w2, const mx::array& b2) {
+  for (auto* a : {&x, &router, &delta, &w1, &b1, &w2, &b2}) need_f32(*a, "head", "x, router and the weights");
+  const bool ok_ids = now.dtype() == mx::uint32 && (!prev || (prev->dtype() == mx::uint32 && prev->shape() == now.shape()));
+  const int64_t D = x.ndim() ? x.shape(-1) : 0, N = router.ndim() ? router.shape(-1) : 0;
+  const int64_t rows = D ? x.size() / D : 0;
+  if (!ok_ids || x.ndim() < 1 || D < 1 || now.ndim() < 1 || now.shape(-1) < 1 || now.size() / now.shape(-1) != rows ||
+      router.size() != rows * N || delta.ndim() != 2 || delta.shape(0) != N || delta.shape(1) <= D ||
+      (delta.shape(1) - D) % 2 || w1.ndim() != 2 || w1.shape(1) != delta.shape(1) || b1.ndim() != 1 ||
+      b1.shape(0) != w1.shape(0) || w2.ndim() != 2 || w2.shape(0) != N || w2.shape(1) != w1.shape(0) ||
+      b2.ndim() != 1 || b2.shape(0) != N)
+    throw std::invalid_argument(
+        "edge0 head: x (..., D), now and prev (..., k) uint32, router (..., N), delta (N, D + 2E), w1 (H, D + 2E), "
+        "b1 (H,), w2 (N, H), b2 (N,)");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> in{x, now};
+  if (prev) in.push_back(*prev);
+  for (auto* a : {&router, &delta, &w1, &b1, &w2, &b2}) in.push_back(*a);
+  return mx::array(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev), in);
+}
+
 static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm) {
   need_f32(logits, "softmax_topk", "logits");
   if (logits.ndim() < 1 || k < 1 || k > logits.shape(-1))
@@ -576,6 +624,9 @@ NB_MODULE(_kernels, m) {
   m.def("linear", &edge0::linear_op, "x"_a, "weight"_a, "bias"_a = nb::none(),
         "x @ weight.T (+ bias), float32, one node; each output one fixed-order sum, so a row's result does not\n"
         "depend on the rows beside it (a batch equals its rows alone).");
+  m.def("head", &edge0::head_op, "x"_a, "now"_a, "prev"_a, "router"_a, "delta"_a, "w1"_a, "b1"_a, "w2"_a, "b2"_a,
+        "A prerouter head in one node: (router + delta f) + w2 gelu(w1 f + b1) + b2 for the features\n"
+        "f = [x, multi-hot(now), multi-hot(prev)] (ids >= E name no expert; prev None: zeros), each product as linear.");
   m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
         "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
   m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,

@@ -4,6 +4,8 @@
 #include "dense.h"
 #include "qmv.h"
 
+#include "mlx/backend/cpu/simd/math.h"  // MLX's own erf, so a head's gelu rounds as mlx.nn.gelu does
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -160,6 +162,27 @@ void linear(const float* x, int64_t rows, const float* w, const float* bias, int
     for (int64_t n = t * NB; n < std::min(N, (t + 1) * NB); n++)
       for (int64_t r = 0; r < rows; r++) out[r * N + n] = dot16(x + r * D, w + n * D, D) + (bias ? bias[n] : 0.f);
   }, rows >= PROMPT_ROWS);
+}
+
+void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
+          const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
+          const float* b2, int64_t N, float* out) {
+  const int64_t F = D + 2 * E;
+  std::vector<float> f(rows * F, 0.f), g(rows * H), d(rows * N), o2(rows * N);
+  for (int64_t r = 0; r < rows; r++) {
+    float* fr = f.data() + r * F;
+    std::copy(x + r * D, x + (r + 1) * D, fr);
+    for (int j = 0; j < k; j++) {
+      if (now[r * k + j] < E) fr[D + now[r * k + j]] = 1.f;
+      if (prev && prev[r * k + j] < E) fr[D + E + prev[r * k + j]] = 1.f;
+    }
+  }
+  linear(f.data(), rows, w1, b1, H, F, g.data());
+  for (auto& v : g)  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
+    v = v * (1.f + mlx::core::simd::erf(mlx::core::simd::Simd<float, 1>(v / 1.41421356f)).value) / 2.f;
+  linear(f.data(), rows, delta, nullptr, N, F, d.data());
+  linear(g.data(), rows, w2, b2, N, H, o2.data());
+  for (int64_t i = 0; i < rows * N; i++) out[i] = router[i] + d[i] + o2[i];
 }
 
 }  // namespace edge0

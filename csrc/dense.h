@@ -35,6 +35,14 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
 // one fixed-order sum, so a row's result does not depend on the other rows (a batch equals its rows run alone).
 void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out);
 
+// A prerouter head (edge0/model/heads.py) on rows of token state: features f = [x, multi-hot(now), multi-hot(prev)]
+// (D + 2E; ids >= E name no expert, prev null: zeros), out = (router + delta f) + fc2 gelu(fc1 f + b1) + b2, each
+// product as `linear` computes it. x (rows, D), now and prev (rows, k), router and out (rows, N), delta (N, D + 2E),
+// w1 (H, D + 2E), b1 (H), w2 (N, H), b2 (N).
+void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
+          const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
+          const float* b2, int64_t N, float* out);
+
 // out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
 

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..compute.dense import linear
+from ..compute.kernel import current
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
 
@@ -42,6 +43,17 @@ class Head(nn.Module):
     def __call__(self, features: mx.array, router_logits: mx.array) -> mx.array:
         # (T, E); served on the edge0 kernel, a row's logits do not depend on the rows beside it (compute/dense.py)
         return router_logits + linear(features, self.delta) + linear(nn.gelu(linear(features, self.fc1)), self.fc2)
+
+    def predict(self, h: mx.array, inds: mx.array, prev_inds: mx.array | None, router_logits: mx.array) -> mx.array:
+        """self(features(h, inds, prev_inds), router_logits) as served: on the edge0 kernel one node (the same
+        products; MLX builds the features and the head as about 18 nodes), rows independent as in __call__."""
+        ext = current().ext
+        params = (self.delta["weight"], self.fc1["weight"], self.fc1["bias"], self.fc2["weight"], self.fc2["bias"])
+        if (ext is not None and h.dtype == router_logits.dtype == mx.float32 and inds.dtype == mx.uint32
+                and (prev_inds is None or prev_inds.dtype == mx.uint32) and all(p.dtype == mx.float32 for p in params)):
+            return ext.head(h, inds, prev_inds, router_logits, *params)
+        experts = (self.fc1["weight"].shape[1] - h.shape[-1]) // 2
+        return self(features(h, inds, prev_inds, experts), router_logits)
 
 
 def multi_hot(inds: mx.array, experts: int) -> mx.array:

@@ -280,7 +280,19 @@ BAD_CALLS = {  # each must raise one ValueError naming the op, never crash or re
                                                                mx.zeros((1, 2, 3, 8)), 1.0),
     "linear weight width": lambda: EXT.linear(mx.zeros((2, 8)), mx.zeros((4, 7))),
     "linear bias length": lambda: EXT.linear(mx.zeros((2, 8)), mx.zeros((4, 8)), mx.zeros((3,))),
+    "head with float ids": lambda: EXT.head(*_head_args(now=mx.zeros((2, 1, 4)))),
+    "head with fewer id rows": lambda: EXT.head(*_head_args(now=mx.zeros((1, 1, 4), dtype=mx.uint32))),
+    "head delta width": lambda: EXT.head(*_head_args(delta=mx.zeros((32, 300)))),
 }
+
+
+def _head_args(**over):
+    """EXT.head's arguments for 2 rows, D 256, E 32, hidden 64, with some replaced."""
+    a = {"x": mx.zeros((2, 1, 256)), "now": mx.zeros((2, 1, 4), dtype=mx.uint32), "prev": None,
+         "router": mx.zeros((2, 1, 32)), "delta": mx.zeros((32, 320)), "w1": mx.zeros((64, 320)), "b1": mx.zeros((64,)),
+         "w2": mx.zeros((32, 64)), "b2": mx.zeros((32,))}
+    a.update(over)
+    return list(a.values())
 
 
 @needs_ext
@@ -327,6 +339,42 @@ def test_heads_on_the_edge0_kernel_are_row_independent():
     plain = router + head.delta(feats) + head.fc2(nn.gelu(head.fc1(feats)))
     assert np.array_equal(np.array(head(feats, router)), np.array(plain))
     assert rel(batch, np.array(plain).astype(np.float64)) < 1e-5
+
+
+@needs_ext
+@pytest.mark.parametrize("rows,prev", [(1, True), (1, False), (6, True)])
+def test_a_served_head_is_one_node_with_the_bits_of_features_then_the_head(rows, prev):
+    """Head.predict on the edge0 kernel (one Edge0Head node: the multi-hot features built inside, the same products
+    and MLX's gelu) gives bit for bit what features() then the head's linears give, ids >= E naming no expert
+    (a batch row that joined without a previous token); under MLX's kernel it is that composition itself."""
+    from edge0.model.heads import Head, features
+
+    rng = np.random.default_rng(rows)
+    head = Head(256, 32, 32, hidden=128)
+    head.update({"fc1": {"weight": mx.array(rng.standard_normal((128, 320)).astype(np.float32) * 0.1),
+                         "bias": mx.array(rng.standard_normal(128).astype(np.float32) * 0.1)},
+                 "fc2": {"weight": mx.array(rng.standard_normal((32, 128)).astype(np.float32) * 0.1),
+                         "bias": mx.array(rng.standard_normal(32).astype(np.float32) * 0.1)},
+                 "delta": {"weight": mx.array(rng.standard_normal((32, 320)).astype(np.float32) * 0.1)}})
+    x = mx.array(rng.standard_normal((rows, 1, 256)).astype(np.float32))
+    router = mx.array(rng.standard_normal((rows, 1, 32)).astype(np.float32))
+    now = mx.array(rng.choice(32, size=(rows, 1, 4)).astype(np.uint32))
+    before = mx.array(rng.choice(33, size=(rows, 1, 4)).astype(np.uint32)) if prev else None  # 32: no expert
+    use_kernel("edge0")
+    EXT.profile(True)
+    EXT.set_profile(True)
+    try:
+        got = head.predict(x, now, before, router)
+        mx.eval(got)
+    finally:
+        EXT.set_profile(False)
+    nodes = EXT.profile(True)
+    assert nodes["Edge0Head"][0] == 1 and "Edge0Linear" not in nodes
+    want = head(features(x, now, before, 32), router)  # the composition, on Edge0Linear nodes
+    assert np.array_equal(np.array(got), np.array(want))
+    use_kernel("mlx")
+    plain = head.predict(x, now, before, router)
+    assert rel(plain, np.array(want).astype(np.float64)) < 1e-5
 
 
 @needs_ext
