@@ -35,7 +35,6 @@ from ..compute.experts import ExactExperts, bank_positions, switch_glu
 from ..compute.kernel import current
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
-from ..model.heads import features
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
 
@@ -106,8 +105,9 @@ class PrefetchExperts:
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
         rt, sched, step = self.rt, self.rt.sched, self.rt.sched.step
-        if rt.paused and self.staged is not None and not (sched.plans or sched.landing or self.waiting):
-            self.ran = step  # paused with nothing planned: native routing on the same bank, no scheduler
+        if (rt.paused and self.staged is not None and self.planned_by is None and not self.routes_ahead
+                and not self.waiting and not sched.busy(self.layer)):
+            self.ran = step  # paused with nothing planned here: native routing on the same bank, no scheduler
             self.prev_inds = inds[..., -1:, :]
             return self.staged(x, inds)
         d = self.decided.get(step) if self.answered == step else None
@@ -121,7 +121,8 @@ class PrefetchExperts:
             host = np.array(inds, copy=False)
             ids = np.unique(host)
         with rt.scheduling(self.layer):
-            rt.pull()  # the predictions made at earlier layers become plans
+            if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
+                rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             cache = self.cache
@@ -143,7 +144,7 @@ class PrefetchExperts:
         if self.waiting:
             with rt.scheduling(self.layer):
                 self.plan_waiting()
-        predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 and not rt.paused else []
+        predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
         y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
         t0 = now_us()
@@ -162,14 +163,16 @@ class PrefetchExperts:
         self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
-        """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan."""
+        """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan. Paused,
+        only the heads whose prediction is their consumer's routing (predicted routing) run."""
         rt, step, n = self.rt, self.rt.sched.step, self.rt.guesses
         out = []
         for head, consumer in self.heads:
+            if rt.paused and not consumer.predicted_routing:
+                continue
             blk = consumer.block
             router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
-            feats = features(x, inds, self.prev_inds, self.num_experts)
-            scores = _per_row(head, feats, router)
+            scores = _per_row(head, x, inds, self.prev_inds, router)
             if n is not None:  # a guess: the head's n likeliest experts
                 out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None))
                 continue
@@ -177,7 +180,9 @@ class PrefetchExperts:
             p_inds, plan = decide(scores)
             out.append(Prediction(consumer, step + 1, p_inds, plan if consumer.predicted_routing else None))
         owned = {c.layer for _, c in self.heads}
-        if self.next is not None and self.next.layer not in owned and self.predictor in ("next-router", "heads"):
+        if rt.paused:
+            pass
+        elif self.next is not None and self.next.layer not in owned and self.predictor in ("next-router", "heads"):
             blk = self.next.block
             p_inds = blk.route(x)[0] if n is None else _likeliest(blk.logits(x), n)
             out.append(Prediction(self.next, step + 1, p_inds, None))  # (B, T, K or n)
@@ -188,6 +193,8 @@ class PrefetchExperts:
         return out
 
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
+    planned_by = None  # the executor of the layer whose head decides this one's routing (predicted routing)
+    routes_ahead = False  # this layer owns a head that decides its consumer's routing (predicted routing)
 
 
 def _likeliest(scores: mx.array, n: int) -> mx.array:
@@ -195,14 +202,15 @@ def _likeliest(scores: mx.array, n: int) -> mx.array:
     return mx.argpartition(-scores, kth=n - 1, axis=-1)[..., :n]
 
 
-def _per_row(head, feats: mx.array, router: mx.array) -> mx.array:
+def _per_row(head, x: mx.array, inds: mx.array, prev: mx.array | None, router: mx.array) -> mx.array:
     """The head on a batch's sequences, each as it would run alone: MLX's float matmul over B rows may round
     differently from one row's, and a head's top-k flips on such a difference, so a batched sequence would route
     (and answer) otherwise than alone. On the edge0 kernel the head's linears are row-independent (one node for
     the batch); on MLX's, each sequence is run apart."""
-    if feats.shape[0] == 1 or current().edge0:
-        return head(feats, router)
-    return mx.concatenate([head(feats[i:i + 1], router[i:i + 1]) for i in range(feats.shape[0])])
+    if x.shape[0] == 1 or current().edge0:
+        return head.predict(x, inds, prev, router)
+    return mx.concatenate([head.predict(x[i:i + 1], inds[i:i + 1], None if prev is None else prev[i:i + 1],
+                                        router[i:i + 1]) for i in range(x.shape[0])])
 
 
 class PrefetchRuntime(Runtime):
@@ -216,13 +224,15 @@ class PrefetchRuntime(Runtime):
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
-    # Reading ahead only while reads cost (prefetch routing). Prefetch hides reads from the disk; while
-    # every bundle read of the last PAUSE_AFTER steps came from the page cache (a warm store that fits in
-    # memory) a demand read is a copy of microseconds, and the predictor (its graphs, pulls and plans)
-    # costs more than it can hide: the layers stop predicting until a read comes from the disk again.
-    # With --io direct or --io-throttle every read costs; predicted routing always predicts (its heads route).
+    # Reading ahead only while reads cost. Prefetch hides reads from the disk; while every bundle read of
+    # the last PAUSE_AFTER steps came from the page cache (a warm store that fits in memory) a demand read
+    # is a copy of microseconds, and the predictor (its graphs, pulls and plans) costs more than it can
+    # hide: the layers stop predicting until a read comes from the disk again. Under predicted routing the
+    # heads that route keep predicting (their prediction is the routing); the read-ahead ones pause (the
+    # next-router guesses for layers without a routing head). With --io direct or --io-throttle every read
+    # costs: nothing pauses.
     PAUSE_AFTER = 4
-    paused = False  # this step's layers predict nothing
+    paused = False  # this step's layers read nothing ahead (routing heads still decide)
     paused_steps = 0  # steps run paused (--json)
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
@@ -268,7 +278,7 @@ class PrefetchRuntime(Runtime):
     def _watch_reads(self) -> None:
         """At a step boundary: whether the next step's layers predict (PAUSE_AFTER)."""
         pool = self.sched.pool
-        if self.predicted_routing or not pool.reader.sees_cache:
+        if not pool.reader.sees_cache:
             return
         cold = pool.stats.cold_bytes
         self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
@@ -343,6 +353,8 @@ class PrefetchRuntime(Runtime):
             ex.predicted_routing = self.predicted_routing and routes
             if ex.predicted_routing:
                 blocks[consumer].planned = ex.planned
+                ex.planned_by = self.executors[owner]
+                self.executors[owner].routes_ahead = True
 
     def close(self) -> None:
         self.sched.close()

@@ -284,6 +284,10 @@ class Scheduler:
         self.cancel()
         self.step = 0
 
+    def busy(self, layer: int) -> bool:
+        """Whether a plan of `layer` (for any step) waits to be consumed or still has reads landing."""
+        return any(p.layer == layer for p in [*self.plans.values(), *self.landing])
+
     @property
     def pending(self) -> int:
         """Plans with a read still running."""

@@ -6,7 +6,7 @@ import numpy as np
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.model.heads import HeadSet, features
+from edge0.model.heads import Head, HeadSet, features
 from edge0.pipeline import prefetch
 from edge0.train.heads import head_loss, window_features, window_targets
 
@@ -17,14 +17,14 @@ E = 32  # the demo model's experts
 
 def test_served_features_are_the_training_features(monkeypatch):
     ids = real_text(n=48)
-    served = []  # (owner layer, step, features) as the pipeline builds them
+    served = []  # features of what each served head was given, in the order the pipeline gives it
+    predict = Head.predict
 
-    def recording(h, inds, prev, experts):
-        f = features(h, inds, prev, experts)
-        served.append(f)
-        return f
+    def recording(head, h, inds, prev, router):
+        served.append(features(h, inds, prev, E))  # predict's own features (tests/model/test_heads.py: one node = these)
+        return predict(head, h, inds, prev, router)
 
-    monkeypatch.setattr(prefetch, "features", recording)
+    monkeypatch.setattr(Head, "predict", recording)
     monkeypatch.setattr(prefetch.PrefetchRuntime, "PAUSE_AFTER", 10**9)  # every step predicts, warm store or not
     prompt = 24
     with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:

@@ -1,7 +1,8 @@
 """Prefetch reads ahead only while reads come from the disk: on a warm store its layers stop predicting
 after PAUSE_AFTER steps whose reads all came from the page cache (and it still equals native), a read
 from the disk (the store evicted mid-generation with posix_fadvise) brings the predictions back at the
-next step, and with --io-throttle (every read costs) or predicted routing it never pauses."""
+next step, and with --io-throttle (every read costs) it never pauses. Under predicted routing only the reads
+ahead pause: the heads that route keep deciding."""
 
 import mlx.core as mx
 import numpy as np
@@ -101,11 +102,42 @@ def test_a_read_from_the_disk_resumes_predicting(text):
     assert cold > 0 and after > seen["ahead"]  # it read ahead again
 
 
-@pytest.mark.parametrize("config", [{"routing": "prefetch", "predictor": "heads", "io_throttle_mbps": 200},
-                                    {"routing": "predicted"}], ids=["throttled", "predicted"])
-def test_never_pauses_where_reads_cost_or_heads_route(text, config):
+def test_never_pauses_where_reads_cost(text):
     ids, _ = text
     warm_store()
-    with open_engine(EngineConfig(**config)) as engine:
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=200)) as engine:
         forced(engine, ids)
         assert engine.store.runtime.paused_steps == 0
+
+
+def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
+    """Under predicted routing a warm store pauses the next-router reads ahead (layers without a routing head),
+    never the heads that route: the output is bit for bit that of a run that never pauses, every routed set at a
+    consumer layer is the one its head decided, and the heads' predictions are pulled once, at the step's end."""
+    ids, _ = text
+    warm_store()
+    runs, after = {}, PrefetchRuntime.PAUSE_AFTER
+    for pause in (after, 10**9):
+        monkeypatch.setattr(PrefetchRuntime, "PAUSE_AFTER", pause)
+        with open_engine(EngineConfig(routing="predicted")) as engine:
+            rt = engine.store.runtime
+            pull, pulls = rt.pull, []
+            rt.pull = lambda: pulls.append(rt.sched.step) or pull()
+            demand, missed = rt.sched.demand_begin, []  # (layer, step) of every demand read
+
+            def recording(layer, cache, want):
+                got = demand(layer, cache, want)
+                if got is not None and got[1] is not None:
+                    missed.append((layer, rt.sched.step))
+                return got
+
+            rt.sched.demand_begin = recording
+            got = forced(engine, ids)
+            consumers = set(rt.heads.owners)
+            runs[pause] = got, rt.paused_steps, len(pulls), [m for m in missed if m[0] in consumers and m[1] > 0]
+    (paused, n_paused, pulls, missed), (never, n_never, pulls_never, _) = runs.values()
+    assert np.array_equal(paused, never)
+    steps = len(ids) - 1
+    assert 0 < n_paused <= steps - after and n_never == 0  # (a page the kernel drops mid-run resets the count)
+    assert not missed  # consumer layers read what their heads decided, ahead (step 0 routes natively)
+    assert pulls < pulls_never  # paused: one pull at the step's end (flush, next_step), none per layer
