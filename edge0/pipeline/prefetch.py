@@ -237,6 +237,24 @@ class PrefetchRuntime(Runtime):
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
 
+    _prompt_reads = (0, 0.0)  # the reader's (bytes, cold bytes) when the generation began
+
+    def begin(self) -> int:
+        gen = super().begin()
+        st = self.sched.pool.reader.stats
+        self._prompt_reads = (st.bytes, st.cold_bytes)
+        return gen
+
+    def end_prefill(self) -> None:
+        """The prompt's reads (whole layers, or its experts) tell at once what PAUSE_AFTER steps would: all
+        from the page cache, the first decode step is already paused; some from the disk, it is not."""
+        super().end_prefill()
+        st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
+        if not self.sched.pool.reader.sees_cache or st.bytes == read0:
+            return
+        self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
+        self.paused = self._warm_steps >= self.PAUSE_AFTER
+
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
         if not self.pending:

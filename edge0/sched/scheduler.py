@@ -286,6 +286,8 @@ class Scheduler:
 
     def busy(self, layer: int) -> bool:
         """Whether a plan of `layer` (for any step) waits to be consumed or still has reads landing."""
+        if not self.plans and not self.landing:
+            return False
         return any(p.layer == layer for p in [*self.plans.values(), *self.landing])
 
     @property

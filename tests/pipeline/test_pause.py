@@ -141,3 +141,27 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
     assert 0 < n_paused <= steps - after and n_never == 0  # (a page the kernel drops mid-run resets the count)
     assert not missed  # consumer layers read what their heads decided, ahead (step 0 routes natively)
     assert pulls < pulls_never  # paused: one pull at the step's end (flush, next_step), none per layer
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["warm", "evicted"])
+def test_the_prompts_reads_decide_the_first_steps(text, cached):
+    """A prompt read wholly from the page cache pauses the reads ahead from the first decode step (it read what
+    PAUSE_AFTER warm steps would have shown); read from the disk, the first steps predict. Same tokens either way."""
+    ids, want = text
+    warm_store()
+    if not cached:
+        for f in expert_files():
+            evict(f)
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        rt = engine.store.runtime
+        with engine.kernel.active():
+            steps = generate_steps(engine.store.model, ids[:16], max_tokens=len(ids) - 16, sampler=make_sampler(0.0),
+                                   runtime=rt, forced=ids[16:])
+            got = np.stack([np.array(lp.astype(mx.float32)) for _, lp in steps])
+        cold = engine.store.reader.stats.cold_bytes
+    assert np.array_equal(got, want[15:])  # the same log-probabilities as native from the 16th token on
+    n = len(ids) - 16
+    if cached:
+        assert cold == 0 and rt.paused_steps == n
+    else:
+        assert cold > 0 and rt.paused_steps <= n - PrefetchRuntime.PAUSE_AFTER
