@@ -232,6 +232,7 @@ class PrefetchRuntime(Runtime):
     # next-router guesses for layers without a routing head). With --io direct or --io-throttle every read
     # costs: nothing pauses.
     PAUSE_AFTER = 4
+    PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
     paused_steps = 0  # steps run paused (--json)
     _warm_steps = 0  # steps since a bundle came from the disk
@@ -250,7 +251,7 @@ class PrefetchRuntime(Runtime):
         from the page cache, the first decode step is already paused; some from the disk, it is not."""
         super().end_prefill()
         st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
-        if not self.sched.pool.reader.sees_cache or st.bytes == read0:
+        if not (self.PAUSE_ON_PROMPT and self.sched.pool.reader.sees_cache) or st.bytes == read0:
             return
         self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
         self.paused = self._warm_steps >= self.PAUSE_AFTER

@@ -26,6 +26,7 @@ def test_served_features_are_the_training_features(monkeypatch):
 
     monkeypatch.setattr(Head, "predict", recording)
     monkeypatch.setattr(prefetch.PrefetchRuntime, "PAUSE_AFTER", 10**9)  # every step predicts, warm store or not
+    monkeypatch.setattr(prefetch.PrefetchRuntime, "PAUSE_ON_PROMPT", False)
     prompt = 24
     with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
         owners = sorted(set(engine.store.runtime.heads.owners.values()))
