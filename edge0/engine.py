@@ -252,7 +252,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
     """The runtime builder of scheduled routing (prefetch, predicted) for load_store."""
     from .model.arch import read_config
     from .model.heads import HeadSet
-    from .pipeline.prefetch import build_prefetch_runtime
+    from .pipeline.runtime import build_prefetch_runtime
 
     def build(reader, cdtype):
         heads = None

@@ -65,7 +65,7 @@ class Runtime:
 
     # Hooks of a scheduled pipeline; the native executors need none.
     def snapshot(self, ahead: int = 0) -> dict:
-        """The routing state of a batch's rows (pipeline/prefetch.py); none here."""
+        """The routing state of a batch's rows (pipeline/runtime.py); none here."""
         return {}
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -13,7 +13,7 @@ from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.io.pagecache import evict
 from edge0.model.demo import DEMO_STORE
-from edge0.pipeline.prefetch import PrefetchRuntime
+from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps
 
 from .test_identity import real_text

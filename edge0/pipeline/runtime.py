@@ -1,0 +1,232 @@
+"""The runtime of scheduled routing (prefetch, predicted): one Scheduler, the layers' PrefetchExperts
+(pipeline/prefetch.py), the predictions in flight, the pause of the reads ahead, the batch's routing history."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..compute.runtime import Runtime, build_runtime
+from ..errors import Edge0Error
+from ..sched.scheduler import QUEUE_DEPTH, Scheduler
+from ..sched.trace import NULL, now_us
+from .prefetch import PREDICTORS, Decided, PrefetchExperts
+
+
+class PrefetchRuntime(Runtime):
+    """A Runtime whose decode steps are driven by the scheduler."""
+
+    sched: Scheduler = None
+    heads = None  # HeadSet when predicting with trained heads
+    predicted_routing = False
+    guesses: int | None = None  # experts read ahead per predicted set, the predictor's likeliest (None: all K)
+    pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
+    sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
+    sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
+    pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
+    # Reading ahead only while reads cost. Prefetch hides reads from the disk; while every bundle read of
+    # the last PAUSE_AFTER steps came from the page cache (a warm store that fits in memory) a demand read
+    # is a copy of microseconds, and the predictor (its graphs, pulls and plans) costs more than it can
+    # hide: the layers stop predicting until a read comes from the disk again. Under predicted routing the
+    # heads that route keep predicting (their prediction is the routing); the read-ahead ones pause (the
+    # next-router guesses for layers without a routing head). With --io direct or --io-throttle every read
+    # costs: nothing pauses.
+    PAUSE_AFTER = 4
+    PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
+    paused = False  # this step's layers read nothing ahead (routing heads still decide)
+    paused_steps = 0  # steps run paused (--json)
+    _warm_steps = 0  # steps since a bundle came from the disk
+    _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
+
+    _prompt_reads = (0, 0.0)  # the reader's (bytes, cold bytes) when the generation began
+
+    def begin(self) -> int:
+        gen = super().begin()
+        st = self.sched.pool.reader.stats
+        self._prompt_reads = (st.bytes, st.cold_bytes)
+        return gen
+
+    def end_prefill(self) -> None:
+        """The prompt's reads (whole layers, or its experts) tell at once what PAUSE_AFTER steps would: all
+        from the page cache, the first decode step is already paused; some from the disk, it is not."""
+        super().end_prefill()
+        st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
+        if not (self.PAUSE_ON_PROMPT and self.sched.pool.reader.sees_cache) or st.bytes == read0:
+            return
+        self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
+        self.paused = self._warm_steps >= self.PAUSE_AFTER
+
+    def pull(self) -> None:
+        """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        t0 = now_us()
+        mx.eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
+        self.pull_s += (now_us() - t0) / 1e6
+        self.span("pull", "compute", t0)
+        for p in pending:
+            host = np.array(p.inds, copy=False)
+            ids = np.unique(host)
+            c = p.consumer
+            c.waiting.append((ids, p.step, p.plan is None))  # decided routing: certain reads
+            if c.ran >= p.step - 1:  # the consumer has read its bank this step already
+                c.plan_waiting()
+            if p.plan is not None:
+                c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
+
+    def span(self, name: str, cat: str, t0: float, **args) -> None:
+        if self.trace is not None and self.trace.on:
+            self.trace.span(name, cat, t0, now_us(), step=self.sched.step, **args)
+
+    def scheduling(self, layer: int) -> "_Scheduling":
+        return _Scheduling(self, layer)
+
+    def flush(self) -> None:
+        """Before a step's evaluation (pipeline/steps.py): plan what the last layers predicted."""
+        self.paused_steps += self.paused
+        with self.scheduling(-1):
+            self.pull()
+
+    def next_step(self) -> None:
+        with self.scheduling(-1):
+            self.pull()  # whatever was predicted after the flush
+            self.sched.next_step()
+            self._watch_reads()
+
+    def _watch_reads(self) -> None:
+        """At a step boundary: whether the next step's layers predict (PAUSE_AFTER)."""
+        pool = self.sched.pool
+        if not pool.reader.sees_cache:
+            return
+        cold = pool.stats.cold_bytes
+        self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
+        self._cold_bytes = cold
+        self.paused = self._warm_steps >= self.PAUSE_AFTER
+
+    def finish(self) -> None:
+        self.pending = []
+        self.sched.cancel()
+
+    def reset_pipeline(self) -> None:
+        """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
+        self.pending = []
+        self.sched.reset()
+        for ex in self.executors.values():
+            ex.reset()
+
+    # -- batches (serve --max-batch): the routing history's rows follow the batch's sequences ------------
+
+    def snapshot(self, ahead: int = 0) -> dict:
+        """Each layer's routing state for the batch's rows: (routed ids at the previous token (B, 1, K) or None,
+        the routing decided for step now + ahead or None). ahead=1 after a sequence's first step alone: its
+        predictions are pulled, and what they decided for its next step is taken."""
+        if ahead:
+            self.pull()
+        step = self.sched.step + ahead
+        return {layer: (ex.prev_inds, ex.decided.get(step)) for layer, ex in self.executors.items()}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Sequences left the batch: keep the history and the routing decided ahead of the others."""
+        idx = mx.array(rows)
+        for ex in self.executors.values():
+            ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
+            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], np.unique(d.host[rows]))
+                          for s, d in ex.decided.items()}
+
+    def join(self, parts: list[tuple[dict, int]]) -> None:
+        """The batch becomes the concatenation of (snapshot, rows) parts: their histories (a part without a
+        previous token gets rows naming no expert) and, where every part has one, their routing decided for
+        the step now (else that layer routes the step with its own router). No parts: a clean slate."""
+        self.pending = []  # predictions made for other rows decide nothing
+        step = self.sched.step
+        for layer, ex in self.executors.items():
+            prevs = [(snap[layer][0], n) for snap, n in parts]
+            known = [p for p, _ in prevs if p is not None]
+            ex.prev_inds = None if not known else mx.concatenate(
+                [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
+                 for p, n in prevs])
+            decs = [snap[layer][1] for snap, _ in parts]
+            ex.decided.clear()
+            if decs and all(d is not None for d in decs):
+                host = np.concatenate([d.host for d in decs])
+                ex.decided[step] = Decided(mx.concatenate([d.inds for d in decs]),
+                                           mx.concatenate([d.plan for d in decs]), host, np.unique(host))
+
+    def link(self, blocks: dict) -> None:
+        """Give each layer its block and its successor; heads to their owners; with predicted routing,
+        consumer blocks take the routing their owner's head decided (the block's `planned` hook)."""
+        order = sorted(self.executors)
+        for layer in order:
+            self.executors[layer].block = blocks[layer]
+        for a, b in zip(order, order[1:]):
+            self.executors[a].next = self.executors[b]
+        if self.heads is None:
+            return
+        for consumer, owner in sorted(self.heads.owners.items()):
+            if owner not in self.executors or consumer not in self.executors:
+                raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")
+            ex = self.executors[consumer]
+            self.executors[owner].heads.append((self.heads.heads[consumer], ex))
+            routes = self.heads.routes is None or consumer in self.heads.routes  # else the head only reads ahead
+            ex.predicted_routing = self.predicted_routing and routes
+            if ex.predicted_routing:
+                blocks[consumer].planned = ex.planned
+                ex.planned_by = self.executors[owner]
+                self.executors[owner].routes_ahead = True
+
+    def close(self) -> None:
+        self.sched.close()
+        super().close()
+
+
+class _Scheduling:
+    """Times the scheduler's work on the graph-building thread (a `sched` span), its stalls left out."""
+
+    def __init__(self, rt: PrefetchRuntime, layer: int):
+        self.rt, self.layer = rt, layer
+
+    def __enter__(self):
+        self.t0, self.waits0 = now_us(), self.rt.sched.stats.stall_s + self.rt.pull_s
+        self.cpu0 = time.thread_time()
+
+    def __exit__(self, *exc):
+        rt = self.rt
+        spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
+        if rt.sched.step >= 1:  # decode steps, as --json's figures (step 0 is the prompt's last token)
+            rt.sched_s += spent
+            rt.sched_cpu_s += time.thread_time() - self.cpu0  # stalls and pulls wait without using the CPU
+        if rt.trace is not None and rt.trace.on:
+            rt.trace.span("sched", "sched", self.t0, self.t0 + spent * 1e6, layer=self.layer, step=rt.sched.step)
+
+
+def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
+                           slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
+                           predicted_routing: bool = False, guesses: int | None = None, top_k: int | None = None,
+                           **_) -> PrefetchRuntime:
+    """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
+
+    heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
+    N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's)."""
+    if predictor not in PREDICTORS:
+        raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
+    if (predictor == "heads" or predicted_routing) and heads is None:
+        raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
+    k = top_k or reader.manifest.top_k
+    if guesses is not None and (predicted_routing or not 1 <= guesses <= k):
+        why = "predicted routing reads what its heads route" if predicted_routing else f"between 1 and K = {k}"
+        raise Edge0Error(f"--guesses {guesses}: {why}")
+    base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
+    rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
+    rt.pending = []
+    rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
+    reader.pool.trace = trace
+    rt.trace = trace
+    rt.heads = heads
+    rt.predicted_routing = predicted_routing
+    rt.guesses = None if guesses == k else guesses
+    for layer, staged in base.executors.items():
+        rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
+    return rt
