@@ -125,13 +125,14 @@ def _result(engine, fig, load_s: float, memory: dict) -> dict:
 
 def _loads(pool, rt, steps: int) -> dict:
     """Bundle reads through the I/O pool (every routing; whole-layer prefill reads apart) and, for scheduled
-    routing, the scheduler's time on the graph-building thread."""
+    routing, the scheduler's time on the graph-building thread and on its own (the planner's)."""
     s = pool.stats
     out = {"loads": s.loads, "demand_loads": s.demand_loads, "load_bytes": s.bytes,
            "load_cold_fraction": s.cold_fraction, "io_workers": pool.workers}
     if getattr(rt, "sched", None) is not None:
         out.update(sched_ms_per_token=1e3 * rt.sched_s / steps, sched_cpu_ms_per_token=1e3 * rt.sched_cpu_s / steps,
-                   pull_ms_per_token=1e3 * rt.pull_s / steps, paused_steps=rt.paused_steps)
+                   pull_ms_per_token=1e3 * rt.pull_s / steps, paused_steps=rt.paused_steps,
+                   plan_ms_per_token=1e3 * rt.plan_s / steps, plan_cpu_ms_per_token=1e3 * rt.plan_cpu_s / steps)
     return out
 
 

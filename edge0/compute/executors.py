@@ -16,7 +16,7 @@ import numpy as np
 
 from ..io.pool import ReadTask
 from .banks import Bank, BankBusy, Fence
-from .experts import ExactExperts, Quant, bank_positions, switch_glu
+from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
 
 
 @dataclass
@@ -70,6 +70,17 @@ class SlotCache:
         self.used[slots] = self.clock
         return slots, fills
 
+    def holding(self, keys: np.ndarray, slots: np.ndarray) -> bool:
+        """Whether unique `keys` are held, whole (no read filling them), at `slots`: then they are looked up
+        there as hits (a plan that has landed), with no assignment to make."""
+        if len(keys) != len(slots) or not (self.slot_of[keys] == slots).all() or self.filling[slots].any():
+            return False
+        self.stats.lookups += len(keys)
+        self.stats.hits += len(keys)
+        self.clock += 1
+        self.used[slots] = self.clock
+        return True
+
     def forget(self, slots) -> None:
         """Mark `slots` empty (a read into them failed: they may hold half a bundle); lookups miss them."""
         slots = np.asarray(slots, dtype=np.int64)
@@ -112,7 +123,7 @@ class SlottedExperts:
         mx.eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
         self.fence.sync()
         host = np.array(inds, copy=False)
-        ids = np.unique(host)
+        ids = unique_ids(host)
         keys = ids + self.key_base
         cache = self.cache
         got = cache.assign(keys) if cache.bank.slots >= len(ids) else None
@@ -167,7 +178,7 @@ def hits_first(x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray
 
     def part(rows: np.ndarray) -> mx.array:  # (n, D): row i is token rows[i]'s product with its expert
         p = pos[order[rows]]
-        used = bank.read(np.unique(p))
+        used = bank.read(unique_ids(p))
         if xs.shape[0] == 1:  # one token (a decode step): its rows are one gather of n experts
             return switch_glu(xs, mx.array(p[None]), used, quant)[0]
         return switch_glu(xs[mx.array(token[rows].astype(np.uint32))], mx.array(p[:, None]), used, quant)[:, 0]

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.executors import SlotCache, WholeLayer, held_first
-from ..compute.experts import ExactExperts, bank_positions, switch_glu
+from ..compute.experts import ExactExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel import current
 from ..sched.trace import now_us
 
@@ -99,7 +99,10 @@ class PrefetchExperts:
         if self.prefill is not None and self.prefill.wants(inds):
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
-        rt, sched, step = self.rt, self.rt.sched, self.rt.sched.step
+        rt = self.rt
+        if rt._planning is not None:  # the planner thread's plans (a step's flush) come before this layer's
+            rt.settle()
+        sched, step = rt.sched, rt.sched.step
         if (rt.paused and self.staged is not None and self.planned_by is None and not self.routes_ahead
                 and not self.waiting and not sched.busy(self.layer)):
             self.ran = step  # paused with nothing planned here: native routing on the same bank, no scheduler
@@ -114,14 +117,17 @@ class PrefetchExperts:
             rt.span(f"eval L{self.layer}", "compute", t0)
             rt.fence.sync()
             host = np.array(inds, copy=False)
-            ids = np.unique(host)
+            ids = unique_ids(host)
         with rt.scheduling(self.layer):
             if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
                 rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             cache = self.cache
-            got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
+            if d is not None and plan is not None and cache.holding(ids, plan.slots):
+                got = plan.slots, None  # decided a step ahead, read: the bank holds them where planned
+            else:
+                got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)

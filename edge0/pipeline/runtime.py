@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
+from ..compute.experts import unique_ids
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
@@ -26,6 +29,10 @@ class PrefetchRuntime(Runtime):
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
+    plan_s = 0.0  # the scheduler's time on its own thread (the planner: the step's last plans)
+    plan_cpu_s = 0.0  # of which CPU time
+    _planner: ThreadPoolExecutor | None = None  # the planner thread, started at the first flush that plans
+    _planning: Future | None = None  # its work for the step being evaluated, until settled
     # Reading ahead only while reads cost. Prefetch hides reads from the disk; while every bundle read of
     # the last PAUSE_AFTER steps came from the page cache (a warm store that fits in memory) a demand read
     # is a copy of microseconds, and the predictor (its graphs, pulls and plans) costs more than it can
@@ -60,22 +67,55 @@ class PrefetchRuntime(Runtime):
 
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
+        self.settle()
+        for c in self._take_pending():
+            c.plan_waiting()
+
+    def _take_pending(self) -> list:
+        """The pending predictions to the host: their ids wait at their consumers, their routing is decided.
+        Returns the consumers whose fills may be planned now (each has read its bank this step already)."""
         if not self.pending:
-            return
+            return []
         pending, self.pending = self.pending, []
         t0 = now_us()
         mx.eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
+        ready = []
         for p in pending:
             host = np.array(p.inds, copy=False)
-            ids = np.unique(host)
+            ids = unique_ids(host)
             c = p.consumer
             c.waiting.append((ids, p.step, p.plan is None))  # decided routing: certain reads
-            if c.ran >= p.step - 1:  # the consumer has read its bank this step already
-                c.plan_waiting()
+            if c.ran >= p.step - 1 and c not in ready:
+                ready.append(c)
             if p.plan is not None:
                 c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
+        return ready
+
+    # -- the scheduler's own thread: the step's last plans, made while MLX evaluates the step ----------------
+
+    def _plan(self, consumers: list) -> None:
+        """On the planner thread: plan the consumers' waiting fills (numpy, the pool; no MLX)."""
+        t0, cpu0 = now_us(), time.thread_time()
+        try:
+            for c in consumers:
+                c.plan_waiting()
+        finally:
+            if self.sched.step >= 1:
+                self.plan_s += (now_us() - t0) / 1e6
+                self.plan_cpu_s += time.thread_time() - cpu0
+            if self.trace is not None and self.trace.on:
+                self.trace.span("plan", "plan", t0, now_us(), thread=threading.current_thread().name,
+                                step=self.sched.step)
+
+    def settle(self) -> None:
+        """Wait for the planner thread's work (raising its error): called before the scheduler is touched."""
+        planning, self._planning = self._planning, None
+        if planning is None:
+            return
+        with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
+            planning.result()
 
     def span(self, name: str, cat: str, t0: float, **args) -> None:
         if self.trace is not None and self.trace.on:
@@ -85,12 +125,22 @@ class PrefetchRuntime(Runtime):
         return _Scheduling(self, layer)
 
     def flush(self) -> None:
-        """Before a step's evaluation (pipeline/steps.py): plan what the last layers predicted."""
+        """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
+        here; its fills are planned on the planner thread while this one waits for MLX to evaluate the step,
+        and settled before the fence moves (pipeline/steps.py), so the plans are the ones made before."""
         self.paused_steps += self.paused
+        self.settle()
         with self.scheduling(-1):
-            self.pull()
+            ready = self._take_pending()
+            for c in ready:
+                c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
+        if ready:
+            if self._planner is None:
+                self._planner = ThreadPoolExecutor(1, thread_name_prefix="edge0-sched")
+            self._planning = self._planner.submit(self._plan, ready)
 
     def next_step(self) -> None:
+        self.settle()
         with self.scheduling(-1):
             self.pull()  # whatever was predicted after the flush
             self.sched.next_step()
@@ -107,11 +157,13 @@ class PrefetchRuntime(Runtime):
         self.paused = self._warm_steps >= self.PAUSE_AFTER
 
     def finish(self) -> None:
+        self._settle_quietly()
         self.pending = []
         self.sched.cancel()
 
     def reset_pipeline(self) -> None:
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
+        self._settle_quietly()
         self.pending = []
         self.sched.reset()
         for ex in self.executors.values():
@@ -130,16 +182,18 @@ class PrefetchRuntime(Runtime):
 
     def keep_rows(self, rows: list[int]) -> None:
         """Sequences left the batch: keep the history and the routing decided ahead of the others."""
+        self.settle()
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
-            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], np.unique(d.host[rows]))
+            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], unique_ids(d.host[rows]))
                           for s, d in ex.decided.items()}
 
     def join(self, parts: list[tuple[dict, int]]) -> None:
         """The batch becomes the concatenation of (snapshot, rows) parts: their histories (a part without a
         previous token gets rows naming no expert) and, where every part has one, their routing decided for
         the step now (else that layer routes the step with its own router). No parts: a clean slate."""
+        self.settle()
         self.pending = []  # predictions made for other rows decide nothing
         step = self.sched.step
         for layer, ex in self.executors.items():
@@ -153,7 +207,7 @@ class PrefetchRuntime(Runtime):
             if decs and all(d is not None for d in decs):
                 host = np.concatenate([d.host for d in decs])
                 ex.decided[step] = Decided(mx.concatenate([d.inds for d in decs]),
-                                           mx.concatenate([d.plan for d in decs]), host, np.unique(host))
+                                           mx.concatenate([d.plan for d in decs]), host, unique_ids(host))
 
     def link(self, blocks: dict) -> None:
         """Give each layer its block and its successor; heads to their owners; with predicted routing,
@@ -177,7 +231,18 @@ class PrefetchRuntime(Runtime):
                 ex.planned_by = self.executors[owner]
                 self.executors[owner].routes_ahead = True
 
+    def _settle_quietly(self) -> None:
+        """Settle, dropping the planner's error: the plans are abandoned next (a failed read emptied its slot)."""
+        try:
+            self.settle()
+        except Exception:
+            pass
+
     def close(self) -> None:
+        self._settle_quietly()
+        if self._planner is not None:
+            self._planner.shutdown()
+            self._planner = None
         self.sched.close()
         super().close()
 

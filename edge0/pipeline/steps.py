@@ -95,14 +95,15 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
             sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)
         return sampled, logprobs.squeeze(0)
 
-    flush = getattr(runtime, "flush", None)  # scheduled routing: the last layers' predictions, planned before the
-    # step's evaluation so that the reads for the first layers of the next step start a layer earlier
+    flush = getattr(runtime, "flush", None)  # scheduled routing: the last layers' predictions, planned on the
+    settle = getattr(runtime, "settle", lambda: None)  # planner thread as the step evaluates, settled before the fence
 
     def evaluate(token, logprobs, n):
         if flush is not None:
             flush()
         t_eval = now_us()
         mx.eval(token, logprobs)
+        settle()
         sync()
         if runtime is not None:
             runtime.next_step()

@@ -15,12 +15,15 @@ The rule of the pipeline, written once:
   back, and those already running land in the background (their slots stay `filling` until then).
 
 Threads: there is no event loop. Planning and collecting run on the graph-building thread, between
-  graphs: numpy on arrays of a few ids, microseconds per bundle (the executors draw it as the `sched`
-  span of the trace). Workers read bytes into slots, widen bf16 scales, and fill in the outcome of
-  their task; they never touch plans or caches. A planned read that cannot start now (too few free slots,
-  QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer reads its experts on demand.
+  graphs (numpy on arrays of a few ids, the trace's `sched` span), except the step's last plans: the
+  predictions pulled just before a step is evaluated are planned on the planner thread (pipeline/runtime.py,
+  the trace's `plan` span) while the graph-building thread waits for MLX, and settled before it goes on. The
+  two never touch the scheduler at once: a hand-over, not sharing. Workers read bytes into slots, widen bf16
+  scales, and fill in the outcome of their task; they never touch plans or caches. A planned read that
+  cannot start now (too few free slots, QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer
+  reads its experts on demand.
 
-Plans are plain dataclasses; only this class changes them, on the graph-building thread.
+Plans are plain dataclasses; only this class changes them, on one thread at a time.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ def summarize(data: dict) -> dict:
         "step_ms": per(step_ms),
         "stall_ms_per_token": per(total.get("stall", 0.0)),
         "sched_ms_per_token": per(total.get("sched", 0.0)),
+        "plan_ms_per_token": per(total.get("plan", 0.0)),
         "loads": len(reads),
         "loads_per_step": per(len(decode_reads)),
         "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
@@ -131,7 +132,8 @@ def print_summary(s: dict) -> None:
         ("steps", f"{s['steps']} decode steps"),
         ("decode", f"{s['tok_s']:.2f} tok/s ({s['step_ms']:.1f} ms/step)"),
         ("stall", f"{s['stall_ms_per_token']:.2f} ms/token (the graph-building thread waiting on reads)"),
-        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread"),
+        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread, "
+                      f"{s.get('plan_ms_per_token', 0.0):.2f} on its own (the planner)"),
         ("loads", f"{s['loads_per_step']:.1f}/step, {s['mib_per_load']:.2f} MiB/load, {100 * s['cold_fraction']:.0f}% cold, "
                   f"{s['demand_loads']} on demand"),
         ("reads", f"{s['read_ms_per_step']:.1f} ms/step with a read in flight, {s['read_depth']:.1f} in flight on "

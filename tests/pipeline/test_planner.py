@@ -1,0 +1,105 @@
+"""The scheduler's planner thread: a step's last predictions are planned there while MLX evaluates the step
+(PrefetchRuntime.flush / settle). Moving that work off the graph-building thread must change nothing but
+where it runs: the same log-probabilities, bit for bit, and the same reads, as when the plans are made on the
+graph-building thread; and an error raised while planning reaches the caller, after which the engine still
+generates correctly."""
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.pipeline.runtime import PrefetchRuntime
+from edge0.sched.scheduler import Scheduler
+
+from .test_pause import forced, warm_store
+from .test_identity import real_text
+
+TOKENS = 40
+
+
+class Inline:
+    """An executor that runs the work on the calling thread: the plans made where they were before the planner."""
+
+    def submit(self, fn, *args):
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
+
+    def shutdown(self):
+        pass
+
+
+def run(monkeypatch, ids, *, inline: bool, **config):
+    """Forced decoding of ids under the default routing (predicted: the demo store ships heads); returns the
+    log-probabilities, the scheduler's counters and the names of the threads that planned fills."""
+    threads = []
+    prefetch = Scheduler.prefetch
+
+    def recorded(self, *a, **k):
+        threads.append(threading.current_thread().name)
+        return prefetch(self, *a, **k)
+
+    monkeypatch.setattr(Scheduler, "prefetch", recorded)
+    if inline:
+        monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
+    warm_store()
+    with open_engine(EngineConfig(**config)) as engine:
+        rt = engine.store.runtime
+        assert rt.predicted_routing
+        got = forced(engine, ids)
+        st = rt.sched.stats
+        counters = (st.loads, st.demand_loads, st.predicted, st.routed, rt.sched.pool.stats.loads)
+    monkeypatch.undo()
+    return got, counters, threads
+
+
+def test_planner_thread_changes_nothing_but_the_thread(monkeypatch):
+    ids = real_text(TOKENS)
+    want, want_counters, here = run(monkeypatch, ids, inline=True)
+    got, counters, there = run(monkeypatch, ids, inline=False)
+    assert np.array_equal(got, want)
+    assert counters == want_counters
+    assert set(here) == {"MainThread"}
+    assert any(name.startswith("edge0-sched") for name in there)  # the step's last plans left the main thread
+    assert len(there) == len(here)
+
+
+def test_planner_with_reads_from_the_disk(monkeypatch):
+    """Throttled, every read costs: the reads ahead never pause and most plans are made at the layers, on the
+    graph-building thread; those left for the step's end still give the same answer wherever they are made."""
+    ids = real_text(TOKENS)
+    want, want_counters, _ = run(monkeypatch, ids, inline=True, io_throttle_mbps=40.0)
+    got, counters, _ = run(monkeypatch, ids, inline=False, io_throttle_mbps=40.0)
+    assert np.array_equal(got, want)
+    assert counters[2:4] == want_counters[2:4]  # the same routing predicted (reads may land in another order)
+
+
+def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
+    ids = real_text(TOKENS)
+    warm_store()
+    with open_engine(EngineConfig()) as engine:
+        want = forced(engine, ids)
+        prefetch, failed = Scheduler.prefetch, []
+
+        def failing(self, *a, **k):
+            if threading.current_thread() is not threading.main_thread() and not failed:
+                failed.append(self.step)
+                raise OSError("injected: the planner's read failed")
+            return prefetch(self, *a, **k)
+
+        monkeypatch.setattr(Scheduler, "prefetch", failing)
+        with pytest.raises(OSError, match="injected"):
+            forced(engine, ids)
+        assert failed
+        monkeypatch.undo()
+        rt = engine.store.runtime
+        assert rt._planning is None  # settled: nothing of the failed generation runs on
+        again = forced(engine, ids)
+    assert np.array_equal(again, want)
