@@ -29,6 +29,7 @@ from ..errors import Edge0Error
 from ..model.heads import HIDDEN, HeadSet, multi_hot
 from ..model.routes import recorded_routes
 from .loop import World, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
+from .student import mlx_kernel
 
 SEQ_LEN = 256
 
@@ -122,8 +123,9 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
         heads = HeadSet.create(store.manifest, store.config, top_k=run.top_k, hidden=hidden,
                                consumers=consumers)  # None: the default layout
         heads.data_hash = run.data_hash
-        before, after, losses = _fit_heads(run, heads, world, out.with_suffix(".ckpt"), steps=steps, lr=lr, seed=seed,
-                                           resume=resume, progress=progress)
+        with mlx_kernel():  # gradients: the edge0 kernels have none
+            before, after, losses = _fit_heads(run, heads, world, out.with_suffix(".ckpt"), steps=steps, lr=lr,
+                                               seed=seed, resume=resume, progress=progress)
         report = {"model": str(model_dir), "top_k": run.top_k, "steps": steps, "seed": seed, "hidden": hidden,
                   "ranks": world.size, "train": run.train_desc, "heldout": run.held_desc, "data_hash": run.data_hash,
                   "consumers": sorted(heads.owners), "owners": {str(c): o for c, o in heads.owners.items()},

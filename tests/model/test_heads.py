@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from edge0.compute import kernels
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
@@ -124,3 +125,15 @@ def test_eval_scores_every_serving_mode(trained):
     assert prefetch["tokens"] == native["tokens"] == 48
     assert prefetch["loss"] == pytest.approx(native["loss"], rel=1e-4)  # token by token = one forward pass
     assert predicted["loss"] != native["loss"] and predicted["kind"] == "store, routing predicted"
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the edge0 CPU kernels are not built")
+def test_heads_train_under_the_edge0_kernel(models, tmp_path, monkeypatch):
+    """What a user runs: `edge0 train heads` (and make-workload) with the default kernel, edge0 on CPU, whose nodes
+    have no gradients; the suite otherwise builds on MLX's (conftest), where this crashed unseen."""
+    monkeypatch.setenv("EDGE0_KERNEL", "edge0")
+    store = models("qwen3_moe")
+    report = train_heads(store, tmp_path / "h.safetensors", steps=2, hidden=16, eval_windows=1, progress=False,
+                         seq_len=64)
+    assert len(report["losses"]) == 2 and all(np.isfinite(report["losses"]))
+    assert HeadSet.load(tmp_path / "h.safetensors", read_manifest(store), read_config(store)).top_k == report["top_k"]
