@@ -63,22 +63,23 @@ class SlotCache:
             self.bank.holds[victims] = keys[miss]
             slots[miss] = victims
             fills = list(zip(victims.tolist(), keys[miss].tolist()))
+        self._used(slots, len(keys) - n_miss, count)
+        return slots, fills
+
+    def _used(self, slots: np.ndarray, hits: int, count: bool = True) -> None:
+        """`slots` are about to be read: now the most recently used; counted as lookups, `hits` of them hits."""
         if count:
-            self.stats.lookups += len(keys)
-            self.stats.hits += len(keys) - n_miss
+            self.stats.lookups += len(slots)
+            self.stats.hits += hits
         self.clock += 1
         self.used[slots] = self.clock
-        return slots, fills
 
     def holding(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """Whether unique `keys` are held, whole (no read filling them), at `slots`: then they are looked up
         there as hits (a plan that has landed), with no assignment to make."""
         if len(keys) != len(slots) or not (self.slot_of[keys] == slots).all() or self.filling[slots].any():
             return False
-        self.stats.lookups += len(keys)
-        self.stats.hits += len(keys)
-        self.clock += 1
-        self.used[slots] = self.clock
+        self._used(slots, len(slots))
         return True
 
     def forget(self, slots) -> None:

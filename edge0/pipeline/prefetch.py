@@ -100,8 +100,7 @@ class PrefetchExperts:
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
         rt = self.rt
-        if rt._planning is not None:  # the planner thread's plans (a step's flush) come before this layer's
-            rt.settle()
+        rt.settle()  # the planner thread's plans (a step's flush) come before this layer's
         sched, step = rt.sched, rt.sched.step
         if (rt.paused and self.staged is not None and self.planned_by is None and not self.routes_ahead
                 and not self.waiting and not sched.busy(self.layer)):

@@ -140,9 +140,8 @@ class PrefetchRuntime(Runtime):
             self._planning = self._planner.submit(self._plan, ready)
 
     def next_step(self) -> None:
-        self.settle()
         with self.scheduling(-1):
-            self.pull()  # whatever was predicted after the flush
+            self.pull()  # whatever was predicted after the flush (settled first)
             self.sched.next_step()
             self._watch_reads()
 
@@ -182,7 +181,6 @@ class PrefetchRuntime(Runtime):
 
     def keep_rows(self, rows: list[int]) -> None:
         """Sequences left the batch: keep the history and the routing decided ahead of the others."""
-        self.settle()
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
@@ -193,7 +191,6 @@ class PrefetchRuntime(Runtime):
         """The batch becomes the concatenation of (snapshot, rows) parts: their histories (a part without a
         previous token gets rows naming no expert) and, where every part has one, their routing decided for
         the step now (else that layer routes the step with its own router). No parts: a clean slate."""
-        self.settle()
         self.pending = []  # predictions made for other rows decide nothing
         step = self.sched.step
         for layer, ex in self.executors.items():

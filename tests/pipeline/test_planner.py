@@ -71,16 +71,6 @@ def test_planner_thread_changes_nothing_but_the_thread(monkeypatch):
     assert len(there) == len(here)
 
 
-def test_planner_with_reads_from_the_disk(monkeypatch):
-    """Throttled, every read costs: the reads ahead never pause and most plans are made at the layers, on the
-    graph-building thread; those left for the step's end still give the same answer wherever they are made."""
-    ids = real_text(TOKENS)
-    want, want_counters, _ = run(monkeypatch, ids, inline=True, io_throttle_mbps=40.0)
-    got, counters, _ = run(monkeypatch, ids, inline=False, io_throttle_mbps=40.0)
-    assert np.array_equal(got, want)
-    assert counters[2:4] == want_counters[2:4]  # the same routing predicted (reads may land in another order)
-
-
 def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
     ids = real_text(TOKENS)
     warm_store()
