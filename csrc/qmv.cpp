@@ -37,6 +37,12 @@ static int64_t spin_ns() {
   return ns;
 }
 
+// How far ahead of the bytes a dot product reads its weights are asked for (_mm_prefetch): a row is D/2
+// bytes, so 2 KiB is 2 rows of D 2048. The hardware prefetcher stops at 4 KiB pages, and a decode step
+// streams every weight once from memory: asked for ahead, the 4-bit products ran 24 -> 28 G weights/s
+// streaming 80 4096x2048 matrices on one AVX2 core (a prefetch changes no arithmetic: outputs are the same).
+constexpr int64_t PREFETCH_BYTES = 2048;
+
 // ---------------------------------------------------------------------------------------------
 // A persistent pool: the caller and n-1 workers claim tasks from one counter. The job generation
 // lives in the counter's high bits, so a worker that wakes late can never run a finished job's task.
@@ -317,6 +323,7 @@ static float dot_avx2_8(const uint8_t* w, const S* s, const S* b, const float* x
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* wg = w + g * gs;
     const float* xg = x + g * gs;
+    for (int j = 0; j < gs; j += 64) _mm_prefetch((const char*)(wg + j + PREFETCH_BYTES), _MM_HINT_T0);
     __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
     for (int j = 0; j < gs; j += 16) {
       const __m128i w16 = _mm_loadu_si128((const __m128i*)(wg + j));
@@ -347,7 +354,9 @@ static void group_sums(const uint8_t* w, const int8_t* xq, int64_t D, int32_t* i
   if constexpr (GS == 32) {
     const int64_t C = D / 64;  // a chunk is two groups, one per 128-bit lane
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t c0 = 0; c0 < C; c0 += 4) {
+    for (int64_t c0 = 0; c0 < C; c0 += 4) {  // 128 bytes of weights
+      _mm_prefetch((const char*)(w + c0 * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + c0 * 32 + 64 + PREFETCH_BYTES), _MM_HINT_T0);
       __m256i a[4];
       for (int i = 0; i < 4; i++)
         a[i] = c0 + i < C ? widen(chunk16(w + (c0 + i) * 32, xq + (c0 + i) * 64)) : _mm256_setzero_si256();
@@ -364,6 +373,7 @@ static void group_sums(const uint8_t* w, const int8_t* xq, int64_t D, int32_t* i
           a[i] = _mm256_setzero_si256();
           continue;
         }
+        if (CPG == 2 || (g & 1) == 0) _mm_prefetch((const char*)(w + g * GS / 2 + PREFETCH_BYTES), _MM_HINT_T0);
         __m256i v = chunk16(w + g * GS / 2, xq + g * GS);
         if constexpr (CPG == 2) v = _mm256_add_epi16(v, chunk16(w + g * GS / 2 + 32, xq + g * GS + 64));
         a[i] = widen(v);
@@ -437,6 +447,7 @@ static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq
     bias = _mm512_fmadd_ps(load16(b + g0, k), _mm512_maskz_loadu_ps(k, xsum + g0), bias);
     __m512i lane_group = first;
     for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
+      _mm_prefetch((const char*)(w + i * 64 + PREFETCH_BYTES), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
       const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
       __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq + i * 128)));
@@ -481,6 +492,7 @@ static float dot_vnni8(const uint8_t* w, const S* s, const S* b, const int8_t* x
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
   for (int64_t i = 0; i < D / 64; i++) {
+    _mm_prefetch((const char*)(w + i * 64 + PREFETCH_BYTES), _MM_HINT_T0);
     const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void*)(w + i * 64)),
                                             _mm512_loadu_si512((const void*)(xq + i * 64)));
     __m512 dl;
