@@ -177,7 +177,9 @@ def test_heads_resume_with_other_flags_is_one_message(models, tmp_path):
 
     store = models("qwen3_moe")
     out = tmp_path / "h.safetensors"
-    kw = dict(eval_windows=1, progress=False, seq_len=64)
+    text = tmp_path / "t.py"  # a small corpus: the stdlib split would be tokenized five times over
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    kw = dict(eval_windows=1, progress=False, seq_len=64, data=text, heldout=text)
     train_heads(store, out, steps=2, hidden=16, seed=1, **kw)
     assert json.loads(out.with_suffix(".ckpt").joinpath("state.json").read_text())["hidden"] == 16
     for flags, what in (({"hidden": 32, "seed": 1}, "--hidden 16"), ({"hidden": 16, "seed": 2}, "--seed 1"),
