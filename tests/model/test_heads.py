@@ -97,19 +97,30 @@ def test_head_files_round_trip_and_are_bound(trained, models, tmp_path):
     assert proc.returncode == 2 and "trained for another model" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def source_text(tmp_path) -> dict:
+    """train_heads' data and heldout: one real source file, where the default tokenizes the stdlib split (seconds
+    a call) for tests that check resuming and kernels, not what the heads learn."""
+    import inspect
+    import json.decoder
+
+    path = tmp_path / "decoder.py"
+    path.write_text(inspect.getsource(json.decoder))
+    return {"data": path, "heldout": path}
+
+
 def test_training_improves_recall_and_resumes(trained, tmp_path):
     store, _, report = trained
     for layer, r in report["recall"].items():
         assert r["heads"] > report["recall_before"][layer]["heads"]
         assert report["recall_before"][layer]["heads"] == report["recall_before"][layer]["next-router"]
     out = tmp_path / "h.safetensors"
-    first = train_heads(store, out, steps=6, hidden=64, eval_windows=1, progress=False, seq_len=128)
+    kw = dict(hidden=64, eval_windows=1, progress=False, seq_len=128, **source_text(tmp_path))
+    first = train_heads(store, out, steps=6, **kw)
     with pytest.raises(Edge0Error, match="--resume"):
-        train_heads(store, out, steps=6, hidden=64, eval_windows=1, progress=False, seq_len=128)
-    resumed = train_heads(store, out, steps=8, hidden=64, eval_windows=1, progress=False, seq_len=128, resume=True)
+        train_heads(store, out, steps=6, **kw)
+    resumed = train_heads(store, out, steps=8, resume=True, **kw)
     assert len(resumed["losses"]) == 2  # only the steps after the checkpoint at step 6
-    straight = train_heads(store, tmp_path / "s.safetensors", steps=8, hidden=64, eval_windows=1, progress=False,
-                           seq_len=128)
+    straight = train_heads(store, tmp_path / "s.safetensors", steps=8, **kw)
     assert straight["losses"][:6] == first["losses"]  # same seed, same curve
     assert resumed["losses"] == pytest.approx(straight["losses"][6:], rel=1e-5)
 
@@ -134,6 +145,6 @@ def test_heads_train_under_the_edge0_kernel(models, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE0_KERNEL", "edge0")
     store = models("qwen3_moe")
     report = train_heads(store, tmp_path / "h.safetensors", steps=2, hidden=16, eval_windows=1, progress=False,
-                         seq_len=64)
+                         seq_len=64, **source_text(tmp_path))
     assert len(report["losses"]) == 2 and all(np.isfinite(report["losses"]))
     assert HeadSet.load(tmp_path / "h.safetensors", read_manifest(store), read_config(store)).top_k == report["top_k"]

@@ -4,6 +4,12 @@ from the disk (the store evicted mid-generation with posix_fadvise) brings the p
 next step, and with --io-throttle (every read costs) it never pauses. Under predicted routing only the reads
 ahead pause: the heads that route keep deciding."""
 
+import contextlib
+import ctypes
+import ctypes.util
+import mmap
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -36,6 +42,34 @@ def warm_store():
         f.read_bytes()
 
 
+@contextlib.contextmanager
+def pinned_store():
+    """The store's expert files held in the page cache (mlock on a mapping) until the block ends: these VMs drop
+    cached pages of their own accord, and one such read from the disk resumes predicting (a flake seen in CI)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for name in ("mlock", "munlock", "munmap"):
+        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    held = []
+    try:
+        for f in expert_files():
+            size = f.stat().st_size
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            held.append((addr, size))
+            assert libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())  # reads every page in, and keeps it
+        yield
+    finally:
+        for addr, size in held:
+            libc.munlock(addr, size)
+            libc.munmap(addr, size)
+
+
 def forced(engine, ids, at_step=None):
     """Forced decoding of ids as engine.forced_logprobs does it; at_step(i, runtime) runs before step i."""
     rt = engine.store.runtime
@@ -65,8 +99,7 @@ def text():
 
 def test_warm_store_pauses_prefetch_and_still_equals_native(text):
     ids, want = text
-    warm_store()
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+    with pinned_store(), open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
         rt = engine.store.runtime
         demand, calls = rt.sched.demand_begin, []
         rt.sched.demand_begin = lambda *a: calls.append(rt.sched.step) or demand(*a)
@@ -83,20 +116,23 @@ def test_warm_store_pauses_prefetch_and_still_equals_native(text):
 
 def test_a_read_from_the_disk_resumes_predicting(text):
     ids, want = text
-    warm_store()
     seen = {}
+    pin = contextlib.ExitStack()
 
     def at_step(i, rt):
         if i == EVICT_AT:
             seen["paused"], seen["ahead"] = rt.paused, ahead(rt)
+            pin.close()
             for f in expert_files():
                 evict(f)
         if i == EVICT_AT + 2:
             seen["after"] = rt.paused
 
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
-        got = forced(engine, ids, at_step)
-        after, cold = ahead(engine.store.runtime), engine.store.reader.pool.stats.cold_bytes
+    with pin:
+        pin.enter_context(pinned_store())
+        with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+            got = forced(engine, ids, at_step)
+            after, cold = ahead(engine.store.runtime), engine.store.reader.pool.stats.cold_bytes
     assert np.array_equal(got, want)
     assert seen["paused"] is True and seen["after"] is False  # the cold demand reads of step EVICT_AT + 1
     assert cold > 0 and after > seen["ahead"]  # it read ahead again
