@@ -7,7 +7,6 @@ ahead pause: the heads that route keep deciding."""
 import contextlib
 import ctypes
 import ctypes.util
-import mmap
 import os
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.io.pagecache import evict
+from edge0.io.pagecache import Residency, evict
 from edge0.model.demo import DEMO_STORE
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps
@@ -44,31 +43,27 @@ def warm_store():
 
 @contextlib.contextmanager
 def pinned_store():
-    """The store's expert files held in the page cache (mlock on a mapping) until the block ends: these VMs drop
-    cached pages of their own accord, and one such read from the disk resumes predicting (a flake seen in CI)."""
+    """The store's expert files held in the page cache (mlock on a mapping) until the block ends. With the page
+    cache full of pages touched twice, the kernel reclaimed the store's once-read pages mid-run, and one read from
+    the disk resumes predicting (a fresh-clone CI run failed so). Where mlock is refused (RLIMIT_MEMLOCK, not
+    root) the files are only read, as before."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    for name in ("mlock", "munlock", "munmap"):
-        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    held = []
+    libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    maps = []
     try:
         for f in expert_files():
-            size = f.stat().st_size
             fd = os.open(f, os.O_RDONLY)
             try:
-                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                maps.append(Residency(fd, os.fstat(fd).st_size))  # a read-only shared mapping of the file
             finally:
                 os.close(fd)
-            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-            held.append((addr, size))
-            if libc.mlock(addr, size) != 0:  # over RLIMIT_MEMLOCK (not root): cached as read, and left to the kernel
+            if libc.mlock(maps[-1].addr, maps[-1].size) != 0:
                 f.read_bytes()
         yield
     finally:
-        for addr, size in held:
-            libc.munlock(addr, size)
-            libc.munmap(addr, size)
+        for m in maps:
+            libc.munlock(m.addr, m.size)
+            m.close()
 
 
 def forced(engine, ids, at_step=None):
