@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Edge0Error
+from .io.atomic import signals_raise
 
 GIB = 2**30
 V1_ROOT = Path("/sys/fs/cgroup/memory")
@@ -67,7 +69,12 @@ class MemoryCap:
         return path
 
     def run(self, cmd: list[str], warm: list[Path] | None = None) -> ArmRun:
-        """cmd inside a fresh cgroup; `warm` files are read inside it first (their pages then count)."""
+        """cmd inside a fresh cgroup; `warm` files are read inside it first (their pages then count). The cgroup is
+        removed however the run ends, SIGTERM included (it raises SystemExit here; the arm is killed first)."""
+        with signals_raise():
+            return self._run(cmd, warm)
+
+    def _run(self, cmd: list[str], warm: list[Path] | None) -> ArmRun:
         group = self._make()
         try:
             join = _joiner(group / "cgroup.procs")
@@ -105,7 +112,12 @@ def launch(cmd: list[str], preexec_fn=None) -> ArmRun:
     """Run cmd to its end; its output, exit status and rusage (wait4: faults and block reads of it)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=preexec_fn)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: the arm does not outlive the bench (nor keep its cgroup)
+            proc.kill()
+            proc.wait()
+            raise
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
@@ -141,7 +153,13 @@ def _oom_kills(group: Path, v2: bool) -> int:
 
 
 def _remove(group: Path) -> None:
-    try:
-        group.rmdir()  # its processes have exited; charged page cache moves to the parent
-    except OSError:
-        pass
+    """Remove a cgroup whose processes have exited (its charged page cache moves to the parent). Right after a
+    kill the kernel may still count the exiting task (EBUSY): retried for up to a second."""
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)

@@ -135,6 +135,7 @@ def test_bench_memory_cap_runs_every_arm_in_a_cgroup_and_a_killed_arm_is_a_row(m
     """A cap the arm fits in: its cgroup peak is measured and under the cap; a cap it cannot fit in (48 MiB,
     below what Python and MLX take): the row says it was killed, and the bench still finishes."""
     cap = _cgroups_or_skip()
+    before = set(cap.parent.glob("edge0-bench-*"))  # another bench's (a killed one's, before the fix) are not ours
     store = models("qwen3_moe")
     results, md = _bench(store, tmp_path / "fits", "--memory-cap", "4", "--cache", "cold,warm")
     for key in ("staged/cold", "staged/warm"):
@@ -146,7 +147,32 @@ def test_bench_memory_cap_runs_every_arm_in_a_cgroup_and_a_killed_arm_is_a_row(m
     (run,) = results["runs"]["staged/warm"]
     assert run["killed"] == "out of memory at 0.046875 GiB"
     assert "| staged | - | - | - | warm | killed: out of memory at 0.046875 GiB |" in md
-    assert not list(cap.parent.glob("edge0-bench-*"))  # every run's cgroup removed
+    assert set(cap.parent.glob("edge0-bench-*")) == before  # every run's cgroup removed
+
+
+def test_a_terminated_capped_bench_leaves_no_cgroup_and_no_arm(models, tmp_path):
+    """SIGTERM while an arm runs in its cgroup: the arm is killed and the cgroup removed (a killed bench left
+    both behind, and the leftover cgroup then failed the test above)."""
+    import signal
+    import time
+
+    cap = _cgroups_or_skip()
+    store = models("qwen3_moe")
+    proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "bench", "--store", str(store), "--arms", "staged",
+                             "--rounds", "3", "--max-tokens", "64", "--prompt-tokens", "16", "--memory-cap", "4",
+                             "--out", str(tmp_path / "out")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    mine = f"edge0-bench-{proc.pid}-*"
+    deadline = time.monotonic() + 120
+    while not any((g / "cgroup.procs").read_text().strip() for g in cap.parent.glob(mine)):  # an arm is inside
+        assert proc.poll() is None and time.monotonic() < deadline, "no arm ran in a cgroup"
+        time.sleep(0.05)
+    (group,) = cap.parent.glob(mine)
+    arms = (group / "cgroup.procs").read_text().split()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and b"Traceback" not in err, err.decode()[-2000:]
+    assert not list(cap.parent.glob(mine))
+    assert not [pid for pid in arms if Path(f"/proc/{pid}").exists()]
 
 
 def test_bench_memory_cap_refused_in_one_line(models, tmp_path, capsys, monkeypatch):

@@ -170,7 +170,7 @@ def atomic_dir(out: str | os.PathLike, *, replace: bool = False, needed: int | N
     """
     out = Path(out)
     tmp = temp_for(out)
-    with _signals_raise():  # before the temporary exists: a signal at any later moment finds it to remove
+    with signals_raise():  # before the temporary exists: a signal at any later moment finds it to remove
         try:
             _make_temp_dir(out, tmp, needed)
             yield tmp
@@ -254,7 +254,7 @@ def _raise_exit(signum, frame):
 
 
 @contextlib.contextmanager
-def _signals_raise():
+def signals_raise():
     """Make SIGTERM/SIGHUP raise SystemExit (so cleanup runs) while they have their default action."""
     if threading.current_thread() is not threading.main_thread():
         yield
