@@ -227,10 +227,14 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         for f in path.rglob("*.safetensors"):
             evict(f)
     with kernel.active():
-        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=c.executor, slots=slots,
+        executor = "staged" if c.executor == "auto" and c.slots is not None else c.executor  # --slots: staged banks
+        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
                            build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None)
     try:
+        if c.executor == "auto" and store.runtime.executor == "resident":
+            log.info("executor resident: every expert in memory", gib=round(store.runtime.resident_expert_bytes / 2**30, 3),
+                     hint="--executor staged streams them from the store instead")
         if c.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
             from .model.lora import Adapter
 

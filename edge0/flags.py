@@ -25,8 +25,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
     p.add_argument("--executor", choices=EXECUTORS, default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer slot banks, "
                         "only changed slots read; hot: one LRU of bundles shared by all layers within "
-                        "--memory-budget (auto: staged); resident: every expert loaded at start (the compute floor, "
-                        "for benchmarks). staged and hot read each layer whole for prefill")
+                        "--memory-budget; resident: every expert loaded at start, no host sync inside a step (the "
+                        "fastest for a model that fits in RAM). auto (default): resident under native routing when "
+                        "every expert fits in --memory-budget, or in half the memory available, else staged. "
+                        "staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=PREDICTORS, default=None,
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
                         "router on layer N's input; default), heads (the trained prerouter heads, --heads)")

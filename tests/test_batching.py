@@ -38,8 +38,9 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
 # the router's own choice. There a product, the router's top-k, the heads' linears and the batch's per-sequence
 # attention each compute a row as alone, but predicted routing's batched answers were seen to part from the solo
 # ones (not pinned down), so it is checked on MLX's kernels only.
-AS_ALONE = [(r, "mlx") for r in (None, "native", "prefetch")] + [
-    (r, "edge0") for r in ("native", "prefetch") if kernels.available()]
+# "native" runs every expert resident on the demo (auto: they fit); "native-staged" streams them into slot banks.
+AS_ALONE = [(r, "mlx") for r in (None, "native", "native-staged", "prefetch")] + [
+    (r, "edge0") for r in ("native", "native-staged", "prefetch") if kernels.available()]
 
 
 @pytest.mark.parametrize("routing,kernel", AS_ALONE)
@@ -49,7 +50,9 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
     and whatever their lengths (they leave at different steps); under predicted routing (the default) too:
     the heads' history follows the rows."""
     lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
-    with open_engine(EngineConfig(routing=routing, max_batch=4, kernel=kernel, prompt_cache_gib=0)) as engine:
+    routing, _, executor = (routing or "").partition("-")
+    with open_engine(EngineConfig(routing=routing or None, executor=executor or "auto", max_batch=4, kernel=kernel,
+                                  prompt_cache_gib=0)) as engine:
         solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=stagger, max_tokens=lengths)
     for p in PROMPTS:

@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="--kernel-threads (default: the kernels' default)")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed (default 48)")
     p.add_argument("--routing", default="native", choices=("native", "prefetch", "predicted"))
+    p.add_argument("--executor", default="auto", help="--executor (default auto: staged)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.steps < 1:
@@ -94,7 +95,7 @@ def breakdown(args) -> int:
         sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
     prompt, forced = read_replay(args.replay) if args.replay else (None, None)
     config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
-                          prompt_cache_gib=0)
+                          executor=args.executor, prompt_cache_gib=0)
     with open_engine(config) as engine:
         if prompt is None:
             prompt = engine.encode_text(Path(argparse.__file__).read_text())[:256]
@@ -121,7 +122,7 @@ def breakdown(args) -> int:
     cpu = sum(s[2] for s in per_step) / n
     kinds = {k: (c / n, s / n) for k, (c, s) in sorted(nodes.items(), key=lambda kv: -kv[1][1])}
     kernel_s = sum(s for _, s in kinds.values())
-    out = {"store": args.store, "routing": args.routing, "decode_threads": threads, "steps": n,
+    out = {"store": args.store, "routing": args.routing, "executor": args.executor, "decode_threads": threads, "steps": n,
            "step_ms": 1e3 * wall, "main_wait_ms": 1e3 * wait, "main_python_ms": 1e3 * (wall - wait),
            "main_cpu_ms": 1e3 * cpu, "kernel_nodes_ms": 1e3 * kernel_s,
            "nodes": {k: {"per_step": c, "ms": 1e3 * s} for k, (c, s) in kinds.items()}}

@@ -3,7 +3,9 @@ they share: the fence, the slot caches and their statistics, the whole-layer pre
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -20,7 +22,7 @@ DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
 class Runtime:
     """What the executors of one loaded store share."""
 
-    executor: str  # "exact" | "staged" | "hot"
+    executor: str  # "exact" | "staged" | "hot" | "resident"
     fence: Fence
     executors: dict  # layer -> executor callable (x, inds) -> (T, K, D)
     banks: list = field(default_factory=list)  # persistent slot banks (staged: 1 per layer; hot: 1 shared)
@@ -34,6 +36,12 @@ class Runtime:
         if self.prefill is not None:
             held += sum(b.nbytes for b in self.prefill.banks if b.allocated)
         return held
+
+    @property
+    def sync_free(self) -> bool:
+        """No layer's executor syncs with the host inside a step (every expert resident): decode may build the
+        next step's graph while this one evaluates (pipeline/steps.py)."""
+        return self.executor == "resident"
 
     trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
     generation = 0  # bumped by begin(): a step generator of an older generation must not touch the runtime
@@ -95,15 +103,15 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     staged: one bank of `slots` (default 2K) per layer; hot: one LRU bank shared by all layers, as large
     as the budget allows. Whole-layer prefill (staged, hot) is used when two layers of experts fit the budget.
     """
-    if executor == "auto":
-        executor = "staged"
-    if executor not in EXECUTORS:
+    if executor != "auto" and executor not in EXECUTORS:
         raise Edge0Error(f"--executor {executor}: choose auto, {', '.join(EXECUTORS)}")
     m = reader.manifest
     fence = Fence()
     budget = None if memory_budget_gib is None else int(memory_budget_gib * 2**30)
     if budget is not None and budget < 0:
         raise Edge0Error(f"--memory-budget {memory_budget_gib}: must not be negative")
+    if executor == "auto":
+        executor = auto_executor(m, compute_dtype, budget)
     layers = [e.layer for e in m.layers]
     exact = {layer: ExactExperts(reader, layer, compute_dtype) for layer in layers}
     rt = Runtime(executor, fence, {})
@@ -122,6 +130,40 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     if executor == "staged":
         return _staged(rt, reader, exact, budget, slots, memory_budget_gib)
     return _hot(rt, reader, exact, budget)
+
+
+def auto_executor(m, compute_dtype, budget: int | None) -> str:
+    """resident when every expert fits: inside --memory-budget when one is given, else in half the memory
+    this process can have now (no host sync inside a step, no copy per token: the fastest path for a model
+    that fits in RAM); else staged, the path for a model larger than memory."""
+    need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
+    room = budget if budget is not None else available_memory() // 2
+    return "resident" if need <= room else "staged"
+
+
+def available_memory() -> int:
+    """Bytes this process can still take: the kernel's MemAvailable, or less under a cgroup's memory.max."""
+    room = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if room is None:
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
+        if path is not None:
+            group = Path("/sys/fs/cgroup") / path.lstrip("/")
+            limit = (group / "memory.max").read_text().strip()
+            if limit != "max":
+                room = min(room, int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return max(room, 0)
 
 
 def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib) -> Runtime:

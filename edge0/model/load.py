@@ -136,7 +136,8 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
                slots: int | None = None, build=None) -> Store:
     """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
 
-    executor: exact | staged | hot | resident | auto (staged); memory_budget: GiB of resident expert bytes;
+    executor: exact | staged | hot | resident | auto (resident when every expert fits, else staged);
+    memory_budget: GiB of resident expert bytes;
     io: pread | mmap | direct; io_throttle: cap on read bandwidth in MB/s (experiments).
     build: (reader, compute dtype) -> Runtime, for executors made elsewhere (the scheduler's); overrides executor.
     """

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..sched.trace import NULL, now_us
 
@@ -74,18 +74,10 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     times = times if times is not None else StepTimes()
     times.prompt_tokens = len(prompt)
     cache = cache if cache is not None else make_prompt_cache(model)
-    y = mx.array(prompt, dtype=mx.uint32)
     t0 = time.perf_counter()
     sync = runtime.fence.sync if runtime is not None else (lambda: None)
     trace = getattr(runtime, "trace", None) or NULL
-    while y.size > 1:
-        n = min(PREFILL_STEP, y.size - 1)
-        model(y[:n][None], cache=cache)
-        mx.eval([c.state for c in cache])
-        sync()
-        y = y[n:]
-    if runtime is not None:
-        runtime.end_prefill()
+    y = _prefill(model, mx.array(prompt, dtype=mx.uint32), cache, sync, runtime)
 
     def step(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
         logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, V)
@@ -116,6 +108,9 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     evaluate(token, logprobs, 0)
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
+    if overlaps(runtime, cache):
+        yield from _overlapped(step, token, logprobs, max_tokens, times, t1, cache, trace)
+        return
     for n in range(max_tokens):
         t = token.item()  # SYNC: the sampled id goes to the host, once per token
         times.tokens.append(t)
@@ -127,3 +122,53 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
         token, logprobs = step(token, n + 1)
         evaluate(token, logprobs, n + 1)
     times.decode_s = time.perf_counter() - t1
+
+
+def _prefill(model, y: mx.array, cache: list, sync, runtime) -> mx.array:
+    """Every prompt token but the last into the cache, in chunks of PREFILL_STEP; returns the last."""
+    while y.size > 1:
+        n = min(PREFILL_STEP, y.size - 1)
+        model(y[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        sync()
+        y = y[n:]
+    if runtime is not None:
+        runtime.end_prefill()
+    return y
+
+
+def overlaps(runtime, cache: list) -> bool:
+    """Whether decode may build step n+1's graph before step n is evaluated (as mlx-lm's generate_step does):
+    only when no layer syncs with the host inside a step (every expert resident, or no store runtime) and the
+    KV cache can drop the one token a step built ahead leaves in it when the caller stops early."""
+    return (runtime is None or runtime.sync_free) and can_trim_prompt_cache(cache)
+
+
+def _overlapped(step, token: mx.array, logprobs: mx.array, max_tokens: int, times: StepTimes, t1: float,
+                cache: list, trace) -> Iterator[tuple[int, mx.array]]:
+    """Decode with the graph of step n+1 built (from step n's unevaluated token) and queued before step n's
+    token goes to the host: Python builds the next step while MLX computes this one. The tokens are the
+    same as one step at a time (the same graph, built earlier). A caller that stops after token n leaves step
+    n+1 built: its token is trimmed from the KV cache, which then holds exactly what was yielded but the last."""
+    ahead = False  # a step was built past the last token yielded
+    t_step = now_us()
+    try:
+        for n in range(max_tokens):
+            if n + 1 < max_tokens:
+                nxt = step(token, n + 1)
+                mx.async_eval(*nxt)
+                ahead = True
+            t = token.item()  # SYNC: the sampled id goes to the host, once per token
+            if trace.on:  # a step: from the last token on the host to this one
+                trace.span("step", "step", t_step, t_step := now_us(), step=n)
+            times.tokens.append(t)
+            times.decode_s = time.perf_counter() - t1
+            yield t, logprobs
+            if n + 1 == max_tokens:
+                break
+            (token, logprobs), ahead = nxt, False
+        times.decode_s = time.perf_counter() - t1
+    finally:
+        if ahead:
+            mx.eval([c.state for c in cache])  # the step built ahead, then its token dropped from the cache
+            trim_prompt_cache(cache, 1)

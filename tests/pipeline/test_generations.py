@@ -21,7 +21,8 @@ SHORT = "x = [1, 2"
 CONFIGS = {  # EngineConfig fields; {} is what `edge0 run` does with no flag
     "default": {},
     "prefetch": {"routing": "prefetch"},
-    "native": {"routing": "native"},
+    "native": {"routing": "native"},  # every expert of the demo fits: resident (auto)
+    "native-staged": {"routing": "native", "executor": "staged"},
     "native-hot": {"routing": "native", "executor": "hot"},
     "native-exact": {"routing": "native", "executor": "exact"},
 }
@@ -148,7 +149,7 @@ def test_generation_after_generation_equals_a_fresh_store(name):
         assert_clean(engine)
 
 
-@pytest.mark.parametrize("name", ["default", "prefetch", "native", "native-hot"])
+@pytest.mark.parametrize("name", ["default", "prefetch", "native", "native-staged", "native-hot"])
 def test_a_generation_that_raises_leaves_the_next_one_exact(name):
     config = CONFIGS[name]
     with open_demo(config) as engine:
