@@ -31,7 +31,8 @@ from .errors import Edge0Error
 from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "llama.cpp", "llama.cpp:no-mmap")
+        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "predicted:resident", "llama.cpp",
+        "llama.cpp:no-mmap")
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
 
@@ -45,10 +46,12 @@ def arm_flags(arm: str) -> list[str]:
 def _arm_flags(arm: str) -> list[str]:
     if arm == "native":
         return ["--routing", "native", "--executor", "staged"]
-    if arm == "predicted":
-        return ["--routing", "predicted"]  # the heads next to the store, for its K (and its adapter, if any)
+    if arm == "predicted":  # streamed, as native: the heads next to the store, for its K (and its adapter, if any)
+        return ["--routing", "predicted", "--executor", "staged"]
     if arm == "predicted:no-lora":
-        return ["--routing", "predicted", "--lora", "none"]  # the same without the recovery adapter
+        return ["--routing", "predicted", "--executor", "staged", "--lora", "none"]  # without the recovery adapter
+    if arm == "predicted:resident":  # every expert in memory, the heads route inside the graph
+        return ["--routing", "predicted", "--executor", "resident"]
     if arm.startswith("prefetch:"):  # prefetch:PREDICTOR[/N]: N guesses read ahead per predicted set
         predictor, _, guesses = arm.split(":", 1)[1].partition("/")
         return ["--routing", "prefetch", "--predictor", predictor] + (["--guesses", guesses] if guesses else [])
@@ -162,7 +165,7 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
            "--kernel-threads", str(threads(args))]
     if args.memory_budget is not None:
         cmd += ["--memory-budget", str(args.memory_budget)]
-    if getattr(args, "lora", None) and arm.partition("@")[0] == "predicted":
+    if getattr(args, "lora", None) and arm.partition("@")[0] in ("predicted", "predicted:resident"):
         cmd += ["--lora", args.lora]
     if args.io_throttle is not None:
         cmd += ["--io-throttle", str(args.io_throttle)]

@@ -47,7 +47,7 @@ class EngineConfig:
     guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
-    executor: str = "auto"  # auto (native routing: resident when every expert fits, else staged) | exact | staged | hot | resident
+    executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
     slots: int | None = None  # slots per staged bank; None: 2K
     memory_budget_gib: float | None = None  # most expert bytes held resident
     io: str = "pread"  # pread | mmap | direct

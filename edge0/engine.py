@@ -80,8 +80,11 @@ def resolve(config: EngineConfig) -> EngineConfig:
         raise Edge0Error(f"--predictor {predictor}: only used with --routing prefetch or predicted")
     if routing == "predicted" and predictor not in (None, "heads"):
         raise Edge0Error(f"--routing predicted routes with trained heads; --predictor {predictor} does not apply")
-    if routing != "native" and c.executor not in ("auto", "staged"):
-        raise Edge0Error(f"--routing {routing} fills staged slot banks; --executor {c.executor} does not apply")
+    if routing == "prefetch" and c.executor not in ("auto", "staged"):
+        raise Edge0Error(f"--routing prefetch fills staged slot banks; --executor {c.executor} does not apply")
+    if routing == "predicted" and c.executor not in ("auto", "staged", "resident"):
+        raise Edge0Error(f"--routing predicted fills staged slot banks (or, --executor resident, routes every "
+                         f"expert in memory); --executor {c.executor} does not apply")
     if heads is not None and routing == "native":
         raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads")
     if routing != "native":
@@ -262,10 +265,25 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         heads = None
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
+        if c.routing == "predicted" and _resident(c, reader.manifest, cdtype):
+            from .pipeline.resident import build_predicted_resident
+
+            return build_predicted_resident(reader, cdtype, heads=heads)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
                                       slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
                                       predicted_routing=c.routing == "predicted")
     return build
+
+
+def _resident(c: EngineConfig, manifest, cdtype) -> bool:
+    """Predicted routing over every expert in memory: --executor resident, or auto (no --slots) where they fit
+    (compute/runtime.py auto_executor): nothing to read during decode, so nothing to schedule."""
+    from .compute.runtime import auto_executor
+
+    if c.executor != "auto" or c.slots is not None:
+        return c.executor == "resident"
+    budget = None if c.memory_budget_gib is None else int(c.memory_budget_gib * 2**30)
+    return auto_executor(manifest, cdtype, budget) == "resident"
 
 
 def _slots(c: EngineConfig, path: Path) -> int | None:

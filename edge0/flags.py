@@ -21,13 +21,14 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="native: the model's router, experts read on demand; prefetch: the model's router decides, "
                         "predicted experts are read one token ahead by the I/O pool (same output as native); "
                         "predicted: trained prerouter heads route the consumer layers (default when the store has "
-                        "heads-k{K}.safetensors and the executor is staged, else native)")
+                        "heads-k{K}.safetensors and the executor is auto or staged, else native)")
     p.add_argument("--executor", choices=EXECUTORS, default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer slot banks, "
                         "only changed slots read; hot: one LRU of bundles shared by all layers within "
                         "--memory-budget; resident: every expert loaded at start, no host sync inside a step (the "
-                        "fastest for a model that fits in RAM). auto (default): resident under native routing when "
-                        "every expert fits in --memory-budget, or in half the memory available, else staged. "
+                        "fastest for a model that fits in RAM; under predicted routing the heads route inside the graph). "
+                        "auto (default): resident under native and predicted routing when every expert fits in "
+                        "--memory-budget, or in half the memory available, else staged. "
                         "staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=PREDICTORS, default=None,
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "

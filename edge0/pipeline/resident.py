@@ -1,0 +1,117 @@
+"""`--routing predicted` with every expert resident: the heads' decisions never leave the graph.
+
+Where every expert of the store fits in memory nothing is read during decode, so predicted routing needs no
+scheduler: a head owned by layer L at step s decides its consumer's routing for step s+1 as graph nodes, and
+the consumer's block takes them at step s+1 as they are. No layer syncs with the host inside a step, so
+decode builds step s+1's graph while step s evaluates (pipeline/steps.py `overlaps`). The same heads, the same
+routing math and the same expert products as the staged pipeline (pipeline/prefetch.py): the same tokens.
+
+A decision is stamped with the consumer's decode step it is for: its count of one-token calls in this
+generation (a prompt chunk is not one). The owner runs before its consumer within a step (layer L owns the
+head of a later layer) or after it (the last layer's head for an early layer): either way the stamp is the
+consumer's next call.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..compute.experts import ResidentExperts
+from ..compute.runtime import Runtime, build_runtime
+from ..errors import Edge0Error
+from .prefetch import _per_row
+
+
+class PredictedResident:
+    """One MoE layer, every expert resident; the heads it owns decide their consumers' next routing in the graph."""
+
+    predictor = "heads"  # for model/adapter.py's check of the family's router
+
+    def __init__(self, layer: int, resident: ResidentExperts, num_experts: int):
+        self.layer, self.resident, self.num_experts = layer, resident, num_experts
+        self.block = None  # this layer's MoE block (its router: logits, decide)
+        self.heads: list[tuple] = []  # (head, consumer executor) of the routing heads this layer owns
+        self.prev_inds: mx.array | None = None  # (B, 1, K) this layer's routed ids at the previous token
+        self.calls = 0  # one-token calls (decode steps) so far in this generation
+        self.ahead: dict[int, tuple] = {}  # call -> (inds, plan): routing its owner's head decided for that call
+
+    def reset(self) -> None:
+        self.prev_inds, self.calls, self.ahead = None, 0, {}
+
+    def planned(self):
+        """The block's hook: the routing the owner's head decided for this call, or None (the block's router)."""
+        return self.ahead.get(self.calls)
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        y = self.resident(x, inds)
+        if inds.shape[-2] == 1:  # a decode step: decide the consumers' next routing (prompt chunks do not)
+            for head, consumer in self.heads:
+                blk = consumer.block
+                scores = _per_row(head, x, inds, self.prev_inds, blk.logits(x))
+                p_inds, plan = (getattr(blk, "decide", None) or blk.select)(scores)
+                consumer.ahead[consumer.calls + (consumer.layer > self.layer)] = (p_inds, plan)
+            self.ahead.pop(self.calls, None)
+            self.calls += 1
+        self.prev_inds = inds[..., -1:, :]
+        return y
+
+
+class PredictedResidentRuntime(Runtime):
+    """The runtime of predicted routing over resident experts: no scheduler, no reads, no host sync."""
+
+    heads = None  # the HeadSet that routes
+    predicted_routing = True
+
+    def reset_pipeline(self) -> None:
+        for ex in self.executors.values():
+            ex.reset()
+
+    # -- batches (serve --max-batch): the routing state's rows follow the batch's sequences ------------
+
+    def snapshot(self, ahead: int = 0) -> dict:
+        """Each layer's (previous routed ids, routing decided for its next call) for the batch's rows. The
+        decisions are stamped by call, so a sequence's first step alone (ahead=1) needs no offset here."""
+        return {layer: (ex.prev_inds, ex.planned()) for layer, ex in self.executors.items()}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        idx = mx.array(rows)
+        for ex in self.executors.values():
+            ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
+            ex.ahead = {call: (inds[idx], plan[idx]) for call, (inds, plan) in ex.ahead.items()}
+
+    def join(self, parts: list[tuple[dict, int]]) -> None:
+        """The batch becomes the concatenation of (snapshot, rows) parts: their histories (rows naming no expert
+        where a part has none) and, where every part has one, the routing decided for the next call."""
+        for layer, ex in self.executors.items():
+            prevs = [(snap[layer][0], n) for snap, n in parts]
+            known = [p for p, _ in prevs if p is not None]
+            ex.prev_inds = None if not known else mx.concatenate(
+                [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
+                 for p, n in prevs])
+            decs = [snap[layer][1] for snap, _ in parts]
+            ex.calls, ex.ahead = 0, {}
+            if decs and all(d is not None for d in decs):
+                ex.ahead[0] = (mx.concatenate([d[0] for d in decs]), mx.concatenate([d[1] for d in decs]))
+
+    def link(self, blocks: dict) -> None:
+        """Each layer its block; each routing head to its owner; consumer blocks take the owner's decision."""
+        for layer, ex in self.executors.items():
+            ex.block = blocks[layer]
+        for consumer, owner in sorted(self.heads.owners.items()):
+            if owner not in self.executors or consumer not in self.executors:
+                raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")
+            if self.heads.routes is not None and consumer not in self.heads.routes:
+                continue  # a head that only reads ahead: nothing to read here
+            ex = self.executors[consumer]
+            self.executors[owner].heads.append((self.heads.heads[consumer], ex))
+            blocks[consumer].planned = ex.planned
+
+
+def build_predicted_resident(reader, compute_dtype, *, heads, **_) -> PredictedResidentRuntime:
+    """Every expert read once into memory, routed by `heads` (a HeadSet) decided one step ahead in the graph."""
+    base = build_runtime(reader, "resident", compute_dtype)
+    rt = PredictedResidentRuntime("resident", base.fence, {}, banks=base.banks, stats=base.stats)
+    rt.heads = heads
+    for layer, resident in base.executors.items():
+        rt.executors[layer] = PredictedResident(layer, resident, reader.manifest.num_experts)
+    return rt
