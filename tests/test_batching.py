@@ -38,8 +38,9 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
 # the router's own choice. There a product, the router's top-k, the heads' linears and the batch's per-sequence
 # attention each compute a row as alone, but predicted routing's batched answers were seen to part from the solo
 # ones (not pinned down), so it is checked on MLX's kernels only.
-# "native" runs every expert resident on the demo (auto: they fit); "native-staged" streams them into slot banks.
-AS_ALONE = [(r, "mlx") for r in (None, "native", "native-staged", "prefetch")] + [
+# None (the default, predicted) and "native" run every expert resident on the demo (auto: they fit); "-staged"
+# streams them into slot banks.
+AS_ALONE = [(r, "mlx") for r in (None, "predicted-staged", "native", "native-staged", "prefetch")] + [
     (r, "edge0") for r in ("native", "native-staged", "prefetch") if kernels.available()]
 
 
@@ -61,13 +62,17 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
         assert batched[p].completion_tokens == lengths[p]
 
 
-def test_default_kernels_batch_every_request_to_its_end():
-    with open_engine(EngineConfig(max_batch=4)) as engine:
+@pytest.mark.parametrize("executor", ["auto", "staged"])
+def test_default_kernels_batch_every_request_to_its_end(executor):
+    """The default (the demo's experts fit: resident, nothing read per step) and the streamed pipeline."""
+    with open_engine(EngineConfig(max_batch=4, executor=executor)) as engine:
         assert engine.config.routing == "predicted"
+        streamed = engine.store.runtime.executor == "staged"
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=True)
+    assert streamed == (executor == "staged")
     assert sorted(batched) == sorted(PROMPTS)
     assert all(f.completion_tokens == N and f.text for f in batched.values())
-    assert sum(f.bytes_read for f in batched.values()) > 0
+    assert (sum(f.bytes_read for f in batched.values()) > 0) == streamed
 
 
 def test_server_batches_concurrent_streaming_clients():

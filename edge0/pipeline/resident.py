@@ -6,10 +6,9 @@ the consumer's block takes them at step s+1 as they are. No layer syncs with the
 decode builds step s+1's graph while step s evaluates (pipeline/steps.py `overlaps`). The same heads, the same
 routing math and the same expert products as the staged pipeline (pipeline/prefetch.py): the same tokens.
 
-A decision is stamped with the consumer's decode step it is for: its count of one-token calls in this
-generation (a prompt chunk is not one). The owner runs before its consumer within a step (layer L owns the
-head of a later layer) or after it (the last layer's head for an early layer): either way the stamp is the
-consumer's next call.
+A decision is stamped with the step it is for, as the streamed pipeline's are: the runtime's step, which
+next_step() advances once a step's graph is built (evaluated, where steps are not overlapped); prompt chunks
+do not advance it, so the step after the prompt routes with the model's router.
 """
 
 from __future__ import annotations
@@ -27,31 +26,31 @@ class PredictedResident:
 
     predictor = "heads"  # for model/adapter.py's check of the family's router
 
-    def __init__(self, layer: int, resident: ResidentExperts, num_experts: int):
-        self.layer, self.resident, self.num_experts = layer, resident, num_experts
+    def __init__(self, layer: int, resident: ResidentExperts, num_experts: int, rt: "PredictedResidentRuntime"):
+        self.layer, self.resident, self.num_experts, self.rt = layer, resident, num_experts, rt
         self.block = None  # this layer's MoE block (its router: logits, decide)
         self.heads: list[tuple] = []  # (head, consumer executor) of the routing heads this layer owns
         self.prev_inds: mx.array | None = None  # (B, 1, K) this layer's routed ids at the previous token
-        self.calls = 0  # one-token calls (decode steps) so far in this generation
-        self.ahead: dict[int, tuple] = {}  # call -> (inds, plan): routing its owner's head decided for that call
+        self.ahead: dict[int, tuple] = {}  # step -> (inds, plan): routing its owner's head decided for that step
 
     def reset(self) -> None:
-        self.prev_inds, self.calls, self.ahead = None, 0, {}
+        self.prev_inds, self.ahead = None, {}
 
     def planned(self):
-        """The block's hook: the routing the owner's head decided for this call, or None (the block's router)."""
-        return self.ahead.get(self.calls)
+        """The block's hook: the routing the owner's head decided for this step, or None (the block's router)."""
+        step = self.rt.step
+        for old in [s for s in self.ahead if s < step]:
+            del self.ahead[old]
+        return self.ahead.get(step)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         y = self.resident(x, inds)
-        if inds.shape[-2] == 1:  # a decode step: decide the consumers' next routing (prompt chunks do not)
+        if inds.shape[-2] == 1:  # one token a row: decide the consumers' routing for the next step
             for head, consumer in self.heads:
                 blk = consumer.block
                 scores = _per_row(head, x, inds, self.prev_inds, blk.logits(x))
                 p_inds, plan = (getattr(blk, "decide", None) or blk.select)(scores)
-                consumer.ahead[consumer.calls + (consumer.layer > self.layer)] = (p_inds, plan)
-            self.ahead.pop(self.calls, None)
-            self.calls += 1
+                consumer.ahead[self.rt.step + 1] = (p_inds, plan)
         self.prev_inds = inds[..., -1:, :]
         return y
 
@@ -61,27 +60,32 @@ class PredictedResidentRuntime(Runtime):
 
     heads = None  # the HeadSet that routes
     predicted_routing = True
+    step = 0  # the decode step being built (step 0: the prompt's last token)
 
     def reset_pipeline(self) -> None:
+        self.step = 0
         for ex in self.executors.values():
             ex.reset()
+
+    def next_step(self) -> None:
+        self.step += 1
 
     # -- batches (serve --max-batch): the routing state's rows follow the batch's sequences ------------
 
     def snapshot(self, ahead: int = 0) -> dict:
-        """Each layer's (previous routed ids, routing decided for its next call) for the batch's rows. The
-        decisions are stamped by call, so a sequence's first step alone (ahead=1) needs no offset here."""
-        return {layer: (ex.prev_inds, ex.planned()) for layer, ex in self.executors.items()}
+        """Each layer's (previous routed ids, routing decided for step now + ahead) for the batch's rows; ahead=1
+        after a sequence's first step alone, which does not advance the step."""
+        return {layer: (ex.prev_inds, ex.ahead.get(self.step + ahead)) for layer, ex in self.executors.items()}
 
     def keep_rows(self, rows: list[int]) -> None:
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
-            ex.ahead = {call: (inds[idx], plan[idx]) for call, (inds, plan) in ex.ahead.items()}
+            ex.ahead = {step: (inds[idx], plan[idx]) for step, (inds, plan) in ex.ahead.items()}
 
     def join(self, parts: list[tuple[dict, int]]) -> None:
         """The batch becomes the concatenation of (snapshot, rows) parts: their histories (rows naming no expert
-        where a part has none) and, where every part has one, the routing decided for the next call."""
+        where a part has none) and, where every part has one, the routing decided for the step now."""
         for layer, ex in self.executors.items():
             prevs = [(snap[layer][0], n) for snap, n in parts]
             known = [p for p, _ in prevs if p is not None]
@@ -89,9 +93,9 @@ class PredictedResidentRuntime(Runtime):
                 [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
                  for p, n in prevs])
             decs = [snap[layer][1] for snap, _ in parts]
-            ex.calls, ex.ahead = 0, {}
+            ex.ahead = {}
             if decs and all(d is not None for d in decs):
-                ex.ahead[0] = (mx.concatenate([d[0] for d in decs]), mx.concatenate([d[1] for d in decs]))
+                ex.ahead[self.step] = (mx.concatenate([d[0] for d in decs]), mx.concatenate([d[1] for d in decs]))
 
     def link(self, blocks: dict) -> None:
         """Each layer its block; each routing head to its owner; consumer blocks take the owner's decision."""
@@ -113,5 +117,5 @@ def build_predicted_resident(reader, compute_dtype, *, heads, **_) -> PredictedR
     rt = PredictedResidentRuntime("resident", base.fence, {}, banks=base.banks, stats=base.stats)
     rt.heads = heads
     for layer, resident in base.executors.items():
-        rt.executors[layer] = PredictedResident(layer, resident, reader.manifest.num_experts)
+        rt.executors[layer] = PredictedResident(layer, resident, reader.manifest.num_experts, rt)
     return rt

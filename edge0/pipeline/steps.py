@@ -109,7 +109,13 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
     if overlaps(runtime, cache):
-        yield from _overlapped(step, token, logprobs, max_tokens, times, t1, cache, trace)
+        def built(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
+            out = step(tokens, n)
+            if runtime is not None:
+                runtime.next_step()  # its graph is built: what it decided ahead is for the step now built next
+            return out
+
+        yield from _overlapped(built, token, logprobs, max_tokens, times, t1, cache, trace)
         return
     for n in range(max_tokens):
         t = token.item()  # SYNC: the sampled id goes to the host, once per token

@@ -52,7 +52,7 @@ def failed_key(engine, fault) -> tuple[object, int] | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["default", "prefetch", "native-staged", "native-hot", "native-exact"])
+@pytest.mark.parametrize("name", ["predicted-staged", "prefetch", "native-staged", "native-hot", "native-exact"])
 @pytest.mark.parametrize("spec", ["eio@2", "short@2", "eio@3"])
 def test_a_fault_inside_a_generation_leaves_the_next_one_exact(name, spec):
     """eio@2, short@2: a slot fill of a one-token prompt (decode reads); eio@3: a whole-layer prefill read
@@ -82,7 +82,7 @@ def test_a_fault_inside_a_generation_leaves_the_next_one_exact(name, spec):
 
 def test_a_vanished_layer_file_is_one_error_each_time(tmp_path):
     store = shutil.copytree(DEMO_STORE, tmp_path / "store")
-    with open_demo({}, model=str(store)) as engine:
+    with open_demo(CONFIGS["predicted-staged"], model=str(store)) as engine:
         p = prompts(engine)
         fault = faults.inject(engine.store.reader, "vanish@2")
         with pytest.raises(Edge0Error, match=r"short read of expert \d+: expected 55296 bytes, got 0 \(the file is "
@@ -109,8 +109,9 @@ def run_cli(*flags, fault: str, model=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("flags,fault", [
-    ((), "eio@3"),  # the default: predicted routing; a whole-layer prefill read on the worker thread
-    ((), "short@9"),  # a slot fill
+    ((), "eio@2"),  # the default: predicted routing, every expert resident (the demo's fit): a read at open
+    (("--routing", "predicted", "--executor", "staged"), "eio@3"),  # a whole-layer prefill read on the worker thread
+    (("--routing", "predicted", "--executor", "staged"), "short@9"),  # a slot fill
     (("--routing", "native"), "eio@2"),  # every expert resident (the demo's fit): a read while the store opens
     (("--routing", "native", "--executor", "staged"), "eio@9"),
     (("--routing", "native", "--executor", "exact"), "short@5"),

@@ -140,7 +140,7 @@ def test_predicted_routing_trains_heads_and_routes_as_they_decide(models, arch, 
     assert consumers and report["recall"]
     trace = Trace()
     with open_engine(EngineConfig(model=str(store), dtype="float32", kernel="mlx", routing="predicted",
-                                  heads=str(heads)), trace=trace) as e:
+                                  executor="staged", heads=str(heads)), trace=trace) as e:
         tokens, _ = edge0_run(e, e.encode_text(PROMPT))
     assert len(tokens) == STEPS
     preds = [ev["args"] for ev in trace.events if ev.get("name") == "prediction" and ev["args"]["layer"] in consumers

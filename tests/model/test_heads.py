@@ -62,7 +62,7 @@ def test_untrained_heads_serve_as_next_router(models, tmp_path):
 def test_predicted_routing_reads_nothing_on_demand_at_consumers(trained, tmp_path):
     store, heads, report = trained
     trace = tmp_path / "t.json"
-    res = run_json(store, "--routing", "predicted", "--heads", str(heads), trace=trace)
+    res = run_json(store, "--routing", "predicted", "--executor", "staged", "--heads", str(heads), trace=trace)
     assert res["predictor"] == "heads"
     consumers = set(report["consumers"])
     events = json.loads(trace.read_text())["traceEvents"]

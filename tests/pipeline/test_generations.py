@@ -19,7 +19,8 @@ LONG = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fi
 OTHER = "import os\nimport sys\n" * 6
 SHORT = "x = [1, 2"
 CONFIGS = {  # EngineConfig fields; {} is what `edge0 run` does with no flag
-    "default": {},
+    "default": {},  # predicted routing; every expert of the demo fits: resident (auto)
+    "predicted-staged": {"routing": "predicted", "executor": "staged"},
     "prefetch": {"routing": "prefetch"},
     "native": {"routing": "native"},  # every expert of the demo fits: resident (auto)
     "native-staged": {"routing": "native", "executor": "staged"},
@@ -149,7 +150,7 @@ def test_generation_after_generation_equals_a_fresh_store(name):
         assert_clean(engine)
 
 
-@pytest.mark.parametrize("name", ["default", "prefetch", "native", "native-staged", "native-hot"])
+@pytest.mark.parametrize("name", ["default", "predicted-staged", "prefetch", "native", "native-staged", "native-hot"])
 def test_a_generation_that_raises_leaves_the_next_one_exact(name):
     config = CONFIGS[name]
     with open_demo(config) as engine:

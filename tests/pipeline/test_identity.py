@@ -55,7 +55,7 @@ def test_predicted_routing_reads_nothing_on_demand_at_consumer_layers(tmp_path):
     experts were read during the step before: no demand read at those layers unless a plan was dropped."""
     ids = real_text()
     trace = Trace()
-    with open_engine(EngineConfig(routing="predicted", io_throttle_mbps=THROTTLE), trace=trace) as engine:
+    with open_engine(EngineConfig(routing="predicted", executor="staged", io_throttle_mbps=THROTTLE), trace=trace) as engine:
         engine.forced_logprobs(ids)
         consumers = set(engine.store.runtime.heads.owners)
         dropped = engine.store.runtime.sched.stats.dropped

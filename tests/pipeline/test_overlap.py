@@ -104,7 +104,6 @@ def test_auto_picks_resident_where_every_expert_fits():
         assert held >= engine.store.manifest.expert_bytes  # every bundle (bf16 scales widened on MLX's kernels)
     budget = held / 2 / 2**30
     for config in (EngineConfig(routing="native", memory_budget_gib=budget),  # the experts do not fit the budget
-                   EngineConfig(routing="native", slots=8),  # slots are staged banks
-                   EngineConfig()):  # the built-in model's default: predicted routing fills staged banks
+                   EngineConfig(routing="native", slots=8)):  # slots are staged banks
         with open_engine(config) as engine:
             assert engine.store.runtime.executor == "staged", config

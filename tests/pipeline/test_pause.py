@@ -151,7 +151,7 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
     runs, after = {}, PrefetchRuntime.PAUSE_AFTER
     for pause in (after, 10**9):
         monkeypatch.setattr(PrefetchRuntime, "PAUSE_AFTER", pause)
-        with open_engine(EngineConfig(routing="predicted")) as engine:
+        with open_engine(EngineConfig(routing="predicted", executor="staged")) as engine:
             rt = engine.store.runtime
             pull, pulls = rt.pull, []
             rt.pull = lambda: pulls.append(rt.sched.step) or pull()

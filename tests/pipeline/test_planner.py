@@ -37,7 +37,7 @@ class Inline:
 
 
 def run(monkeypatch, ids, *, inline: bool, **config):
-    """Forced decoding of ids under the default routing (predicted: the demo store ships heads); returns the
+    """Forced decoding of ids under the demo's default routing (predicted: it ships heads), streamed; returns the
     log-probabilities, the scheduler's counters and the names of the threads that planned fills."""
     threads = []
     prefetch = Scheduler.prefetch
@@ -49,7 +49,7 @@ def run(monkeypatch, ids, *, inline: bool, **config):
     monkeypatch.setattr(Scheduler, "prefetch", recorded)
     if inline:
         monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
-    with pinned_store(), open_engine(EngineConfig(**config)) as engine:  # no read from the disk in either run
+    with pinned_store(), open_engine(EngineConfig(executor="staged", **config)) as engine:  # no read from the disk in either run
         rt = engine.store.runtime
         assert rt.predicted_routing
         got = forced(engine, ids)
@@ -72,7 +72,7 @@ def test_planner_thread_changes_nothing_but_the_thread(monkeypatch):
 
 def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
     ids = real_text(TOKENS)
-    with pinned_store(), open_engine(EngineConfig()) as engine:
+    with pinned_store(), open_engine(EngineConfig(executor="staged")) as engine:
         want = forced(engine, ids)
         prefetch, failed = Scheduler.prefetch, []
 

@@ -47,8 +47,8 @@ def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
     replay = json.loads((out / "workload" / "replay.json").read_text())
     ids = replay["prompt"][:6] + replay["tokens"][:10]
     got = []
-    for config in (EngineConfig(model=str(out)),  # predicted by default: the heads next to the store
-                   EngineConfig(model=str(base), routing="predicted",
+    for config in (EngineConfig(model=str(out), executor="staged"),  # predicted by default: the heads next to it
+                   EngineConfig(model=str(base), routing="predicted", executor="staged",
                                 heads=str(next((out / "workload").glob("heads-k*-base.safetensors"))))):
         with open_engine(config) as engine:
             assert engine.config.routing == "predicted"
@@ -88,7 +88,7 @@ def test_heads_route_only_where_told(made, tmp_path):
     path = tmp_path / "one.safetensors"
     heads.save(path)
     assert HeadSet.load(path, m, config).routes == layers[1:2]
-    with open_engine(EngineConfig(model=str(out), routing="predicted", heads=str(path))) as engine:
+    with open_engine(EngineConfig(model=str(out), routing="predicted", executor="staged", heads=str(path))) as engine:
         flags = {c: ex.predicted_routing for c, ex in engine.store.runtime.executors.items()}
     assert flags == {c: c == layers[1] for c in layers}
 

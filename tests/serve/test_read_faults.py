@@ -1,5 +1,6 @@
-"""A read that fails inside the default server (EDGE0_FAULT, edge0/io/faults.py): that request gets a clear 500,
-the next is served correctly, and the log holds no traceback."""
+"""A read that fails inside the server (EDGE0_FAULT, edge0/io/faults.py): that request gets a clear 500, the next
+is served correctly, and the log holds no traceback. The server streams its experts (--executor staged: the
+default keeps the demo's experts resident, read once at start, so no request would read)."""
 
 import os
 import re
@@ -18,9 +19,10 @@ DEADLINE = 120.0
 
 
 def start(log: Path, env: dict) -> tuple[subprocess.Popen, str]:
-    """`edge0 serve` with default flags (no prompt cache: both runs read the same); its URL from its log."""
+    """`edge0 serve` streaming its experts (no prompt cache: both runs read the same); its URL from its log."""
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "serve", "--port", "0", "--prompt-cache-gib", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "serve", "--port", "0", "--prompt-cache-gib", "0",
+                                 "--executor", "staged"],
                                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
     end = time.monotonic() + DEADLINE
     while not (m := re.search(r"(http://127\.0\.0\.1:\d+)/v1", log.read_text())):
@@ -31,7 +33,7 @@ def start(log: Path, env: dict) -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.parametrize("fault", ["eio@3", "short@9"])
 def test_failed_read_is_a_500_then_the_next_request_is_served(tmp_path, fault):
-    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (the default routing)."""
+    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (predicted routing, streamed)."""
     answers = {}
     for env in ({}, {"EDGE0_FAULT": fault}):
         answers[bool(env)] = _serve_one(tmp_path / "log.txt", env)
