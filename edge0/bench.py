@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
-from .bench_replay import given_replay, make_replay
+from .bench_replay import given_replay, make_replay, text_replay
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .errors import Edge0Error
 from .io.atomic import write_atomic
@@ -87,6 +87,10 @@ def add_bench_flags(p) -> None:
     p.add_argument("--replay", metavar="FILE", default=None,
                    help='JSON {"prompt": [ids], "tokens": [ids]} to replay in every arm (tokens recorded by the '
                         "exact path when absent); default: --prompt-tokens ids of Python source")
+    p.add_argument("--replay-text", metavar="FILE", default=None,
+                   help="real text to replay instead: its first --prompt-tokens ids (the store's tokenizer) are the "
+                        "prompt, the next --max-tokens ids the forced decode tokens, so routing varies as on real "
+                        "text (a random model's greedy tokens loop)")
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
     p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
                                                         "(bench_serve.py: --clients, batched against FIFO)")
@@ -274,6 +278,8 @@ def check_args(args) -> tuple[list[str], list[str]]:
         raise Edge0Error(f"--io-throttle {args.io_throttle}: must be a finite number more than 0 (omit it for no cap)")
     if not args.store:
         raise Edge0Error("--store: needed to record the replayed tokens")
+    if args.replay and getattr(args, "replay_text", None):
+        raise Edge0Error("--replay and --replay-text: give one")
     if args.memory_cap is not None and args.memory_cap != "none":
         try:
             ok = 0 < float(args.memory_cap) < float("inf")
@@ -304,6 +310,8 @@ def bench(args) -> int:
     read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
     if args.replay:
         given_replay(args.replay)
+    if args.replay_text:  # a short or unreadable text is said before anything is written
+        text_replay(args.replay_text, Path(args.store), args.prompt_tokens, args.max_tokens)
     cap = None if args.memory_cap is None else MemoryCap(None if args.memory_cap == "none" else float(args.memory_cap))
     out = results_dir(args.out)
     replay = make_replay(args, out)

@@ -18,6 +18,9 @@ def make_replay(args, out: Path) -> Path:
     from mlx_lm.utils import load_tokenizer
 
     path = out / "replay.json"
+    if getattr(args, "replay_text", None):
+        path.write_text(json.dumps(text_replay(args.replay_text, Path(args.store), args.prompt_tokens, args.max_tokens)))
+        return path
     if args.replay:
         given = given_replay(args.replay)
         path.write_text(json.dumps(given))
@@ -37,6 +40,20 @@ def make_replay(args, out: Path) -> Path:
     tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
     path.write_text(json.dumps({"prompt": ids, "tokens": tokens}))
     return path
+
+
+def text_replay(text: str, store: Path, prompt_tokens: int, max_tokens: int) -> dict:
+    """--replay-text FILE: the prompt and the forced tokens cut from FILE in the store's tokenizer."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        ids = load_tokenizer(store).encode(Path(text).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise Edge0Error(f"--replay-text {text}: cannot be read as text ({e})") from None
+    if len(ids) < prompt_tokens + max_tokens:
+        raise Edge0Error(f"--replay-text {text}: {len(ids)} tokens, fewer than --prompt-tokens {prompt_tokens} + "
+                         f"--max-tokens {max_tokens}")
+    return {"prompt": ids[:prompt_tokens], "tokens": ids[prompt_tokens:prompt_tokens + max_tokens]}
 
 
 def given_replay(path: str) -> dict:

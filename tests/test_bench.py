@@ -195,3 +195,30 @@ def test_bench_replays_a_given_file(models, tmp_path):
     (run,) = results["runs"]["staged/warm"]
     assert run["tokens"] == [11, 12, 13] and run["prompt_tokens"] == 6
     assert results["meta"]["max_tokens"] == 3 and results["meta"]["prompt_tokens"] == 6
+
+
+def test_bench_replays_real_text(models, tmp_path):
+    """--replay-text: the prompt and the forced tokens are the text's ids, in order, in every arm."""
+    from mlx_lm.utils import load_tokenizer
+
+    store = models("qwen3_moe")
+    text = tmp_path / "text.py"
+    text.write_text(Path(json.__file__).read_text())
+    ids = load_tokenizer(store).encode(text.read_text())
+    results, _ = _bench(store, tmp_path / "out", "--replay-text", str(text), "--prompt-tokens", "12",
+                        "--max-tokens", "5")
+    (run,) = results["runs"]["staged/warm"]
+    assert run["tokens"] == ids[12:17] and run["prompt_tokens"] == 12
+
+
+def test_bench_refuses_a_short_replay_text_before_writing(models, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("x = 1")
+    argv = ["bench", "--store", str(models("qwen3_moe")), "--arms", "staged", "--out", str(tmp_path / "out"),
+            "--replay-text", str(text)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--replay-text {text}: " in err and "fewer than --prompt-tokens" in err and "Traceback" not in err
+    assert main(argv[:-1] + [str(tmp_path / "missing.txt")]) == 2
+    assert "cannot be read as text" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
