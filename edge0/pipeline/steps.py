@@ -109,13 +109,8 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
     if overlaps(runtime, cache):
-        def built(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
-            out = step(tokens, n)
-            if runtime is not None:
-                runtime.next_step()  # its graph is built: what it decided ahead is for the step now built next
-            return out
-
-        yield from _overlapped(built, token, logprobs, max_tokens, times, t1, cache, trace)
+        advance = runtime.next_step if runtime is not None else (lambda: None)
+        yield from _overlapped(step, advance, token, logprobs, max_tokens, times, t1, cache, trace)
         return
     for n in range(max_tokens):
         t = token.item()  # SYNC: the sampled id goes to the host, once per token
@@ -150,7 +145,7 @@ def overlaps(runtime, cache: list) -> bool:
     return (runtime is None or runtime.sync_free) and can_trim_prompt_cache(cache)
 
 
-def _overlapped(step, token: mx.array, logprobs: mx.array, max_tokens: int, times: StepTimes, t1: float,
+def _overlapped(step, advance, token: mx.array, logprobs: mx.array, max_tokens: int, times: StepTimes, t1: float,
                 cache: list, trace) -> Iterator[tuple[int, mx.array]]:
     """Decode with the graph of step n+1 built (from step n's unevaluated token) and queued before step n's
     token goes to the host: Python builds the next step while MLX computes this one. The tokens are the
@@ -162,6 +157,7 @@ def _overlapped(step, token: mx.array, logprobs: mx.array, max_tokens: int, time
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 nxt = step(token, n + 1)
+                advance()  # its graph is built: what it decided ahead is for the step built next
                 mx.async_eval(*nxt)
                 ahead = True
             t = token.item()  # SYNC: the sampled id goes to the host, once per token
