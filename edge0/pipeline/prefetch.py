@@ -172,7 +172,7 @@ class PrefetchExperts:
                 continue
             blk = consumer.block
             router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
-            scores = _per_row(head, x, inds, self.prev_inds, router)
+            scores = head_per_row(head, x, inds, self.prev_inds, router)
             if n is not None:  # a guess: the head's n likeliest experts
                 out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None))
                 continue
@@ -202,7 +202,7 @@ def _likeliest(scores: mx.array, n: int) -> mx.array:
     return mx.argpartition(-scores, kth=n - 1, axis=-1)[..., :n]
 
 
-def _per_row(head, x: mx.array, inds: mx.array, prev: mx.array | None, router: mx.array) -> mx.array:
+def head_per_row(head, x: mx.array, inds: mx.array, prev: mx.array | None, router: mx.array) -> mx.array:
     """The head on a batch's sequences, each as it would run alone: MLX's float matmul over B rows may round
     differently from one row's, and a head's top-k flips on such a difference, so a batched sequence would route
     (and answer) otherwise than alone. On the edge0 kernel the head's linears are row-independent (one node for
@@ -211,3 +211,13 @@ def _per_row(head, x: mx.array, inds: mx.array, prev: mx.array | None, router: m
         return head.predict(x, inds, prev, router)
     return mx.concatenate([head.predict(x[i:i + 1], inds[i:i + 1], None if prev is None else prev[i:i + 1],
                                         router[i:i + 1]) for i in range(x.shape[0])])
+
+
+def joined_history(prevs: list[tuple[mx.array | None, int]], num_experts: int) -> mx.array | None:
+    """A layer's routed ids at the previous token for a batch joined from parts of (ids (n, 1, K) or None, n):
+    a part without a previous token gets rows naming no expert (id E: an empty multi-hot)."""
+    known = [p for p, _ in prevs if p is not None]
+    if not known:
+        return None
+    return mx.concatenate([p if p is not None else mx.full((n, 1, known[0].shape[-1]), num_experts, dtype=known[0].dtype)
+                           for p, n in prevs])

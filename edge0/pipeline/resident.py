@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..compute.experts import ResidentExperts
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
-from .prefetch import _per_row
+from .prefetch import head_per_row, joined_history
 
 
 class PredictedResident:
@@ -48,7 +48,7 @@ class PredictedResident:
         if inds.shape[-2] == 1:  # one token a row: decide the consumers' routing for the next step
             for head, consumer in self.heads:
                 blk = consumer.block
-                scores = _per_row(head, x, inds, self.prev_inds, blk.logits(x))
+                scores = head_per_row(head, x, inds, self.prev_inds, blk.logits(x))
                 p_inds, plan = (getattr(blk, "decide", None) or blk.select)(scores)
                 consumer.ahead[self.rt.step + 1] = (p_inds, plan)
         self.prev_inds = inds[..., -1:, :]
@@ -87,11 +87,7 @@ class PredictedResidentRuntime(Runtime):
         """The batch becomes the concatenation of (snapshot, rows) parts: their histories (rows naming no expert
         where a part has none) and, where every part has one, the routing decided for the step now."""
         for layer, ex in self.executors.items():
-            prevs = [(snap[layer][0], n) for snap, n in parts]
-            known = [p for p, _ in prevs if p is not None]
-            ex.prev_inds = None if not known else mx.concatenate(
-                [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
-                 for p, n in prevs])
+            ex.prev_inds = joined_history([(snap[layer][0], n) for snap, n in parts], ex.num_experts)
             decs = [snap[layer][1] for snap, _ in parts]
             ex.ahead = {}
             if decs and all(d is not None for d in decs):

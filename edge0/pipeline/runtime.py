@@ -15,7 +15,7 @@ from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
-from .prefetch import PREDICTORS, Decided, PrefetchExperts
+from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
 class PrefetchRuntime(Runtime):
@@ -194,11 +194,7 @@ class PrefetchRuntime(Runtime):
         self.pending = []  # predictions made for other rows decide nothing
         step = self.sched.step
         for layer, ex in self.executors.items():
-            prevs = [(snap[layer][0], n) for snap, n in parts]
-            known = [p for p, _ in prevs if p is not None]
-            ex.prev_inds = None if not known else mx.concatenate(
-                [p if p is not None else mx.full((n, 1, known[0].shape[-1]), ex.num_experts, dtype=known[0].dtype)
-                 for p, n in prevs])
+            ex.prev_inds = joined_history([(snap[layer][0], n) for snap, n in parts], ex.num_experts)
             decs = [snap[layer][1] for snap, _ in parts]
             ex.decided.clear()
             if decs and all(d is not None for d in decs):
