@@ -21,10 +21,10 @@ from pathlib import Path
 
 from .errors import Edge0Error
 from .io.atomic import signals_raise
+from .io.cgroup import memory_cgroup
+from .io.cgroup import read_text as _read
 
 GIB = 2**30
-V1_ROOT = Path("/sys/fs/cgroup/memory")
-V2_ROOT = Path("/sys/fs/cgroup")
 INSTEAD = ("or run each arm under a cap you can set, e.g. `systemd-run --user --scope -p MemoryMax=8G edge0 run "
            "--model STORE --replay replay.json --json`")
 
@@ -92,20 +92,10 @@ class MemoryCap:
 
 def own_memory_cgroup() -> tuple[Path, bool]:
     """(this process's memory cgroup directory, whether it is cgroup v2), from /proc/self/cgroup."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        raise Edge0Error(f"--memory-cap: no /proc/self/cgroup (Linux cgroups are needed); {INSTEAD}") from None
-    for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        if "memory" in controllers.split(",") and (V1_ROOT / rel.lstrip("/")).is_dir():
-            return V1_ROOT / rel.lstrip("/"), False
-    for line in lines:
-        if line.startswith("0::"):
-            path = V2_ROOT / line[3:].lstrip("/")
-            if "memory" in _read(V2_ROOT / "cgroup.controllers").split() and path.is_dir():
-                return path, True
-    raise Edge0Error(f"--memory-cap: no memory cgroup controller is mounted for this process; {INSTEAD}")
+    found = memory_cgroup()
+    if found is None:
+        raise Edge0Error(f"--memory-cap: no memory cgroup controller is mounted for this process; {INSTEAD}")
+    return found
 
 
 def launch(cmd: list[str], preexec_fn=None) -> ArmRun:

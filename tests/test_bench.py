@@ -222,3 +222,17 @@ def test_bench_refuses_a_short_replay_text_before_writing(models, tmp_path, caps
     assert main(argv[:-1] + [str(tmp_path / "missing.txt")]) == 2
     assert "cannot be read as text" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_memory_cap_leaves_auto_less_room(tmp_path):
+    """Inside a capped cgroup (v1 or v2, as bench --memory-cap makes them) the room --executor auto sizes its
+    choice by is at most the cap, whatever the machine has free."""
+    from edge0.bench_cap import MemoryCap
+
+    _cgroups_or_skip()
+    probe = ("from edge0.io.cgroup import memory_room; from edge0.compute.runtime import available_memory; "
+             "print(memory_room(), available_memory())")
+    run = MemoryCap(0.5).run([sys.executable, "-c", probe])
+    assert run.returncode == 0, run.stderr
+    room, available = map(int, run.stdout.split())
+    assert 0 < room < 2**29 and available <= room

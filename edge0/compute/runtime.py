@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 
 from ..errors import Edge0Error
+from ..io.cgroup import memory_room
 from .banks import Bank, Fence
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
 from .experts import ExactExperts, ResidentExperts
@@ -142,7 +142,7 @@ def auto_executor(m, compute_dtype, budget: int | None) -> str:
 
 
 def available_memory() -> int:
-    """Bytes this process can still take: the kernel's MemAvailable, or less under a cgroup's memory.max."""
+    """Bytes this process can still take: the kernel's MemAvailable, or less under its memory cgroup's limit."""
     room = None
     try:
         with open("/proc/meminfo") as f:
@@ -153,17 +153,8 @@ def available_memory() -> int:
         pass
     if room is None:
         room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-    try:
-        with open("/proc/self/cgroup") as f:
-            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
-        if path is not None:
-            group = Path("/sys/fs/cgroup") / path.lstrip("/")
-            limit = (group / "memory.max").read_text().strip()
-            if limit != "max":
-                room = min(room, int(limit) - int((group / "memory.current").read_text()))
-    except (OSError, ValueError, StopIteration):
-        pass
-    return max(room, 0)
+    capped = memory_room()  # a cgroup's limit (v1 or v2), page cache counted
+    return max(room if capped is None else min(room, capped), 0)
 
 
 def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib) -> Runtime:
