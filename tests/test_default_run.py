@@ -21,3 +21,17 @@ def test_run_with_defaults():
     # auto: Edge0's CPU kernels when the extension is built (and MLX computes on the CPU), else MLX's.
     on_cpu = mx.default_device() == mx.cpu
     assert r["kernel"] == ("edge0" if kernels.available() and on_cpu else "mlx"), (r["kernel"], kernels.reason())
+
+
+def test_the_summary_line_says_what_was_read():
+    """Without --json the run ends with one line on stderr: resident experts say so (nothing read per token);
+    streamed ones give the reads and the slot hit rate."""
+    import subprocess
+    import sys
+
+    for flags, said in (((), "every expert resident ("), (("--executor", "staged"), "% cold), slot hit rate ")):
+        proc = subprocess.run([sys.executable, "-m", "edge0.run", "--max-tokens", "4", *flags], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith("[edge0] predicted routing, ") and said in line, line

@@ -98,11 +98,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        reads = (f"every expert resident ({result['bytes_read'] / 2**20:.1f} MiB read at load)"
+                 if result["executor"] == "resident" else
+                 f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
+                 f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
         print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
-              f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, read "
-              f"{result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
-              f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%, peak MLX "
-              f"{result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
+              f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, "
+              f"{reads}, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
     return 0
 
 
