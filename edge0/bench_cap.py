@@ -13,6 +13,7 @@ Every run, capped or not, reports its major page faults and the bytes it read fr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Edge0Error
-from .io.atomic import signals_raise
+from .io.atomic import signals_deferred, signals_raise
 from .io.cgroup import memory_cgroup
 from .io.cgroup import read_text as _read
 
@@ -79,7 +80,7 @@ class MemoryCap:
         try:
             join = _joiner(group / "cgroup.procs")
             if warm:
-                subprocess.run(["cat", *map(str, warm)], stdout=subprocess.DEVNULL, preexec_fn=join, check=False)
+                launch(["cat", *map(str, warm)], preexec_fn=join, output=False)
                 if not self.v2:
                     (group / "memory.max_usage_in_bytes").write_text("0")  # the peak of the arm, not of the read
             run = launch(cmd, preexec_fn=join)
@@ -98,15 +99,26 @@ def own_memory_cgroup() -> tuple[Path, bool]:
     return found
 
 
-def launch(cmd: list[str], preexec_fn=None) -> ArmRun:
-    """Run cmd to its end; its output, exit status and rusage (wait4: faults and block reads of it)."""
+def launch(cmd: list[str], preexec_fn=None, output: bool = True) -> ArmRun:
+    """Run cmd to its end; its output (unless output=False), exit status and rusage (wait4: faults and block
+    reads of it). A signal that interrupts it (SIGTERM raises SystemExit under signals_raise) kills the child
+    first, also one that comes while the child starts: held back until `proc` exists."""
+    def child() -> None:  # the child unblocks what the parent held back around its start
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        if preexec_fn is not None:
+            preexec_fn()
+
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=preexec_fn)
+        proc = None
         try:
+            with signals_deferred():
+                proc = subprocess.Popen(cmd, stdout=out if output else subprocess.DEVNULL, stderr=err,
+                                        preexec_fn=child)
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:  # interrupted: the arm does not outlive the bench (nor keep its cgroup)
-            proc.kill()
-            proc.wait()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
             raise
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
@@ -120,13 +132,6 @@ def _joiner(procs: Path):
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
     return join
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def _peak(group: Path, v2: bool) -> int | None:
@@ -144,8 +149,9 @@ def _oom_kills(group: Path, v2: bool) -> int:
 
 def _remove(group: Path) -> None:
     """Remove a cgroup whose processes have exited (its charged page cache moves to the parent). Right after a
-    kill the kernel may still count the exiting task (EBUSY): retried for up to a second."""
-    for _ in range(50):
+    kill the kernel may still count the exiting task (EBUSY): retried for up to 10 s (1 s was seen to fall short
+    on a loaded machine: a fresh-clone test run left an empty cgroup behind)."""
+    for _ in range(500):
         try:
             group.rmdir()
             return

@@ -175,7 +175,7 @@ def atomic_dir(out: str | os.PathLike, *, replace: bool = False, needed: int | N
             _make_temp_dir(out, tmp, needed)
             yield tmp
             _fsync_tree(tmp)
-            with _signals_deferred():  # the swap is never cut in half
+            with signals_deferred():  # the swap is never cut in half
                 _swap_in(tmp, out, replace)
         except BaseException as e:
             full = disk_full(e, out)
@@ -270,7 +270,7 @@ def signals_raise():
 
 
 @contextlib.contextmanager
-def _signals_deferred():
+def signals_deferred():
     """Hold SIGINT/SIGTERM/SIGHUP back for a few system calls; they are delivered right after."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_SIGNALS})
     try:
