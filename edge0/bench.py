@@ -310,7 +310,7 @@ def bench(args) -> int:
     read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
     if args.replay:
         given_replay(args.replay)
-    if args.replay_text:  # a short or unreadable text is said before anything is written
+    if getattr(args, "replay_text", None):  # a short or unreadable text is said before anything is written
         text_replay(args.replay_text, Path(args.store), args.prompt_tokens, args.max_tokens)
     cap = None if args.memory_cap is None else MemoryCap(None if args.memory_cap == "none" else float(args.memory_cap))
     out = results_dir(args.out)

@@ -27,7 +27,10 @@ def memory_cgroup() -> tuple[Path, bool] | None:
     memory controller is mounted for it."""
     lines = read_text(Path("/proc/self/cgroup")).splitlines()
     for line in lines:
-        _, controllers, rel = line.split(":", 2)
+        parts = line.split(":", 2)  # hierarchy-ID:controllers:path
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
         if "memory" in controllers.split(",") and (V1_ROOT / rel.lstrip("/")).is_dir():
             return V1_ROOT / rel.lstrip("/"), False
     for line in lines:
