@@ -386,7 +386,9 @@ class RoPEOp : public DenseOp {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch(inputs, out, [dims = dims_, trad = traditional_, base = base_, scale = scale_, offset = offset_](
                               const std::vector<mx::array>& in, mx::array& o) {
-      rope(view4(in[0]), dims, trad, base, scale, offset, o.data<float>());
+      std::vector<int32_t> ot;
+      rope(view4(in[0]), dims, trad, base, scale, offset, o.data<float>(),
+           in.size() > 1 ? dense_data<int32_t>(in[1], ot) : nullptr);
     });
   }
   const char* name() const override { return "Edge0RoPE"; }
@@ -454,7 +456,9 @@ class AttentionOp : public DenseOp {
   AttentionOp(mx::Stream s, float scale, bool causal) : DenseOp(s), scale_(scale), causal_(causal) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch(inputs, out, [scale = scale_, causal = causal_](const std::vector<mx::array>& in, mx::array& o) {
-      attention(view4(in[0]), view4(in[1]), view4(in[2]), scale, causal, o.data<float>());
+      std::vector<int32_t> st;
+      attention(view4(in[0]), view4(in[1]), view4(in[2]), scale, causal, o.data<float>(),
+                in.size() > 3 ? dense_data<int32_t>(in[3], st) : nullptr);
     });
   }
   const char* name() const override { return "Edge0Attention"; }
@@ -585,23 +589,37 @@ static mx::array combine_op(const mx::array& y, const mx::array& scores) {
   return mx::array(shape, mx::float32, std::make_shared<CombineOp>(s), {y, scores});
 }
 
-static mx::array rope_op(const mx::array& x, int dims, bool traditional, float base, float scale, int64_t offset) {
+// A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
+static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what) {
+  if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
+    throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be int32 of shape (B,)");
+}
+
+static mx::array rope_op(const mx::array& x, int dims, bool traditional, float base, float scale, int64_t offset,
+                         const std::optional<mx::array>& offsets) {
   need_f32(x, "rope", "x");
   if (x.ndim() != 4 || dims <= 0 || dims % 2 || dims > x.shape(3))
     throw std::invalid_argument("edge0 rope: x must be (B, H, L, Dh) and dims even, at most Dh");
+  need_rows(offsets, x.shape(0), "rope", "offsets");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RoPEOp>(s, dims, traditional, base, scale, offset), {x});
+  std::vector<mx::array> in{x};
+  if (offsets) in.push_back(*offsets);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RoPEOp>(s, dims, traditional, base, scale, offset), in);
 }
 
-static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                              const std::optional<mx::array>& starts) {
   for (auto* a : {&q, &k, &v}) need_f32(*a, "attention", "q, k and v");
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape() != v.shape() || q.shape(0) != k.shape(0) ||
       q.shape(3) != k.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) || k.shape(2) == 0 ||
       q.shape(2) > k.shape(2))
     throw std::invalid_argument(
         "edge0 attention: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh), S >= L, Hq a multiple of Hkv");
+  need_rows(starts, q.shape(0), "attention", "starts");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale, causal), {q, k, v});
+  std::vector<mx::array> in{q, k, v};
+  if (starts) in.push_back(*starts);
+  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale, causal), in);
 }
 
 }  // namespace edge0
@@ -632,10 +650,13 @@ NB_MODULE(_kernels, m) {
   m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,
         "sum over K of scores[..., K, None] * y[..., K, :]: the routed experts' weighted sum, (..., D).");
   m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
-        "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math).");
+        "offsets"_a = nb::none(),
+        "Rotary embedding of x (B, H, L, Dh) at positions offset + l, float32 (mx.fast.rope's math);\n"
+        "offsets (B,) int32: sequence b at offsets[b] + l instead.");
   m.def("attention", &edge0::attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
+        "starts"_a = nb::none(),
         "softmax(scale * q k^T) v: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh); causal: query l sees keys\n"
-        "up to S - L + l.");
+        "up to S - L + l; starts (B,) int32: sequence b sees keys from starts[b] on (a left-padded batch).");
   m.attr("MAX_GROUPS") = edge0::MAX_GROUPS;
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");

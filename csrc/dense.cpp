@@ -84,22 +84,28 @@ void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D
   }
 }
 
-void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out) {
+void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out,
+          const int32_t* offsets) {
   const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], Dh = x.shape[3];
   const int half = dims / 2;
   std::vector<float> cosv(L * half), sinv(L * half);
   const float lb = std::log(base) / (float)half;
-  for (int64_t l = 0; l < L; l++) {
-    const float pos = (float)(offset + l) * scale;
-    for (int i = 0; i < half; i++) {
-      const float theta = pos * std::exp(-(float)i * lb);
-      cosv[l * half + i] = std::cos(theta);
-      sinv[l * half + i] = std::sin(theta);
+  auto table = [&](int64_t at) {  // cos and sin at positions at .. at + L - 1
+    for (int64_t l = 0; l < L; l++) {
+      const float pos = (float)(at + l) * scale;
+      for (int i = 0; i < half; i++) {
+        const float theta = pos * std::exp(-(float)i * lb);
+        cosv[l * half + i] = std::cos(theta);
+        sinv[l * half + i] = std::sin(theta);
+      }
     }
-  }
+  };
+  int64_t tabled = offsets ? offsets[0] : offset;
+  table(tabled);
   const int64_t* s = x.strides;
   float* o = out;
-  for (int64_t b = 0; b < B; b++)
+  for (int64_t b = 0; b < B; b++) {
+    if (offsets && offsets[b] != tabled) table(tabled = offsets[b]);
     for (int64_t h = 0; h < H; h++)
       for (int64_t l = 0; l < L; l++, o += Dh) {
         const float* xr = x.data + b * s[0] + h * s[1] + l * s[2];
@@ -121,19 +127,22 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
         }
         for (int64_t d = dims; d < Dh; d++) o[d] = xr[d * sd];
       }
+  }
 }
 
-void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out) {
+void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out,
+               const int32_t* starts) {
   const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], Dh = q.shape[3];
-  const int64_t Hkv = k.shape[1], S = k.shape[2], group = Hq / Hkv;
+  const int64_t Hkv = k.shape[1], Sk = k.shape[2], group = Hq / Hkv;
   // tasks: (sequence, KV head, block of QB queries), the group query heads sharing that KV head together, so
   // each key and value row is read once for all of them; a prompt's run on the prompt threads
   const int64_t QB = 16, blocks = (L + QB - 1) / QB;
   parallel_for(B * Hkv * blocks, [&](int64_t task) {
     const int64_t b = task / (Hkv * blocks), kh = task / blocks % Hkv, l0 = task % blocks * QB;
+    const int64_t first = starts ? std::clamp<int64_t>(starts[b], 0, Sk - 1) : 0, S = Sk - first;  // its keys
     std::vector<float> p(group * S), qv(group * Dh), acc(group * Dh), mx(group), sum(group);
-    const float* kb = k.data + b * k.strides[0] + kh * k.strides[1];
-    const float* vb = v.data + b * v.strides[0] + kh * v.strides[1];
+    const float* kb = k.data + b * k.strides[0] + kh * k.strides[1] + first * k.strides[2];
+    const float* vb = v.data + b * v.strides[0] + kh * v.strides[1] + first * v.strides[2];
     for (int64_t l = l0; l < std::min(L, l0 + QB); l++) {
       const int64_t seen = causal ? std::min(S, S - L + l + 1) : S;  // keys this query attends to
       for (int64_t g = 0; g < group; g++) {

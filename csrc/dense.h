@@ -19,13 +19,17 @@ struct View4 {
 
 // Rotary embedding of the first `dims` features at positions (offset + l) * scale, as mx.fast.rope:
 // traditional rotates pairs (2i, 2i+1), otherwise (i, i + dims/2); features past dims are copied.
-// out is (B, H, L, Dh) contiguous.
-void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out);
+// out is (B, H, L, Dh) contiguous. offsets (B entries, or null): sequence b's own offset instead of `offset`
+// (a batch decoding together, mlx-lm's BatchKVCache), each row as it would be alone.
+void rope(const View4& x, int dims, bool traditional, float base, float scale, int64_t offset, float* out,
+          const int32_t* offsets = nullptr);
 
 // Attention: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh), Hq a multiple of Hkv (grouped queries);
 // softmax(scale * q k^T) v. causal: query l sees keys up to S - L + l (the queries are the last L
-// positions), else every key. out is (B, Hq, L, Dh) contiguous.
-void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out);
+// positions), else every key. out is (B, Hq, L, Dh) contiguous. starts (B entries, or null): sequence b sees
+// only keys from starts[b] on (a left-padded batch cache), as it would alone with its own S - starts[b] keys.
+void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, float* out,
+               const int32_t* starts = nullptr);
 
 // Routing of T tokens over E experts: softmax, the k largest (by descending probability, ties to the
 // lower id), their probabilities renormalised to sum 1 when norm. inds and scores are (T, k).

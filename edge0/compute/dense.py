@@ -41,10 +41,14 @@ def linear(x: mx.array, layer: nn.Linear) -> mx.array:
 
 
 def rope(x: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset) -> mx.array:
+    """mx.fast.rope; offset an int, or (B,) ints, one per sequence of a batch (mlx-lm's BatchKVCache.offset)."""
     ext = current().ext
-    if (ext is not None and x.dtype == mx.float32 and x.ndim == 4 and isinstance(offset, int)
-            and base is not None and dims % 2 == 0 and dims <= x.shape[-1]):
-        return ext.rope(x, dims, traditional, float(base), float(scale), offset)
+    if (ext is not None and x.dtype == mx.float32 and x.ndim == 4 and base is not None and dims % 2 == 0
+            and dims <= x.shape[-1]):
+        if isinstance(offset, int):
+            return ext.rope(x, dims, traditional, float(base), float(scale), offset)
+        if isinstance(offset, mx.array) and offset.shape == (x.shape[0],) and offset.dtype == mx.int32:
+            return ext.rope(x, dims, traditional, float(base), float(scale), 0, offset)
     return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
 
 
@@ -64,15 +68,22 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
 
 def _left_padded_decode(queries, cache, mask) -> bool:
     """One query per sequence of a batch whose KV cache is left-padded (mlx-lm's BatchKVCache)."""
-    return (mask is not None and not isinstance(mask, str) and queries.ndim == 4 and queries.shape[0] > 1
+    return (mask is not None and not isinstance(mask, str) and queries.ndim == 4
             and queries.shape[2] == 1 and getattr(cache, "left_padding", None) is not None)
 
 
 def _per_row_attention(queries, keys, values, cache, scale, sinks):
-    """Each sequence attends to its own keys, padding sliced off, with no mask: the same computation as that
+    """Each sequence attends to its own keys, padding left out, with no mask: the same computation as that
     sequence decoding alone, so a batched sequence rounds (and answers) as it does alone. With one query the
-    causal mask hides nothing: the padding is all the batch's mask hides."""
-    pads = cache.left_padding.tolist()  # SYNC: B small ints, computed long before (the cache's bookkeeping)
+    causal mask hides nothing: the padding is all the batch's mask hides. On the edge0 kernel one node for the
+    batch (the padding an input array); otherwise a slice and an attention per sequence."""
+    ext = current().ext
+    pads = cache.left_padding
+    if (ext is not None and sinks is None and pads.dtype == mx.int32 and pads.shape == (queries.shape[0],)
+            and queries.dtype == keys.dtype == values.dtype == mx.float32 and keys.shape == values.shape
+            and queries.shape[-1] == keys.shape[-1] and queries.shape[1] % keys.shape[1] == 0):
+        return ext.attention(queries, keys, values, float(scale), False, pads)
+    pads = pads.tolist()  # SYNC: B small ints, computed long before (the cache's bookkeeping)
     return mx.concatenate([scaled_dot_product_attention(queries[i:i + 1], keys[i:i + 1, :, p:], values[i:i + 1, :, p:],
                                                         None, scale, None, sinks) for i, p in enumerate(pads)])
 
