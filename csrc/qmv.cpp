@@ -405,6 +405,40 @@ static inline float combine(const S* s, const S* b, const float* xs, const float
   return r;
 }
 
+// Group sums of one weight row against up to TILE_ROWS activation rows at once (group size 64): each 64-weight
+// chunk is loaded and split into nibbles once for all the rows, then reduced 4 groups at a time. Integer sums are
+// exact in any order, so isum[r] holds the very values group_sums<64> gives for row r alone.
+constexpr int TILE_ROWS = 4;
+
+static void group_sums_rows64(const uint8_t* w, const int8_t* const* xq, int rows, int64_t D, int32_t* const* isum) {
+  const int64_t G = D / 64;
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    __m256i lo[4], hi[4];
+    for (int i = 0; i < 4; i++) {
+      if (g0 + i < G) {
+        _mm_prefetch((const char*)(w + (g0 + i) * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g0 + i) * 32));
+        lo[i] = _mm256_and_si256(v, m);
+        hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+      } else {
+        lo[i] = hi[i] = _mm256_setzero_si256();
+      }
+    }
+    for (int r = 0; r < rows; r++) {
+      __m256i a[4];
+      for (int i = 0; i < 4; i++) {
+        const int8_t* x = xq[r] + std::min(g0 + i, G - 1) * 64;  // past G: zero weights, any activations
+        a[i] = widen(_mm256_add_epi16(_mm256_maddubs_epi16(lo[i], _mm256_loadu_si256((const __m256i*)x)),
+                                      _mm256_maddubs_epi16(hi[i], _mm256_loadu_si256((const __m256i*)(x + 32)))));
+      }
+      const __m256i t = tree4(a[0], a[1], a[2], a[3]);
+      const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      _mm_storeu_si128((__m128i*)(isum[r] + g0), sum);
+    }
+  }
+}
+
 template <typename S>
 static float dot_avx2(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
                       const float* xsum, int64_t D, int gs) {
@@ -478,6 +512,65 @@ static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq
   return r;
 }
 
+// dot_vnni for R activation rows at once: each 64-byte weight load and its nibble split serve every row, and
+// each row's float arithmetic is dot_vnni's, in its order, so row r gets the bits dot_vnni gives it alone.
+template <int GS, int R, typename S>
+static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t* const* xq, const float* const* xs,
+                          const float* const* xsum, int64_t D, float* out) {
+  const int64_t G = D / GS, steps = D / 128;
+  constexpr int STEP_GROUPS = 128 / GS;
+  const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                        : GS == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                   : _mm512_setzero_si512();
+  const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  __m512 f0[R], f1[R], bias[R], d[R];
+  for (int r = 0; r < R; r++) f0[r] = f1[r] = bias[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
+    const __m512 sv = load16(s + g0, k), bv = load16(b + g0, k);
+    for (int r = 0; r < R; r++) {
+      d[r] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, xs[r] + g0));
+      bias[r] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(k, xsum[r] + g0), bias[r]);
+    }
+    __m512i lane_group = first;
+    for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
+      _mm_prefetch((const char*)(w + i * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
+      const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+      for (int r = 0; r < R; r++) {
+        __m512i acc =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq[r] + i * 128)));
+        acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq[r] + i * 128 + 64)));
+        const __m512 dl = _mm512_permutexvar_ps(lane_group, d[r]);
+        if (i & 1)
+          f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1[r]);
+        else
+          f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0[r]);
+      }
+      lane_group = _mm512_add_epi32(lane_group, advance);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float t = _mm512_reduce_add_ps(_mm512_add_ps(f0[r], f1[r])) + _mm512_reduce_add_ps(bias[r]);
+    if (D % 128) {  // the last 64 elements, as dot_vnni
+      const int64_t c = steps * 128, g = c / GS;
+      const __m256i m8 = _mm256_set1_epi8(0x0F);
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + c / 2));
+      const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
+      __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq[r] + c)));
+      acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq[r] + c + 32)));
+      const float d0 = at(s, g) * xs[r][g], d1 = GS == 32 ? at(s, g + 1) * xs[r][g + 1] : d0;
+      const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
+      alignas(32) float t8[8];
+      _mm256_store_ps(t8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
+      for (float v8 : t8) t += v8;
+    }
+    out[r] = t;
+  }
+}
+
 // 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
 template <int GS, typename S>
 static float dot_vnni8(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
@@ -541,6 +634,103 @@ static float row_dot(int impl, bool avx2_8bit, int bits, int gs, const uint8_t* 
 
 // ---------------------------------------------------------------------------------------------
 
+#if defined(EDGE0_AVX2)
+// Outputs n0..n1 of expert e for `count` pairs that share it (4-bit, group size 64, AVX2): per weight row, the
+// group sums of TILE_ROWS activation rows at a time (group_sums_rows64), then each output as dot_avx2 combines
+// it, so every output has the bits row_dot gives it alone.
+template <typename S>
+static void rows_avx2_s(const QWeights& q, const S* scales, const S* biases, int64_t e, int64_t n0, int64_t n1,
+                        const Pair* pairs, int64_t count, const Acts& acts, float* out) {
+  const int64_t N = q.N, D = q.D, G = D / 64, row_bytes = D / 2;
+  alignas(32) int32_t isum[TILE_ROWS][MAX_GROUPS + 8];
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t row = e * N + n;
+    for (int64_t r0 = 0; r0 < count; r0 += TILE_ROWS) {
+      const int rows = (int)std::min<int64_t>(TILE_ROWS, count - r0);
+      const int8_t* xq[TILE_ROWS];
+      int32_t* sums[TILE_ROWS];
+      for (int r = 0; r < rows; r++) {
+        xq[r] = acts.q.data() + pairs[r0 + r].xrow * D;
+        sums[r] = isum[r];
+      }
+      group_sums_rows64(q.w + row * row_bytes, xq, rows, D, sums);
+      for (int r = 0; r < rows; r++) {
+        const Pair& pr = pairs[r0 + r];
+        out[pr.out * N + n] = combine(scales + row * G, biases + row * G, acts.scale.data() + pr.xrow * G,
+                                      acts.sums.data() + pr.xrow * G, isum[r], G);
+      }
+    }
+  }
+}
+
+#endif
+
+#if defined(EDGE0_VNNI)
+// The same on the VNNI path (4-bit, any group size): dot_vnni_rows over TILE_ROWS rows at a time, the rest alone.
+template <int GS, typename S>
+static void rows_vnni_s(const QWeights& q, const S* scales, const S* biases, int64_t e, int64_t n0, int64_t n1,
+                        const Pair* pairs, int64_t count, const Acts& acts, float* out) {
+  const int64_t N = q.N, D = q.D, G = D / GS, row_bytes = D / 2;
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t row = e * N + n;
+    const uint8_t* w = q.w + row * row_bytes;
+    const S *s = scales + row * G, *b = biases + row * G;
+    int64_t r0 = 0;
+    for (; r0 + TILE_ROWS <= count; r0 += TILE_ROWS) {
+      const int8_t* xq[TILE_ROWS];
+      const float *xs[TILE_ROWS], *xsum[TILE_ROWS];
+      float v[TILE_ROWS];
+      for (int r = 0; r < TILE_ROWS; r++) {
+        const int64_t xr = pairs[r0 + r].xrow;
+        xq[r] = acts.q.data() + xr * D;
+        xs[r] = acts.scale.data() + xr * G;
+        xsum[r] = acts.sums.data() + xr * G;
+      }
+      dot_vnni_rows<GS, TILE_ROWS>(w, s, b, xq, xs, xsum, D, v);
+      for (int r = 0; r < TILE_ROWS; r++) out[pairs[r0 + r].out * N + n] = v[r];
+    }
+    for (; r0 < count; r0++) {
+      const int64_t xr = pairs[r0].xrow;
+      out[pairs[r0].out * N + n] = dot_vnni<GS>(w, s, b, acts.q.data() + xr * D, acts.scale.data() + xr * G,
+                                                acts.sums.data() + xr * G, D);
+    }
+  }
+}
+#endif
+
+// Outputs n0..n1 of expert e for `count` pairs sharing it, on a path that loads each weight row once for several
+// activation rows; false where there is none for this path and format (the caller then runs row_dot per row).
+static bool rows_tile(int impl, const QWeights& q, int64_t e, int64_t n0, int64_t n1, const Pair* pairs,
+                      int64_t count, const Acts& acts, float* out) {
+  if (q.bits != 4) return false;
+  const bool bf16 = q.scales16 != nullptr;
+#if defined(EDGE0_VNNI)
+  if (impl == VNNI) {
+    auto run = [&](auto GS) {
+      constexpr int gs = decltype(GS)::value;
+      if (bf16)
+        rows_vnni_s<gs>(q, q.scales16, q.biases16, e, n0, n1, pairs, count, acts, out);
+      else
+        rows_vnni_s<gs>(q, q.scales, q.biases, e, n0, n1, pairs, count, acts, out);
+      return true;
+    };
+    if (q.group_size == 32) return run(std::integral_constant<int, 32>{});
+    if (q.group_size == 64) return run(std::integral_constant<int, 64>{});
+    return run(std::integral_constant<int, 128>{});
+  }
+#endif
+#if defined(EDGE0_AVX2)
+  if (impl == AVX2 && q.group_size == 64) {
+    if (bf16)
+      rows_avx2_s(q, q.scales16, q.biases16, e, n0, n1, pairs, count, acts, out);
+    else
+      rows_avx2_s(q, q.scales, q.biases, e, n0, n1, pairs, count, acts, out);
+    return true;
+  }
+#endif
+  return false;
+}
+
 void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pair>& pairs, float* out, bool prompt) {
   const int64_t N = q.N, D = q.D, G = D / q.group_size;
   const int gs = q.group_size;
@@ -596,6 +786,8 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
     const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
     for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
       const int64_t i1 = std::min(run.end, i0 + PB);
+      if (i1 - i0 > 1 && rows_tile(impl, q, e, n0, n1, sorted.data() + i0, i1 - i0, acts, out))
+        continue;  // several rows of one expert: each weight row loaded once for them all
       for (int64_t m0 = n0; m0 < n1; m0 += NS) {
         const int64_t m1 = std::min(n1, m0 + NS);
         for (int64_t i = i0; i < i1; i++) {

@@ -258,6 +258,71 @@ def test_combine_matches_mlx():
         assert rel(got, np.array(want).astype(np.float64)) < 1e-6
 
 
+@needs_ext
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("d", [256, 384])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_rows_sharing_an_expert_get_the_bits_of_each_row_alone(impl, gs, d, bf16):
+    """A prompt chunk's (or a batch's) rows that share an expert are multiplied together, each weight row loaded
+    once for several of them (the row tile); every output keeps the bits of its row multiplied alone, so prefill,
+    batched decode and a sequence decoding alone agree. 19 rows, 2 experts each out of 4: runs of several rows."""
+    use_kernel("edge0")
+    EXT.set_impl(impl)
+    w, s, b = quantized((4, 24, d), gs, seed=11)
+    if bf16:
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((19, d)).astype(np.float32))
+    idx = mx.array(rng.integers(0, 4, (19, 2)).astype(np.uint32))
+    together = EXT.qmv(x, w, s, b, idx, gs)
+    alone = mx.concatenate([EXT.qmv(x[t:t + 1], w, s, b, idx[t:t + 1], gs) for t in range(19)])
+    assert mx.array_equal(together, alone)
+    want = np.stack([dequantized(w[e], s[e].astype(mx.float32), b[e].astype(mx.float32), gs) @ np.array(x[t], np.float64)
+                     for t in range(19) for e in np.array(idx[t]).tolist()])
+    assert rel(together, want) < TOL[impl]
+
+
+@needs_ext
+def test_a_left_padded_batch_ropes_and_attends_each_row_as_alone():
+    """Batched decode over mlx-lm's BatchKVCache: RoPE at each sequence's own offset and attention from its own
+    first key (the left padding an input, one node each) give every row the bits of that row run alone, and
+    match MLX's masked attention."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from edge0.compute import dense
+
+    use_kernel("edge0")
+    key = iter(mx.random.split(mx.random.key(1), 8))
+    q = mx.random.normal((3, 8, 1, 64), key=next(key))
+    offsets = mx.array([40, 3, 17], dtype=mx.int32)
+    got = dense.rope(q, 64, traditional=False, base=10000.0, scale=1.0, offset=offsets)
+    for b, o in enumerate(offsets.tolist()):
+        alone = dense.rope(q[b:b + 1], 64, traditional=False, base=10000.0, scale=1.0, offset=o)
+        assert mx.array_equal(got[b:b + 1], alone), b
+        want = mx.fast.rope(q[b:b + 1], 64, traditional=False, base=10000.0, scale=1.0, offset=o)
+        assert rel(alone, np.array(want).astype(np.float64)) < 1e-5
+    k, v = (mx.random.normal((3, 2, 41, 64), key=next(key)) for _ in range(2))
+    pads = mx.array([0, 37, 23], dtype=mx.int32)  # each sequence's keys are the last 41 - pad
+
+    class Cache:
+        left_padding = pads
+
+    mask = create_causal_mask(1, offset=40, left_padding=pads)
+    EXT.profile(True)
+    EXT.set_profile(True)
+    got = dense.scaled_dot_product_attention(q, k, v, cache=Cache(), scale=0.125, mask=mask)
+    mx.eval(got)
+    EXT.set_profile(False)
+    assert EXT.profile(True)["Edge0Attention"][0] == 1  # the batch in one node
+    for b, p in enumerate(pads.tolist()):
+        alone = dense.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, p:], v[b:b + 1, :, p:], cache=None,
+                                                   scale=0.125, mask=None)
+        assert mx.array_equal(got[b:b + 1], alone), b
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert rel(got, np.array(want).astype(np.float64)) < 1e-5
+
+
 BAD_CALLS = {  # each must raise one ValueError naming the op, never crash or read out of bounds
     "no output rows": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((0, 16), dtype=mx.uint32), mx.zeros((0, 2)),
                                       mx.zeros((0, 2))),
