@@ -2,7 +2,11 @@
 
 A new sequence's prompt is prefilled alone (through the prompt cache) at a step boundary, then its KV
 cache joins the batch's (mlx-lm's BatchKVCache, left-padded); a finished or cancelled sequence leaves at
-the next boundary without stalling the others. One step feeds each sequence its next input token, so the
+the next boundary without stalling the others. Where no layer syncs with the host inside a step (every
+expert resident) the batch decodes as one sequence alone does (pipeline/steps.py): step n+1's graph is built
+from step n's unevaluated tokens and queued before those reach the host. A sequence that finishes at step n
+has had step n+1 computed for nothing; its row of that step leaves with it (its KV cache, kept for the prompt
+cache, is trimmed by that token). A newcomer waits for the step built ahead to be taken first (`settle`). One step feeds each sequence its next input token, so the
 routed experts of a step are the union over the batch: each layer's executor reads that union once
 (the staged banks hold 2K slots per sequence, up to E). The routing history that prerouter heads read
 follows the batch's rows (runtime.keep_rows / join); when sequences join, the step after routes every
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .generation import Figures, GenRequest, TextOut, _counters
@@ -62,6 +67,7 @@ class BatchDecoder:
         self.seqs: list[Sequence] = []
         self.cache: list | None = None  # the batch's KV caches, one per layer
         self.early: list[Sequence] = []  # done at their first token, at admission: reported by the next step
+        self.ahead: mx.array | None = None  # (B,) tokens of a step built ahead for self.seqs, not yet on the host
 
     @property
     def room(self) -> int:
@@ -74,6 +80,7 @@ class BatchDecoder:
         the next step() reports it."""
         engine = self.engine
         engine.check(req)
+        self.settle()
         rt = engine.store.runtime
         if not self.seqs:
             rt.begin()  # an idle batch: nothing of earlier generations is carried
@@ -133,29 +140,57 @@ class BatchDecoder:
 
     def step(self) -> list[Sequence]:
         """One decode step for every sequence; returns the sequences that finished (and left the batch)."""
-        engine, seqs = self.engine, self.seqs
         early, self.early = self.early, []
-        if not seqs:
+        if not self.seqs:
             return early
-        rt = engine.store.runtime
-        counters = _counters(engine.store)
-        with engine.kernel.active():
-            inputs = mx.array([[s.next_input] for s in seqs], dtype=mx.uint32)  # (B, 1)
-            logits = engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(seqs)])  # (B,)
-            mx.eval(sampled)
-        rt.fence.sync()
-        rt.next_step()
-        _charge(seqs, counters, _counters(engine.store))
+        rt = self.engine.store.runtime
+        overlap = rt.sync_free and can_trim_prompt_cache(self.cache)
+        counters = _counters(self.engine.store)
+        sampled, self.ahead = self.ahead, None
+        with self.engine.kernel.active():
+            if sampled is None:
+                sampled = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
+                if overlap:
+                    rt.next_step()
+                    mx.async_eval(sampled)
+                else:
+                    mx.eval(sampled)
+                    rt.fence.sync()
+                    rt.next_step()
+            if overlap:  # the next step from this one's tokens, queued before they reach the host
+                self.ahead = self._build(sampled[:, None])
+                rt.next_step()
+                mx.async_eval(self.ahead)
+        _charge(self.seqs, counters, _counters(self.engine.store))
+        return early + self._take_step(sampled)
+
+    def settle(self) -> None:
+        """Take the step built ahead, if any (its tokens to the host, finished sequences out), so that the batch
+        can change: the next step() reports what finished."""
+        if self.ahead is not None:
+            sampled, self.ahead = self.ahead, None
+            self.early += self._take_step(sampled)
+
+    def _build(self, inputs: mx.array) -> mx.array:
+        """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
+        logits = self.engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(s.req.temp == 0 for s in self.seqs):
+            return mx.argmax(logprobs, axis=-1)
+        return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)
+
+    def _take_step(self, sampled: mx.array) -> list[Sequence]:
+        """A step's tokens to the host and to their sequences; the finished ones leave."""
+        seqs = self.seqs
+        tokens = sampled.tolist()  # SYNC: the batch's tokens to the host, once per step
         now = time.perf_counter()
-        for s, t in zip(seqs, sampled.tolist()):  # SYNC: the batch's tokens to the host, once per step
+        for s, t in zip(seqs, tokens):
             s.fed.append(s.next_input)
             self._take(s, t, now)
         finished = [s for s in seqs if s.done]
         if finished:
             self._leave(finished)
-        return early + finished
+        return finished
 
     def _take(self, s: Sequence, t: int, now: float) -> None:
         """Sequence s sampled token t."""
@@ -181,12 +216,14 @@ class BatchDecoder:
         self._finish(finished, self.cache)
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs:
-            self.cache = None
+            self.cache, self.ahead = None, None
             self.engine.store.runtime.finish()
             return
         for c in self.cache:
             c.filter(mx.array(keep))
         self.engine.store.runtime.keep_rows(keep)
+        if self.ahead is not None:
+            self.ahead = self.ahead[mx.array(keep)]
 
     def _finish(self, finished: list[Sequence], cache: list | None) -> None:
         """Their last figures and text; their KV caches into the prompt cache."""
@@ -207,11 +244,14 @@ class BatchDecoder:
         if self.engine.prompt_cache is None or s.req.forced is not None:
             return
         if all(hasattr(c, "extract") for c in self.cache):
-            self.engine.keep_prefix(s.req, s.fed, [c.extract(row) for c in self.cache])
+            caches = [c.extract(row) for c in self.cache]
+            if self.ahead is not None:  # the step built ahead wrote one more token than s was fed
+                trim_prompt_cache(caches, 1)
+            self.engine.keep_prefix(s.req, s.fed, caches)
 
     def abandon(self) -> list[Sequence]:
         """After an error: every sequence leaves (the caller answers them); the runtime is recovered."""
-        seqs, self.seqs, self.cache = self.seqs, [], None
+        seqs, self.seqs, self.cache, self.ahead = self.seqs, [], None, None
         self.engine.store.runtime.recover()
         return seqs
 

@@ -62,6 +62,26 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
         assert batched[p].completion_tokens == lengths[p]
 
 
+def test_a_batch_decoding_ahead_keeps_each_finished_sequences_exact_kv_cache():
+    """The default batch (every expert resident) builds step n+1 before step n's tokens reach the host, so a
+    sequence that finishes at step n leaves with one token too many in its KV cache: the prompt cache must get
+    exactly the tokens it was fed (no more), and a next turn from it answers as a fresh engine does."""
+    lengths = {p: 3 + i for i, p in enumerate(PROMPTS[:4])}  # they finish one per step
+    with open_engine(EngineConfig(max_batch=4)) as engine:
+        assert engine.store.runtime.sync_free  # the batch decodes ahead
+        batched = run_batch(engine, PROMPTS[:4], max_batch=4, stagger=False, max_tokens=lengths)
+        entries = dict(engine.prompt_cache.entries)
+        assert len(entries) == 4
+        for tokens, cache in entries.items():
+            assert all(c.offset == len(tokens) for c in cache), len(tokens)
+        p = PROMPTS[2]
+        follow = engine.encode_text(p) + batched[p].tokens + engine.encode_text(" = 1")
+        again = engine.generate(GenRequest(prompt=follow, max_tokens=N))
+        assert again.cached_tokens > len(batched[p].tokens)  # the kept cache served it
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as fresh:
+        assert again.tokens == fresh.generate(GenRequest(prompt=follow, max_tokens=N)).tokens
+
+
 @pytest.mark.parametrize("executor", ["auto", "staged"])
 def test_default_kernels_batch_every_request_to_its_end(executor):
     """The default (the demo's experts fit: resident, nothing read per step) and the streamed pipeline."""
