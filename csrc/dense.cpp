@@ -232,11 +232,37 @@ static float dot16(const float* a, const float* b, int64_t D) {
   return lane[0];
 }
 
+// dot16 of a against 4 rows of b (b, b + D, ...) at once: 4 independent sums (a single one waits on its own
+// additions), each with exactly dot16's operations in dot16's order, so each result has dot16's bits.
+static void dot16x4(const float* a, const float* b, int64_t D, float* out) {
+  float lane[4][16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    for (int o = 0; o < 4; o++) {
+#pragma omp simd
+      for (int j = 0; j < 16; j++) lane[o][j] += a[i + j] * b[o * D + i + j];
+    }
+  }
+  for (int o = 0; o < 4; o++) {
+    for (int j = 0; i + j < D; j++) lane[o][j] += a[i + j] * b[o * D + i + j];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int j = 0; j < w; j++) lane[o][j] += lane[o][j + w];
+    out[o] = lane[o][0];
+  }
+}
+
 void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out) {
   const int64_t NB = 16;  // outputs per task
   parallel_for((N + NB - 1) / NB, [&](int64_t t) {
-    for (int64_t n = t * NB; n < std::min(N, (t + 1) * NB); n++)
-      for (int64_t r = 0; r < rows; r++) out[r * N + n] = dot16(x + r * D, w + n * D, D) + (bias ? bias[n] : 0.f);
+    const int64_t n1 = std::min(N, (t + 1) * NB);
+    for (int64_t r = 0; r < rows; r++) {
+      int64_t n = t * NB;
+      for (float v[4]; n + 4 <= n1; n += 4) {
+        dot16x4(x + r * D, w + n * D, D, v);
+        for (int o = 0; o < 4; o++) out[r * N + n + o] = v[o] + (bias ? bias[n + o] : 0.f);
+      }
+      for (; n < n1; n++) out[r * N + n] = dot16(x + r * D, w + n * D, D) + (bias ? bias[n] : 0.f);
+    }
   }, rows >= PROMPT_ROWS);
 }
 
