@@ -159,7 +159,7 @@ class QMV : public mx::UnaryPrimitive {
       std::vector<float> g(R * H), u(R * H);
       qmv(q[0], xd, Rx, pairs, g.data(), prompt);
       qmv(q[1], xd, Rx, pairs, u.data(), prompt);
-      for (int64_t i = 0; i < R * H; i++) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];  // swiglu
+      swiglu(g.data(), u.data(), R * H);
       for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
       qmv(q[2], g.data(), R, pairs, out.data<float>(), prompt);
     });

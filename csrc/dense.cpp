@@ -185,6 +185,12 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
   }, L >= PROMPT_ROWS);
 }
 
+void swiglu(float* g, const float* u, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++)
+    g[i] = g[i] / (1.f + mlx::core::simd::exp(mlx::core::simd::Simd<float, 1>(-g[i])).value) * u[i];
+}
+
 void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores) {
   std::vector<float> p(E);
   std::vector<uint32_t> order(E);

@@ -47,6 +47,9 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
           const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
           const float* b2, int64_t N, float* out);
 
+// g[i] = silu(g[i]) * u[i] for i < n (a routed expert's SwiGLU between its products), vectorized with MLX's exp.
+void swiglu(float* g, const float* u, int64_t n);
+
 // out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
 
