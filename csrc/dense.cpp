@@ -44,14 +44,80 @@ static inline void group_dots(const float* qv, const float* kr, int64_t Dh, floa
 #endif
 }
 
-// Scores of `group` query rows against keys [0, seen): p[g * S + t], and each row's maximum in mx[g].
+#if defined(__AVX2__) && defined(__FMA__)
+// group_dots for KB consecutive key rows (kr, kr + ks, ...) at once: KB x G independent FMA chains, each dot's
+// operations those of group_dots in its order, so each score has group_dots's bits.
+template <int G, int KB>
+static inline void key_dots(const float* qv, const float* kr, int64_t ks, int64_t Dh, float (*dot)[G]) {
+  __m256 acc[KB][G];
+  for (int i = 0; i < KB; i++)
+    for (int g = 0; g < G; g++) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dh; d += 8) {
+    __m256 q[G];
+    for (int g = 0; g < G; g++) q[g] = _mm256_loadu_ps(qv + g * Dh + d);
+    for (int i = 0; i < KB; i++) {
+      const __m256 kv = _mm256_loadu_ps(kr + i * ks + d);
+      for (int g = 0; g < G; g++) acc[i][g] = _mm256_fmadd_ps(q[g], kv, acc[i][g]);
+    }
+  }
+  for (int i = 0; i < KB; i++)
+    for (int g = 0; g < G; g++) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][g]), _mm256_extractf128_ps(acc[i][g], 1));
+      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      dot[i][g] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[g, :] += p[g * S + t] * v row t for t < seen, G query rows sharing the value rows: 32 features at a time
+// held in registers across the keys (4G independent FMA chains, no load and store of acc per key). Each
+// feature's sum runs over t in order with one FMA per key, as the plain loop's contracted `+= pt * vr[d]`.
+template <int G>
+static void pv_sums(const float* p, int64_t S, int64_t seen, const float* vb, int64_t vs, int64_t Dh, float* acc) {
+  for (int64_t d0 = 0; d0 < Dh; d0 += 32) {
+    __m256 a[G][4];
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < 4; j++) a[g][j] = _mm256_loadu_ps(acc + g * Dh + d0 + 8 * j);
+    for (int64_t t = 0; t < seen; t++) {
+      const float* vr = vb + t * vs + d0;
+      __m256 vv[4];
+      for (int j = 0; j < 4; j++) vv[j] = _mm256_loadu_ps(vr + 8 * j);
+      for (int g = 0; g < G; g++) {
+        const __m256 pt = _mm256_set1_ps(p[g * S + t]);
+        for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(pt, vv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * Dh + d0 + 8 * j, a[g][j]);
+  }
+}
+#endif
+
+// Scores of `group` query rows against keys [0, seen)// Scores of `group` query rows against keys [0, seen): p[g * S + t], and each row's maximum in mx[g].
 static void group_scores(const float* qv, const View4& k, const float* kb, int64_t group, int64_t seen, int64_t S,
                          int64_t Dh, float* p, float* mx) {
   float dot[8];
-  auto run = [&](auto G) {
-    for (int64_t t = 0; t < seen; t++) {
-      group_dots<decltype(G)::value>(qv, kb + t * k.strides[2], Dh, dot);
-      for (int g = 0; g < decltype(G)::value; g++) {
+  auto run = [&](auto Gc) {
+    constexpr int G = decltype(Gc)::value;
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    constexpr int KB = G <= 2 ? 4 : G == 4 ? 2 : 1;  // keys at once: KB x G accumulators in registers
+    if constexpr (KB > 1) {
+      float dots[KB][G];
+      for (; t + KB <= seen; t += KB) {
+        key_dots<G, KB>(qv, kb + t * k.strides[2], k.strides[2], Dh, dots);
+        for (int i = 0; i < KB; i++)
+          for (int g = 0; g < G; g++) {
+            p[g * S + t + i] = dots[i][g];
+            mx[g] = std::max(mx[g], dots[i][g]);
+          }
+      }
+    }
+#endif
+    for (; t < seen; t++) {
+      group_dots<G>(qv, kb + t * k.strides[2], Dh, dot);
+      for (int g = 0; g < G; g++) {
         p[g * S + t] = dot[g];
         mx[g] = std::max(mx[g], dot[g]);
       }
@@ -164,6 +230,12 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (v.strides[3] == 1 && Dh % 32 == 0 && (group == 1 || group == 2 || group == 4)) {
+        (group == 1 ? pv_sums<1> : group == 2 ? pv_sums<2> : pv_sums<4>)(p.data(), S, seen, vb, v.strides[2], Dh,
+                                                                          acc.data());
+      } else
+#endif
       for (int64_t t = 0; t < seen; t++) {
         const float* vr = vb + t * v.strides[2];
         for (int64_t g = 0; g < group; g++) {
