@@ -123,6 +123,26 @@ def _dense_case(d, n, seconds, rows=1, dtype=mx.float32):
     return _rate(call, seconds) * rows * n * d / 1e9
 
 
+ATTENTION = [  # (B, Hq, Hkv, L, S): a decode step alone at a long context, a batch's step, a causal prompt
+    (1, 16, 4, 1, 2048), (8, 4, 2, 1, 256), (1, 16, 4, 256, 256)]
+
+
+def _attention_us(b, hq, hkv, l, s, seconds) -> float:
+    """Microseconds per attention call (head dim 64, float32) under the active kernel."""
+    from .compute import dense
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((b, hq, l, 64), (b, hkv, s, 64), (b, hkv, s, 64)))
+    mx.eval(q, k, v)
+    mask = "causal" if l > 1 else None
+
+    def call():
+        mx.eval([dense.scaled_dot_product_attention(q, k, v, None, 0.125, mask) for _ in range(PER_EVAL)])
+        return PER_EVAL
+    return 1e6 / _rate(call, seconds)
+
+
 def _impls(ext, asked: str | None) -> list[str]:
     """The edge0 code paths to measure, best first; the extension's default path is restored after."""
     if ext is None:
@@ -197,6 +217,17 @@ def bench_kernels(args) -> dict:
             out["rows"][name] = row
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
                 + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))
+        say("attention, microseconds per call (head dim 64, float32; MLX's fast op against edge0's node)")
+        for shape in ATTENTION:
+            name = "B{} Hq{} Hkv{} L{} S{}".format(*shape)
+            with Kernel.choose("mlx").active():
+                row = {"mlx": _attention_us(*shape, seconds)}
+            for t in threads:
+                kernels.set_num_threads(t)
+                with Kernel.choose("edge0").active():
+                    row[f"edge0 x{t}"] = _attention_us(*shape, seconds)
+            out.setdefault("attention_us", {})[name] = row
+            say(f"  {name:34s} " + "  ".join(f"{k} {v:8.1f}" for k, v in row.items()))
     finally:
         if ext is not None:
             ext.set_impl(default_impl)

@@ -642,3 +642,19 @@ def test_edge0_decode_graph_has_fewer_nodes(models):
     mlx_nodes, edge0_nodes = (graph_nodes(str(models("qwen3_moe")), k) for k in ("mlx", "edge0"))
     assert "Edge0GLU" in edge0_nodes and "Edge0GLU" not in mlx_nodes
     assert sum(edge0_nodes.values()) < 0.4 * sum(mlx_nodes.values())
+
+
+@needs_ext
+def test_bench_kernels_times_attention_on_the_kernel_it_names():
+    """`edge0 bench --kernels`' attention rows: the time per call of the active kernel's attention (edge0's is
+    one Edge0Attention node per call; MLX's never reaches the extension)."""
+    from edge0.bench_kernels import _attention_us
+
+    for kernel, nodes in (("edge0", True), ("mlx", False)):
+        use_kernel(kernel)
+        EXT.profile(True)
+        EXT.set_profile(True)
+        us = _attention_us(2, 4, 2, 1, 32, 0.01)
+        EXT.set_profile(False)
+        assert 0 < us < 1e6
+        assert ("Edge0Attention" in EXT.profile(True)) == nodes
