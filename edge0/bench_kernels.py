@@ -143,6 +143,23 @@ def _attention_us(b, hq, hkv, l, s, seconds) -> float:
     return 1e6 / _rate(call, seconds)
 
 
+def _attention_rows(threads: list[int], seconds: float, say) -> dict:
+    """{shape: {kernel: microseconds per call}} for the ATTENTION shapes, MLX's and edge0's per thread count."""
+    say("attention, microseconds per call (head dim 64, float32; MLX's fast op against edge0's node)")
+    rows = {}
+    for shape in ATTENTION:
+        name = "B{} Hq{} Hkv{} L{} S{}".format(*shape)
+        with Kernel.choose("mlx").active():
+            row = {"mlx": _attention_us(*shape, seconds)}
+        for t in threads:
+            kernels.set_num_threads(t)
+            with Kernel.choose("edge0").active():
+                row[f"edge0 x{t}"] = _attention_us(*shape, seconds)
+        rows[name] = row
+        say(f"  {name:34s} " + "  ".join(f"{k} {v:8.1f}" for k, v in row.items()))
+    return rows
+
+
 def _impls(ext, asked: str | None) -> list[str]:
     """The edge0 code paths to measure, best first; the extension's default path is restored after."""
     if ext is None:
@@ -217,17 +234,7 @@ def bench_kernels(args) -> dict:
             out["rows"][name] = row
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
                 + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))
-        say("attention, microseconds per call (head dim 64, float32; MLX's fast op against edge0's node)")
-        for shape in ATTENTION:
-            name = "B{} Hq{} Hkv{} L{} S{}".format(*shape)
-            with Kernel.choose("mlx").active():
-                row = {"mlx": _attention_us(*shape, seconds)}
-            for t in threads:
-                kernels.set_num_threads(t)
-                with Kernel.choose("edge0").active():
-                    row[f"edge0 x{t}"] = _attention_us(*shape, seconds)
-            out.setdefault("attention_us", {})[name] = row
-            say(f"  {name:34s} " + "  ".join(f"{k} {v:8.1f}" for k, v in row.items()))
+        out["attention_us"] = _attention_rows(threads, seconds, say)
     finally:
         if ext is not None:
             ext.set_impl(default_impl)
