@@ -1,0 +1,96 @@
+"""What one batched decode step costs (issue #17): B sequences admitted into one BatchDecoder (the server's
+batch), then the median time of a decode step for all of them, and the graph nodes of one step.
+
+    python tools/batch_step.py [--store S] [--batch 1,2,4,8] [--steps 50] [--prompt-tokens 128] [--rounds 3]
+
+Each sequence's prompt is a different window of real text (Python's json/decoder.py in the store's tokenizer),
+greedy, EOS ignored; the store's defaults otherwise (for the built-in model: predicted routing over resident
+experts, so the batch builds each step ahead). Prints one line per batch size: admission (prefill and first
+token) per sequence, step ms, tokens/s of the batch, nodes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import io
+import json
+import re
+import statistics
+import sys
+import time
+from json import decoder
+
+
+def graph_nodes(engine, batch) -> int:
+    """Nodes of the graph of one more step of the batch (built, not evaluated, then dropped)."""
+    import mlx.core as mx
+
+    inputs = mx.array([[s.next_input] for s in batch.seqs], dtype=mx.uint32)
+    state, routing = [c.state for c in batch.cache], engine.store.runtime.snapshot()
+    with engine.kernel.active():
+        out = engine.store.model(inputs, cache=batch.cache)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+    for c, st in zip(batch.cache, state):  # the step built for counting leaves no trace in the caches
+        c.state = st
+    engine.store.runtime.join([(routing, len(batch.seqs))])  # nor in the routing history
+    return sum(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())).values())
+
+
+def measure(engine, ids: list[int], size: int, args) -> dict:
+    from edge0.batching import BatchDecoder
+
+    batch = BatchDecoder(engine, size)
+    reqs = [engine.request(ids[i * 50:i * 50 + args.prompt_tokens], max_tokens=args.steps * (args.rounds + 1) + 8,
+                           ignore_eos=True) for i in range(size)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        batch.admit(r, lambda text: None, lambda: False)
+    admit_ms = 1e3 * (time.perf_counter() - t0) / size
+    batch.step()
+    batch.settle()  # nothing built ahead while the graph is counted
+    nodes = graph_nodes(engine, batch)
+    rounds = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            batch.step()
+        rounds.append((time.perf_counter() - t0) / args.steps)
+    batch.settle()
+    step = statistics.median(rounds)
+    return {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
+
+
+def main() -> int:
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store", default=None, help="an Edge0 store (default: the built-in model)")
+    p.add_argument("--batch", default="1,2,4,8", help="batch sizes to measure")
+    p.add_argument("--steps", type=int, default=50, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per batch size (the median is printed)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    args = p.parse_args()
+    sizes = [int(b) for b in args.batch.split(",") if b]
+    out = []
+    with open_engine(EngineConfig(model=args.store, max_batch=max(sizes), prompt_cache_gib=0)) as engine:
+        ids = engine.encode_text(inspect.getsource(decoder))
+        if len(ids) < 50 * (max(sizes) - 1) + args.prompt_tokens:
+            sys.exit(f"json/decoder.py is {len(ids)} tokens in this tokenizer: too few for these prompts")
+        for size in sizes:
+            out.append(measure(engine, ids, size, args))
+            if not args.json:
+                r = out[-1]
+                print(f"batch {r['batch']}: admission {r['admit_ms']:.1f} ms a sequence, step {r['step_ms']:.2f} ms, "
+                      f"{r['tok_s']:.1f} tok/s, {r['nodes']} graph nodes a step")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
