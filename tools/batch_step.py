@@ -50,7 +50,7 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         batch.admit(r, lambda text: None, lambda: False)
     admit_ms = 1e3 * (time.perf_counter() - t0) / size
     batch.step()
-    batch.settle()  # nothing built ahead while the graph is counted
+    getattr(batch, "settle", lambda: None)()  # nothing built ahead while the graph is counted (older trees: never)
     nodes = graph_nodes(engine, batch)
     rounds = []
     for _ in range(args.rounds):
@@ -58,7 +58,7 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         for _ in range(args.steps):
             batch.step()
         rounds.append((time.perf_counter() - t0) / args.steps)
-    batch.settle()
+    getattr(batch, "settle", lambda: None)()
     step = statistics.median(rounds)
     return {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
 
