@@ -2,15 +2,17 @@
 
 A new sequence's prompt is prefilled alone (through the prompt cache) at a step boundary, then its KV
 cache joins the batch's (mlx-lm's BatchKVCache, left-padded); a finished or cancelled sequence leaves at
-the next boundary without stalling the others. Where no layer syncs with the host inside a step (every
-expert resident) the batch decodes as one sequence alone does (pipeline/steps.py): step n+1's graph is built
-from step n's unevaluated tokens and queued before those reach the host. A sequence that finishes at step n
-has had step n+1 computed for nothing; its row of that step leaves with it (its KV cache, kept for the prompt
-cache, is trimmed by that token). A newcomer waits for the step built ahead to be taken first (`settle`). One step feeds each sequence its next input token, so the
+the next boundary without stalling the others. One step feeds each sequence its next input token, so the
 routed experts of a step are the union over the batch: each layer's executor reads that union once
 (the staged banks hold 2K slots per sequence, up to E). The routing history that prerouter heads read
 follows the batch's rows (runtime.keep_rows / join); when sequences join, the step after routes every
 consumer layer with its own router.
+
+Where no layer syncs with the host inside a step (every expert resident) the batch decodes as one sequence
+alone does (pipeline/steps.py): step n+1's graph is built from step n's unevaluated tokens and queued before
+those reach the host. A sequence that finishes at step n has had step n+1 computed for nothing; its row of
+that step leaves with it (its KV cache, kept for the prompt cache, is trimmed by that token). A newcomer
+waits for the step built ahead to be taken first (`settle`).
 
 Everything here runs on the engine's one worker thread.
 """
