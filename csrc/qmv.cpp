@@ -459,61 +459,11 @@ static inline __m512 load16(const uint16_t* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-// 128 weights (64 bytes) per step: vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l
-// covering elements 8l..8l+7 of the step, so a lane lies in one group: GS/8 lanes per group. The lane
-// sums are scaled in float by their group's s * xs and accumulated; no horizontal sums until the end.
-template <int GS, typename S>
-static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
-                      const float* xsum, int64_t D) {
-  // The groups' factors s * xs stay in a register, 16 groups at a time, and reach the lanes by a
-  // permute: no store and reload per step.
-  const int64_t G = D / GS, steps = D / 128;
-  constexpr int STEP_GROUPS = 128 / GS;  // groups per step: 4, 2, 1
-  const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                        : GS == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                   : _mm512_setzero_si512();
-  const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
-  const __m512i m = _mm512_set1_epi8(0x0F);
-  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
-    const __m512 d = _mm512_mul_ps(load16(s + g0, k), _mm512_maskz_loadu_ps(k, xs + g0));
-    bias = _mm512_fmadd_ps(load16(b + g0, k), _mm512_maskz_loadu_ps(k, xsum + g0), bias);
-    __m512i lane_group = first;
-    for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
-      _mm_prefetch((const char*)(w + i * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
-      const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
-      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq + i * 128)));
-      acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq + i * 128 + 64)));
-      const __m512 dl = _mm512_permutexvar_ps(lane_group, d);
-      lane_group = _mm512_add_epi32(lane_group, advance);
-      if (i & 1)
-        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1);
-      else
-        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0);
-    }
-  }
-  float r = _mm512_reduce_add_ps(_mm512_add_ps(f0, f1)) + _mm512_reduce_add_ps(bias);
-  if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
-    const int64_t c = steps * 128, g = c / GS;
-    const __m256i m8 = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + c / 2));
-    const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
-    __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq + c)));
-    acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq + c + 32)));
-    const float d0 = at(s, g) * xs[g], d1 = GS == 32 ? at(s, g + 1) * xs[g + 1] : d0;
-    const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
-    alignas(32) float t[8];
-    _mm256_store_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
-    for (float v8 : t) r += v8;
-  }
-  return r;
-}
-
-// dot_vnni for R activation rows at once: each 64-byte weight load and its nibble split serve every row, and
-// each row's float arithmetic is dot_vnni's, in its order, so row r gets the bits dot_vnni gives it alone.
+// W's row w against R activation rows at once (R = 1: one dot product). 128 weights (64 bytes) per step:
+// vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l covering elements 8l..8l+7 of the step, so a
+// lane lies in one group: GS/8 lanes per group. The lane sums are scaled in float by their group's s * xs and
+// accumulated; no horizontal sums until the end. Each 64-byte weight load and its nibble split serve every
+// row, and each row's float arithmetic is the same whatever R: row r gets the bits it gets alone.
 template <int GS, int R, typename S>
 static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t* const* xq, const float* const* xs,
                           const float* const* xsum, int64_t D, float* out) {
@@ -570,6 +520,15 @@ static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t
     out[r] = t;
   }
 }
+
+template <int GS, typename S>
+static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq, const float* xs,
+                      const float* xsum, int64_t D) {
+  float out;
+  dot_vnni_rows<GS, 1>(w, s, b, &xq, &xs, &xsum, D, &out);
+  return out;
+}
+
 
 // 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
 template <int GS, typename S>
