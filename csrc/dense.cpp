@@ -358,8 +358,10 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
     }
   }
   linear(f.data(), rows, w1, b1, H, F, g.data());
-  for (auto& v : g)  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
-    v = v * (1.f + mlx::core::simd::erf(mlx::core::simd::Simd<float, 1>(v / 1.41421356f)).value) / 2.f;
+  float* gv = g.data();
+#pragma omp simd
+  for (int64_t i = 0; i < rows * H; i++)  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
+    gv[i] = gv[i] * (1.f + mlx::core::simd::erf(mlx::core::simd::Simd<float, 1>(gv[i] / 1.41421356f)).value) / 2.f;
   linear(f.data(), rows, delta, nullptr, N, F, d.data());
   linear(g.data(), rows, w2, b2, N, H, o2.data());
   for (int64_t i = 0; i < rows * N; i++) out[i] = router[i] + d[i] + o2[i];
