@@ -17,36 +17,11 @@
 
 namespace edge0 {
 
-// The G dot products of G query rows (qv, G x Dh, contiguous) with one key row kr (contiguous), into dot[0..G).
-// With AVX2 the G sums advance together, 8 lanes at a time: G independent FMA chains instead of one chain per
-// dot (a decode step's attention was bound by that latency, not by the bytes). Needs Dh % 8 == 0.
-template <int G>
-static inline void group_dots(const float* qv, const float* kr, int64_t Dh, float* dot) {
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[G];
-  for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < Dh; d += 8) {
-    const __m256 kv = _mm256_loadu_ps(kr + d);
-    for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + g * Dh + d), kv, acc[g]);
-  }
-  for (int g = 0; g < G; g++) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    dot[g] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
-#else
-  for (int g = 0; g < G; g++) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < Dh; d++) s += qv[g * Dh + d] * kr[d];
-    dot[g] = s;
-  }
-#endif
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// group_dots for KB consecutive key rows (kr, kr + ks, ...) at once: KB x G independent FMA chains, each dot's
-// operations those of group_dots in its order, so each score has group_dots's bits.
+// The G dot products of G query rows (qv, G x Dh, contiguous) with each of KB key rows (kr, kr + ks, ...), into
+// dot[i][0..G): the KB x G sums advance together, 8 lanes at a time, independent FMA chains instead of one chain
+// per dot (a decode step's attention was bound by that latency, not by the bytes). A dot's operations and their
+// order do not depend on KB or G, so neither do its bits. Needs Dh % 8 == 0.
 template <int G, int KB>
 static inline void key_dots(const float* qv, const float* kr, int64_t ks, int64_t Dh, float (*dot)[G]) {
   __m256 acc[KB][G];
@@ -68,6 +43,22 @@ static inline void key_dots(const float* qv, const float* kr, int64_t ks, int64_
     }
 }
 #endif
+
+// The G dot products of G query rows with one key row kr (contiguous), into dot[0..G) (key_dots for one key
+// with AVX2).
+template <int G>
+static inline void group_dots(const float* qv, const float* kr, int64_t Dh, float* dot) {
+#if defined(__AVX2__) && defined(__FMA__)
+  key_dots<G, 1>(qv, kr, 0, Dh, reinterpret_cast<float(*)[G]>(dot));
+#else
+  for (int g = 0; g < G; g++) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < Dh; d++) s += qv[g * Dh + d] * kr[d];
+    dot[g] = s;
+  }
+#endif
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // acc[g, :] += p[g * S + t] * v row t for t < seen, G query rows sharing the value rows: 32 features at a time
@@ -94,7 +85,7 @@ static void pv_sums(const float* p, int64_t S, int64_t seen, const float* vb, in
 }
 #endif
 
-// Scores of `group` query rows against keys [0, seen)// Scores of `group` query rows against keys [0, seen): p[g * S + t], and each row's maximum in mx[g].
+// Scores of `group` query rows against keys [0, seen): p[g * S + t], and each row's maximum in mx[g].
 static void group_scores(const float* qv, const View4& k, const float* kb, int64_t group, int64_t seen, int64_t S,
                          int64_t Dh, float* p, float* mx) {
   float dot[8];
@@ -156,11 +147,13 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
   const int half = dims / 2;
   std::vector<float> cosv(L * half), sinv(L * half);
   const float lb = std::log(base) / (float)half;
+  std::vector<float> freq(half);
+  for (int i = 0; i < half; i++) freq[i] = std::exp(-(float)i * lb);
   auto table = [&](int64_t at) {  // cos and sin at positions at .. at + L - 1
     for (int64_t l = 0; l < L; l++) {
       const float pos = (float)(at + l) * scale;
       for (int i = 0; i < half; i++) {
-        const float theta = pos * std::exp(-(float)i * lb);
+        const float theta = pos * freq[i];
         cosv[l * half + i] = std::cos(theta);
         sinv[l * half + i] = std::sin(theta);
       }

@@ -468,12 +468,14 @@ template <int GS, int R, typename S>
 static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t* const* xq, const float* const* xs,
                           const float* const* xsum, int64_t D, float* out) {
   const int64_t G = D / GS, steps = D / 128;
-  constexpr int STEP_GROUPS = 128 / GS;
+  constexpr int STEP_GROUPS = 128 / GS;  // groups per step: 4, 2, 1
   const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                         : GS == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                    : _mm512_setzero_si512();
   const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
   const __m512i m = _mm512_set1_epi8(0x0F);
+  // The groups' factors s * xs stay in a register per row, 16 groups at a time, and reach the lanes by a
+  // permute: no store and reload per step.
   __m512 f0[R], f1[R], bias[R], d[R];
   for (int r = 0; r < R; r++) f0[r] = f1[r] = bias[r] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -504,7 +506,7 @@ static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t
   }
   for (int r = 0; r < R; r++) {
     float t = _mm512_reduce_add_ps(_mm512_add_ps(f0[r], f1[r])) + _mm512_reduce_add_ps(bias[r]);
-    if (D % 128) {  // the last 64 elements, as dot_vnni
+    if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
       const int64_t c = steps * 128, g = c / GS;
       const __m256i m8 = _mm256_set1_epi8(0x0F);
       const __m256i v = _mm256_loadu_si256((const __m256i*)(w + c / 2));
@@ -528,7 +530,6 @@ static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq
   dot_vnni_rows<GS, 1>(w, s, b, &xq, &xs, &xsum, D, &out);
   return out;
 }
-
 
 // 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
 template <int GS, typename S>
@@ -621,7 +622,6 @@ static void rows_avx2_s(const QWeights& q, const S* scales, const S* biases, int
     }
   }
 }
-
 #endif
 
 #if defined(EDGE0_VNNI)
