@@ -2,11 +2,13 @@
 batch), then the median time of a decode step for all of them, and the graph nodes of one step.
 
     python tools/batch_step.py [--store S] [--batch 1,2,4,8] [--steps 50] [--prompt-tokens 128] [--rounds 3]
+                               [--profile]
 
 Each sequence's prompt is a different window of real text (Python's json/decoder.py in the store's tokenizer),
 greedy, EOS ignored; the store's defaults otherwise (for the built-in model: predicted routing over resident
 experts, so the batch builds each step ahead). Prints one line per batch size: admission (prefill and first
-token) per sequence, step ms, tokens/s of the batch, nodes per step.
+token) per sequence, step ms, tokens/s of the batch, nodes per step; with --profile also the time per step
+inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def graph_nodes(engine, batch) -> int:
 
 def measure(engine, ids: list[int], size: int, args) -> dict:
     from edge0.batching import BatchDecoder
+    from edge0.compute import kernels
 
     batch = BatchDecoder(engine, size)
     reqs = [engine.request(ids[i * 50:i * 50 + args.prompt_tokens], max_tokens=args.steps * (args.rounds + 1) + 8,
@@ -52,6 +55,10 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     batch.step()
     getattr(batch, "settle", lambda: None)()  # nothing built ahead while the graph is counted (older trees: never)
     nodes = graph_nodes(engine, batch)
+    ext = kernels.load() if args.profile else None
+    if ext is not None:
+        ext.profile(True)
+        ext.set_profile(True)
     rounds = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
@@ -60,12 +67,16 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         rounds.append((time.perf_counter() - t0) / args.steps)
     getattr(batch, "settle", lambda: None)()
     step = statistics.median(rounds)
-    return {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
+    out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
+    if ext is not None:
+        ext.set_profile(False)
+        n = args.rounds * args.steps + 1  # the steps timed and the one settled after them
+        out["kernel_ms"] = {k: 1e3 * sec / n for k, (_, sec) in sorted(ext.profile(True).items(), key=lambda kv: -kv[1][1])}
+    return out
 
 
 def main() -> int:
-    from edge0.config import EngineConfig
-    from edge0.engine import open_engine
+    from edge0.errors import Edge0Error
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", default=None, help="an Edge0 store (default: the built-in model)")
@@ -73,9 +84,25 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds per batch size (the median is printed)")
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="also ms per step inside each kind of edge0 node")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     args = p.parse_args()
-    sizes = [int(b) for b in args.batch.split(",") if b]
+    try:
+        sizes = [int(b) for b in args.batch.split(",") if b]
+    except ValueError:
+        sys.exit(f"--batch {args.batch}: expected batch sizes like 1,4,8")
+    if not sizes or min(sizes) < 1 or args.steps < 1 or args.rounds < 1 or args.prompt_tokens < 1:
+        sys.exit("--batch sizes, --steps, --rounds and --prompt-tokens must be at least 1")
+    try:
+        return run(args, sizes)
+    except Edge0Error as e:
+        sys.exit(f"batch_step: {e}")
+
+
+def run(args, sizes: list[int]) -> int:
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+
     out = []
     with open_engine(EngineConfig(model=args.store, max_batch=max(sizes), prompt_cache_gib=0)) as engine:
         ids = engine.encode_text(inspect.getsource(decoder))
@@ -87,6 +114,10 @@ def main() -> int:
                 r = out[-1]
                 print(f"batch {r['batch']}: admission {r['admit_ms']:.1f} ms a sequence, step {r['step_ms']:.2f} ms, "
                       f"{r['tok_s']:.1f} tok/s, {r['nodes']} graph nodes a step")
+                for kind, ms in r.get("kernel_ms", {}).items():
+                    print(f"    {kind}: {ms:.3f} ms a step")
+                if "kernel_ms" in r:
+                    print(f"    edge0 nodes in all: {sum(r['kernel_ms'].values()):.2f} ms a step")
     if args.json:
         print(json.dumps(out))
     return 0
