@@ -197,3 +197,22 @@ def _error_or_text(ask, prompt):
         return ask(prompt)
     except Exception as e:  # the request's error is the result
         return e
+
+
+@pytest.mark.skipif(not kernels.available(), reason="edge0 kernels not built")
+def test_a_batchs_step_graph_is_as_small_as_one_sequences():
+    """On the edge0 kernels a batch's RoPE and attention are one node each whatever the batch (each sequence's
+    offset and padding are input arrays): `tools/batch_step.py` counts the same nodes for 1 and 4 sequences.
+    Per-sequence slices and MLX's composed RoPE for an array offset (the path before) add nodes per sequence."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("batch_step", Path(__file__).parents[1] / "tools" / "batch_step.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args = argparse.Namespace(prompt_tokens=16, steps=2, rounds=1, profile=True)
+    with open_engine(EngineConfig(kernel="edge0", max_batch=4, prompt_cache_gib=0)) as engine:
+        ids = engine.encode_text(" ".join(PROMPTS) * 4)
+        one, four = (tool.measure(engine, ids, size, args) for size in (1, 4))
+    assert one["nodes"] == four["nodes"]
+    assert four["step_ms"] > 0 and "Edge0Attention" in four["kernel_ms"]
