@@ -102,11 +102,9 @@ class PrefetchExperts:
         rt = self.rt
         rt.settle()  # the planner thread's plans (a step's flush) come before this layer's
         sched, step = rt.sched, rt.sched.step
-        if (rt.paused and self.staged is not None and self.planned_by is None and not self.routes_ahead
-                and not self.waiting and not sched.busy(self.layer)):
-            self.ran = step  # paused with nothing planned here: native routing on the same bank, no scheduler
-            self.prev_inds = inds[..., -1:, :]
-            return self.staged(x, inds)
+        if (rt.paused and self.staged is not None and self.planned_by is None and not self.waiting
+                and not sched.busy(self.layer)):
+            return self._staged(x, inds, step)
         d = self.decided.get(step) if self.answered == step else None
         if d is not None:  # decided a step ahead: ids and slots are on the host already
             host, ids = d.host, d.ids
@@ -137,8 +135,9 @@ class PrefetchExperts:
         except BaseException:
             cache.forget([slot for slot, _ in fills])  # assigned, never to be read
             raise
-        with rt.scheduling(self.layer):
-            sched.demand_end(reads)
+        if reads is not None:
+            with rt.scheduling(self.layer):
+                sched.demand_end(reads)
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
         self.ran = step
         if self.waiting:
@@ -154,6 +153,16 @@ class PrefetchExperts:
         rt.span(f"queue L{self.layer}", "compute", t0)
         return y
 
+    def _staged(self, x: mx.array, inds: mx.array, step: int) -> mx.array:
+        """Paused with nothing planned here: native routing on the same bank, no scheduler. A layer owning a
+        head that routes its consumer still predicts (scheduled before its experts, pulled at the step's end)."""
+        self.ran = step
+        predictions = self._predict(x, inds, None) if self.routes_ahead and inds.shape[-2] == 1 else []
+        self.prev_inds = inds[..., -1:, :]
+        if predictions:
+            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+        return self.staged(x, inds)
+
     def plan_waiting(self) -> None:
         """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
         step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
@@ -162,7 +171,7 @@ class PrefetchExperts:
             self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=speculative)
         self.waiting = []
 
-    def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray) -> list[Prediction]:
+    def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan. Paused,
         only the heads whose prediction is their consumer's routing (predicted routing) run."""
         rt, step, n = self.rt, self.rt.sched.step, self.rt.guesses
