@@ -145,7 +145,9 @@ def test_never_pauses_where_reads_cost(text):
 def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
     """Under predicted routing a warm store pauses the next-router reads ahead (layers without a routing head),
     never the heads that route: the output is bit for bit that of a run that never pauses, every routed set at a
-    consumer layer is the one its head decided, and the heads' predictions are pulled once, at the step's end."""
+    consumer layer is the one its head decided, and the heads' predictions are pulled once, at the step's end.
+    Paused, a layer that routes with its own router is the staged executor, its head (if it owns one) still
+    predicting: the scheduler is never asked for its reads."""
     ids, _ = text
     warm_store()
     runs, after = {}, PrefetchRuntime.PAUSE_AFTER
@@ -155,9 +157,10 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
             rt = engine.store.runtime
             pull, pulls = rt.pull, []
             rt.pull = lambda: pulls.append(rt.sched.step) or pull()
-            demand, missed = rt.sched.demand_begin, []  # (layer, step) of every demand read
+            demand, missed, asked = rt.sched.demand_begin, [], []  # (layer, step) of every demand read; every call
 
             def recording(layer, cache, want):
+                asked.append((layer, rt.paused, rt.sched.step))
                 got = demand(layer, cache, want)
                 if got is not None and got[1] is not None:
                     missed.append((layer, rt.sched.step))
@@ -167,6 +170,13 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
             got = forced(engine, ids)
             consumers = set(rt.heads.owners)
             runs[pause] = got, rt.paused_steps, len(pulls), [m for m in missed if m[0] in consumers and m[1] > 0]
+            first = min((st for _, p, st in asked if p), default=0)  # its reads planned before the pause land
+            native = {layer for layer, p, st in asked if p and st > first and layer not in consumers}
+            owners = set(rt.heads.owners.values()) - consumers
+            if pause == after:  # (layer 1 owns layer 2's head and routes itself: it was asked every paused step)
+                assert owners and not native
+            else:
+                assert owners <= {layer for layer, *_ in asked}
     (paused, n_paused, pulls, missed), (never, n_never, pulls_never, _) = runs.values()
     assert np.array_equal(paused, never)
     steps = len(ids) - 1
