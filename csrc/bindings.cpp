@@ -487,6 +487,40 @@ class CombineOp : public DenseOp {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// Rows of a quantized embedding table, one node (MLX composes mx.dequantize of a gathered row from about 30).
+class EmbedOp : public DenseOp {
+ public:
+  EmbedOp(mx::Stream s, int group_size, int bits) : DenseOp(s), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [gs = group_size_, bits = bits_](const std::vector<mx::array>& in, mx::array& o) {
+      const mx::array& idx = in[0];
+      std::vector<int64_t> ids(idx.size());
+      if (idx.dtype() == mx::uint32) {
+        std::vector<uint32_t> t;
+        const uint32_t* p = dense_data<uint32_t>(idx, t);
+        for (size_t i = 0; i < ids.size(); i++) ids[i] = p[i];
+      } else {
+        std::vector<int32_t> t;
+        const int32_t* p = dense_data<int32_t>(idx, t);
+        for (size_t i = 0; i < ids.size(); i++) ids[i] = p[i];
+      }
+      std::vector<uint32_t> wt;
+      std::vector<float> st, bt;
+      const int64_t D = o.shape(-1);
+      embed(ids.data(), (int64_t)ids.size(), dense_data<uint32_t>(in[1], wt), dense_data<float>(in[2], st),
+            dense_data<float>(in[3], bt), in[1].shape(0), D, gs, bits, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0Embed"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const EmbedOp&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
 // Routing as one node with two outputs: (inds uint32, scores float32), each (..., k).
 class RouterOp : public mx::Primitive {
  public:
@@ -589,6 +623,23 @@ static mx::array combine_op(const mx::array& y, const mx::array& scores) {
   return mx::array(shape, mx::float32, std::make_shared<CombineOp>(s), {y, scores});
 }
 
+static mx::array embed_op(const mx::array& ids, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                          int group_size, int bits) {
+  need_f32(scales, "embed", "scales");
+  need_f32(biases, "embed", "biases");
+  if (ids.dtype() != mx::uint32 && ids.dtype() != mx::int32)
+    throw std::invalid_argument("edge0 embed: ids must be uint32 or int32");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("edge0 embed: bits must be 4 or 8");
+  const int64_t D = w.ndim() == 2 ? w.shape(1) * (32 / bits) : 0;
+  if (w.dtype() != mx::uint32 || D < 1 || group_size < 1 || D % group_size || scales.ndim() != 2 ||
+      scales.shape(0) != w.shape(0) || scales.shape(1) != D / group_size || biases.shape() != scales.shape())
+    throw std::invalid_argument("edge0 embed: w (V, D*bits/32) uint32, scales and biases (V, D/group_size)");
+  auto shape = ids.shape();
+  shape.push_back((int)D);
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<EmbedOp>(s, group_size, bits), {ids, w, scales, biases});
+}
+
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
 static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what) {
   if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
@@ -645,6 +696,9 @@ NB_MODULE(_kernels, m) {
   m.def("head", &edge0::head_op, "x"_a, "now"_a, "prev"_a, "router"_a, "delta"_a, "w1"_a, "b1"_a, "w2"_a, "b2"_a,
         "A prerouter head in one node: (router + delta f) + w2 gelu(w1 f + b1) + b2 for the features\n"
         "f = [x, multi-hot(now), multi-hot(prev)] (ids >= E name no expert; prev None: zeros), each product as linear.");
+  m.def("embed", &edge0::embed_op, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "Rows ids of a 4- or 8-bit affine-quantized table (V, D*bits/32) with float32 scales and biases (V, D/gs):\n"
+        "(*ids.shape, D) float32, each element as mx.dequantize rounds it; an id out of range gives zeros.");
   m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
         "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
   m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,

@@ -276,6 +276,28 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
   }
 }
 
+void embed(const int64_t* ids, int64_t n, const uint32_t* w, const float* scales, const float* biases, int64_t V,
+           int64_t D, int gs, int bits, float* out) {
+  const int per = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  const int64_t words = D / per, G = D / gs;
+  for (int64_t i = 0; i < n; i++) {
+    float* o = out + i * D;
+    const int64_t id = ids[i];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + D, 0.f);
+      continue;
+    }
+    const uint32_t* row = w + id * words;
+    const float *s = scales + id * G, *b = biases + id * G;
+    for (int64_t j = 0; j < D; j++) {
+      const float q = (float)((row[j / per] >> (bits * (j % per))) & mask);
+      volatile float p = q * s[j / gs];  // rounded before the sum, as mx.dequantize (no fused multiply-add)
+      o[j] = p + b[j / gs];
+    }
+  }
+}
+
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out) {
   for (int64_t t = 0; t < T; t++) {
     float* o = out + t * D;

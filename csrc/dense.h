@@ -50,6 +50,13 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
 // g[i] = silu(g[i]) * u[i] for i < n (a routed expert's SwiGLU between its products), vectorized with MLX's exp.
 void swiglu(float* g, const float* u, int64_t n);
 
+// Rows of an affine-quantized embedding table: out[i] = scales[id] * q + biases[id] per group of gs, for the n ids
+// (q the bits-wide values packed little-endian in uint32 words, as MLX packs them), each element as mx.dequantize
+// computes it (a product, then a sum: two roundings). w (V, D*bits/32), scales and biases (V, D/gs); an id >= V
+// gives a row of zeros.
+void embed(const int64_t* ids, int64_t n, const uint32_t* w, const float* scales, const float* biases, int64_t V,
+           int64_t D, int gs, int bits, float* out);
+
 // out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
 

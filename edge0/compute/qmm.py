@@ -109,7 +109,17 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose tied output head (as_linear) goes through quantized_matmul."""
+    """nn.QuantizedEmbedding whose lookup is one edge0 node where it fits (MLX composes the dequantization of the
+    gathered rows from about 30 nodes: 0.3 ms of a 3 ms decode step on the demo store), with the same values, and
+    whose tied output head (as_linear) goes through quantized_matmul."""
+
+    def __call__(self, x):
+        ext = current().ext
+        w, s, b = self["weight"], self["scales"], self.get("biases")
+        if (ext is not None and self.mode == "affine" and self.bits in (4, 8) and b is not None
+                and s.dtype == b.dtype == mx.float32 and x.dtype in (mx.uint32, mx.int32)):
+            return ext.embed(x, w, s, b, self.group_size, self.bits)
+        return super().__call__(x)
 
     def as_linear(self, x):
         return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,

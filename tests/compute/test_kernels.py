@@ -324,6 +324,10 @@ def test_a_left_padded_batch_ropes_and_attends_each_row_as_alone():
 
 
 BAD_CALLS = {  # each must raise one ValueError naming the op, never crash or read out of bounds
+    "embedding scales not per group": lambda: EXT.embed(mx.array([1]), mx.zeros((4, 32), dtype=mx.uint32),
+                                                        mx.zeros((4, 3)), mx.zeros((4, 3)), 64, 4),
+    "embedding of float ids": lambda: EXT.embed(mx.array([1.0]), mx.zeros((4, 32), dtype=mx.uint32), mx.zeros((4, 4)),
+                                                mx.zeros((4, 4)), 64, 4),
     "no output rows": lambda: EXT.qmv(mx.zeros((1, 128)), mx.zeros((0, 16), dtype=mx.uint32), mx.zeros((0, 2)),
                                       mx.zeros((0, 2))),
     "D not a multiple of the group": lambda: EXT.qmv(mx.zeros((1, 192)), mx.zeros((8, 24), dtype=mx.uint32),
@@ -451,6 +455,32 @@ def test_a_served_head_is_one_node_with_the_bits_of_features_then_the_head(rows,
 def test_bad_inputs_raise_one_clear_error(name):
     with pytest.raises(ValueError, match=r"^edge0 \w+"):
         mx.eval(BAD_CALLS[name]())
+
+
+@needs_ext
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (4, 128), (8, 64)])
+@pytest.mark.parametrize("dtype", [mx.int32, mx.uint32])
+def test_quantized_embedding_is_one_node_with_mlx_bits(bits, gs, dtype):
+    """A quantized embedding's lookup on the edge0 kernel: one node, each row bit for bit MLX's dequantized row;
+    an id past the table gives zeros (MLX's gather reads out of bounds)."""
+    emb = nn.Embedding(40, 256)
+    emb.weight = mx.random.normal((40, 256), key=mx.random.key(bits + gs)) * 0.05
+    emb = qmm.KernelQuantizedEmbedding.from_embedding(emb, group_size=gs, bits=bits)
+    ids = mx.array([[3, 0, 39], [7, 7, 12]], dtype=dtype)
+    use_kernel("mlx")
+    want = emb(ids)
+    use_kernel("edge0")
+    EXT.set_profile(True)
+    EXT.profile(True)
+    got = emb(ids)
+    mx.eval(got)
+    nodes = EXT.profile(True)
+    EXT.set_profile(False)
+    assert got.shape == (2, 3, 256) and got.dtype == mx.float32
+    assert np.array_equal(np.array(got), np.array(want))
+    assert list(nodes) == ["Edge0Embed"] and nodes["Edge0Embed"][0] == 1
+    past = emb(mx.array([40, 0], dtype=dtype))
+    assert not np.array(past[0]).any() and np.array_equal(np.array(past[1]), np.array(want[0, 1]))
 
 
 @needs_ext
