@@ -171,12 +171,19 @@ def _impls(ext, asked: str | None) -> list[str]:
     return built
 
 
-def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
-    """Nodes of one decode step's graph (resident executor: no per-layer sync), by primitive."""
+def node_counts(out: mx.array) -> dict[str, int]:
+    """The nodes of the (unevaluated) graph behind `out`, by primitive."""
     import collections
     import io
     import re
 
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())))
+
+
+def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
+    """Nodes of one decode step's graph (resident executor: no per-layer sync), by primitive."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from .model.load import load_store
@@ -185,10 +192,9 @@ def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
         store = load_store(store_path, executor="resident")
         cache = make_prompt_cache(store.model)
         mx.eval(store.model(mx.array([[1, 2, 3, 4]]), cache=cache), [c.state for c in cache])
-        dot = io.StringIO()
-        mx.export_to_dot(dot, store.model(mx.array([[5]]), cache=cache))
+        nodes = node_counts(store.model(mx.array([[5]]), cache=cache))
         store.close()
-    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())))
+    return nodes
 
 
 def bench_kernels(args) -> dict:

@@ -14,11 +14,8 @@ inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdow
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
-import io
 import json
-import re
 import statistics
 import sys
 import time
@@ -29,16 +26,16 @@ def graph_nodes(engine, batch) -> int:
     """Nodes of the graph of one more step of the batch (built, not evaluated, then dropped)."""
     import mlx.core as mx
 
+    from edge0.bench_kernels import node_counts
+
     inputs = mx.array([[s.next_input] for s in batch.seqs], dtype=mx.uint32)
     state, routing = [c.state for c in batch.cache], engine.store.runtime.snapshot()
     with engine.kernel.active():
-        out = engine.store.model(inputs, cache=batch.cache)
-        dot = io.StringIO()
-        mx.export_to_dot(dot, out)
+        nodes = node_counts(engine.store.model(inputs, cache=batch.cache))
     for c, st in zip(batch.cache, state):  # the step built for counting leaves no trace in the caches
         c.state = st
     engine.store.runtime.join([(routing, len(batch.seqs))])  # nor in the routing history
-    return sum(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())).values())
+    return sum(nodes.values())
 
 
 def measure(engine, ids: list[int], size: int, args) -> dict:
