@@ -487,23 +487,21 @@ class CombineOp : public DenseOp {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// An integer array's values as int64, in row-major order.
+template <typename T>
+static std::vector<int64_t> widened(const mx::array& a) {
+  std::vector<T> tmp;
+  const T* p = dense_data<T>(a, tmp);
+  return std::vector<int64_t>(p, p + a.size());
+}
+
 // Rows of a quantized embedding table, one node (MLX composes mx.dequantize of a gathered row from about 30).
 class EmbedOp : public DenseOp {
  public:
   EmbedOp(mx::Stream s, int group_size, int bits) : DenseOp(s), group_size_(group_size), bits_(bits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch(inputs, out, [gs = group_size_, bits = bits_](const std::vector<mx::array>& in, mx::array& o) {
-      const mx::array& idx = in[0];
-      std::vector<int64_t> ids(idx.size());
-      if (idx.dtype() == mx::uint32) {
-        std::vector<uint32_t> t;
-        const uint32_t* p = dense_data<uint32_t>(idx, t);
-        for (size_t i = 0; i < ids.size(); i++) ids[i] = p[i];
-      } else {
-        std::vector<int32_t> t;
-        const int32_t* p = dense_data<int32_t>(idx, t);
-        for (size_t i = 0; i < ids.size(); i++) ids[i] = p[i];
-      }
+      const std::vector<int64_t> ids = in[0].dtype() == mx::uint32 ? widened<uint32_t>(in[0]) : widened<int32_t>(in[0]);
       std::vector<uint32_t> wt;
       std::vector<float> st, bt;
       const int64_t D = o.shape(-1);

@@ -289,11 +289,13 @@ void embed(const int64_t* ids, int64_t n, const uint32_t* w, const float* scales
       continue;
     }
     const uint32_t* row = w + id * words;
-    const float *s = scales + id * G, *b = biases + id * G;
-    for (int64_t j = 0; j < D; j++) {
-      const float q = (float)((row[j / per] >> (bits * (j % per))) & mask);
-      volatile float p = q * s[j / gs];  // rounded before the sum, as mx.dequantize (no fused multiply-add)
-      o[j] = p + b[j / gs];
+    for (int64_t g = 0; g < G; g++) {
+      const float s = scales[id * G + g], b = biases[id * G + g];
+      for (int64_t j = g * gs; j < (g + 1) * gs; j++) {
+        const float q = (float)((row[j / per] >> (bits * (j % per))) & mask);
+        volatile float p = q * s;  // rounded before the sum, as mx.dequantize (no fused multiply-add)
+        o[j] = p + b;
+      }
     }
   }
 }
