@@ -160,6 +160,36 @@ def _attention_rows(threads: list[int], seconds: float, say) -> dict:
     return rows
 
 
+EMBEDDINGS = [(4096, 256), (32768, 2048)]  # (V, D): the built-in model's table, a larger one
+
+
+def _embedding_us(v: int, d: int, seconds: float) -> float:
+    """Microseconds per one-token lookup (graph built and evaluated) of a 4-bit table under the active kernel."""
+    emb = qmm.KernelQuantizedEmbedding(v, d, group_size=GROUP, bits=4)
+    emb.weight, emb.scales, emb.biases = _quantized((v, d))
+    ids = [mx.array([[int(t)]], dtype=mx.uint32) for t in np.random.default_rng(0).integers(0, v, 64)]
+    it = iter(range(1 << 62))
+
+    def call():
+        mx.eval([emb(ids[next(it) % len(ids)]) for _ in range(PER_EVAL)])
+        return PER_EVAL
+    return 1e6 / _rate(call, seconds)
+
+
+def _embedding_rows(edge0: bool, seconds: float, say) -> dict:
+    """{table: {kernel: microseconds per lookup}}: MLX's composed dequantization against edge0's node."""
+    say("quantized embedding, microseconds per one-token lookup (4-bit, gs 64, float32 scales)")
+    rows = {}
+    for v, d in EMBEDDINGS:
+        row = {}
+        for kernel in ["mlx"] + (["edge0"] if edge0 else []):
+            with Kernel.choose(kernel).active():
+                row[kernel] = _embedding_us(v, d, seconds)
+        rows[f"V{v} D{d}"] = row
+        say(f"  {'V%d D%d' % (v, d):34s} " + "  ".join(f"{k} {t:8.1f}" for k, t in row.items()))
+    return rows
+
+
 def _impls(ext, asked: str | None) -> list[str]:
     """The edge0 code paths to measure, best first; the extension's default path is restored after."""
     if ext is None:
@@ -241,6 +271,7 @@ def bench_kernels(args) -> dict:
             say(f"  {name:34s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
                 + (f"  ({row[f'{impls[0]} x{threads[0]}'] / row['mlx']:.1f}x)" if impls and threads else ""))
         out["attention_us"] = _attention_rows(threads, seconds, say)
+        out["embedding_us"] = _embedding_rows(bool(threads), seconds, say)
     finally:
         if ext is not None:
             ext.set_impl(default_impl)

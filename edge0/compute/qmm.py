@@ -110,8 +110,8 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose lookup is one edge0 node where it fits (MLX composes the dequantization of the
-    gathered rows from about 30 nodes: 0.3 ms of a 3 ms decode step on the demo store), with the same values, and
-    whose tied output head (as_linear) goes through quantized_matmul."""
+    gathered rows from about 30 nodes; `edge0 bench --kernels` times both), with the same values, and whose tied
+    output head (as_linear) goes through quantized_matmul."""
 
     def __call__(self, x):
         ext = current().ext

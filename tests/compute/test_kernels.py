@@ -688,3 +688,18 @@ def test_bench_kernels_times_attention_on_the_kernel_it_names():
         EXT.set_profile(False)
         assert 0 < us < 1e6
         assert ("Edge0Attention" in EXT.profile(True)) == nodes
+
+
+@needs_ext
+def test_bench_kernels_times_the_embedding_on_the_kernel_it_names():
+    """`edge0 bench --kernels`' embedding rows: a lookup under edge0 is one Edge0Embed node, under MLX none."""
+    from edge0.bench_kernels import _embedding_us
+
+    for kernel, nodes in (("edge0", True), ("mlx", False)):
+        use_kernel(kernel)
+        EXT.profile(True)
+        EXT.set_profile(True)
+        us = _embedding_us(64, 128, 0.01)
+        EXT.set_profile(False)
+        assert 0 < us < 1e6
+        assert ("Edge0Embed" in EXT.profile(True)) == nodes
