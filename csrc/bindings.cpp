@@ -549,6 +549,132 @@ class RouterOp : public mx::Primitive {
   bool norm_;
 };
 
+// One new token's attention in a decoder layer of one sequence as three nodes where mlx-lm's code builds 17 (its
+// reshapes, transposes, slice update and slice among them): Edge0KVWrite puts the token's k row (RMS-normed per
+// head and rotated) and its v row at row `offset` of the KV cache's buffers (1, Hkv, C, Dh); Edge0DecodeAttention
+// norms and rotates the token's q and attends to the buffers' first offset + 1 rows. A buffer that nothing else
+// holds is written in place (its storage passes to the output, as MLX's slice update does), else copied first.
+// Each step is the function the separate nodes call, so the results are theirs bit for bit.
+static std::atomic<int64_t> kv_copies{0};
+
+// Heads of Dh values, contiguous: RMS-normed (w given) then rotated at `offset` (dims > 0), into out.
+static void norm_rotate(const float* x, const float* w, float eps, int64_t heads, int64_t Dh, int dims, bool trad,
+                        float base, float scale, int64_t offset, float* out) {
+  std::vector<float> n;
+  const float* src = x;
+  if (w) {
+    n.resize(heads * Dh);
+    rms_norm(x, w, eps, heads, Dh, n.data());
+    src = n.data();
+  }
+  if (dims > 0)
+    rope(View4{src, {1, heads, 1, Dh}, {heads * Dh, Dh, Dh, 1}}, dims, trad, base, scale, offset, out);
+  else if (src != out)
+    std::copy(src, src + heads * Dh, out);
+}
+
+struct Rotation {
+  bool norm;
+  float eps;
+  int dims;  // 0: no rotation
+  bool traditional;
+  float base, scale;
+  bool operator==(const Rotation& o) const {
+    return norm == o.norm && eps == o.eps && dims == o.dims && traditional == o.traditional && base == o.base &&
+           scale == o.scale;
+  }
+};
+
+// Inputs: x (Hkv*Dh values)[, norm (Dh,)], buffer (1, Hkv, C, Dh); output: the buffer with row offset written.
+class KVWriteOp : public mx::UnaryPrimitive {
+ public:
+  KVWriteOp(mx::Stream s, int64_t offset, Rotation r) : mx::UnaryPrimitive(s), offset_(offset), r_(r) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& buf = inputs.back();
+    const bool copy = !(buf.is_donatable() && buf.flags().row_contiguous && buf.data_size() == buf.size());
+    if (copy) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      kv_copies.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      out.copy_shared_buffer(buf);
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, copy, offset = offset_, r = r_]() mutable {
+      ProfileScope scope([] { return std::string("Edge0KVWrite"); });
+      const auto& buf = inputs.back();
+      const int64_t H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
+      float* dst = out.data<float>();
+      if (copy) {
+        std::vector<float> t;
+        const float* src = dense_data<float>(buf, t);
+        std::copy(src, src + buf.size(), dst);
+      }
+      std::vector<float> xt, wt, row(H * Dh);
+      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, H, Dh,
+                  r.dims, r.traditional, r.base, r.scale, offset, row.data());
+      for (int64_t h = 0; h < H; h++) std::copy(row.data() + h * Dh, row.data() + (h + 1) * Dh, dst + (h * C + offset) * Dh);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0KVWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const KVWriteOp&>(other);
+    return offset_ == o.offset_ && r_ == o.r_;
+  }
+
+ private:
+  int64_t offset_;
+  Rotation r_;
+};
+
+// Inputs: q (heads*Dh values)[, norm (Dh,)], keys, values (1, Hkv, C, Dh); output (1, 1, heads*Dh): the heads side
+// by side, as the output projection takes them.
+class DecodeAttentionOp : public mx::UnaryPrimitive {
+ public:
+  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, float scale)
+      : mx::UnaryPrimitive(s), offset_(offset), r_(r), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, offset = offset_, r = r_, scale = scale_]() mutable {
+      ProfileScope scope([] { return std::string("Edge0DecodeAttention"); });
+      const auto& keys = inputs[inputs.size() - 2];
+      const auto& values = inputs.back();
+      const int64_t Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3), Hq = inputs[0].size() / Dh;
+      std::vector<float> xt, wt, kt, vt, qr(Hq * Dh);
+      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, Hq, Dh,
+                  r.dims, r.traditional, r.base, r.scale, offset, qr.data());
+      const float* kc = dense_data<float>(keys, kt);  // the KV writes' outputs: contiguous
+      const float* vc = dense_data<float>(values, vt);
+      const int64_t S = offset + 1;
+      attention(View4{qr.data(), {1, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
+                View4{kc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
+                View4{vc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0DecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const DecodeAttentionOp&>(other);
+    return offset_ == o.offset_ && r_ == o.r_ && scale_ == o.scale_;
+  }
+
+ private:
+  int64_t offset_;
+  Rotation r_;
+  float scale_;
+};
+
 static void need_f32(const mx::array& a, const char* op, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be float32");
 }
@@ -638,6 +764,54 @@ static mx::array embed_op(const mx::array& ids, const mx::array& w, const mx::ar
   return mx::array(shape, mx::float32, std::make_shared<EmbedOp>(s, group_size, bits), {ids, w, scales, biases});
 }
 
+// The Dh-wide rows of a decode token and their optional norm weight, checked; returns the inputs so far.
+static std::vector<mx::array> head_rows(const char* op, const mx::array& x, const std::optional<mx::array>& norm,
+                                        int64_t heads, int64_t Dh, int dims) {
+  need_f32(x, op, "the rows");
+  if (heads < 1 || Dh < 1 || x.size() != heads * Dh || dims < 0 || dims % 2 || dims > Dh)
+    throw std::invalid_argument(std::string("edge0 ") + op + ": " + std::to_string(heads) + " heads of " +
+                                std::to_string(Dh) + " values expected, and rope dims even, at most Dh (0: none)");
+  std::vector<mx::array> in{x};
+  if (norm) {
+    need_f32(*norm, op, "the norm weight");
+    if (norm->ndim() != 1 || norm->shape(0) != Dh) throw std::invalid_argument(std::string("edge0 ") + op + ": norm weight (Dh,)");
+    in.push_back(*norm);
+  }
+  return in;
+}
+
+static bool is_cache_buffer(const mx::array& b) { return b.ndim() == 4 && b.shape(0) == 1 && b.dtype() == mx::float32; }
+
+static mx::array kv_write_op(const mx::array& x, const std::optional<mx::array>& norm, const mx::array& buffer,
+                             int64_t offset, float eps, int dims, bool traditional, float base, float rope_scale) {
+  if (!is_cache_buffer(buffer) || offset < 0 || offset >= buffer.shape(2))
+    throw std::invalid_argument("edge0 kv_write: buffer (1, H, C, Dh) float32 and 0 <= offset < C");
+  auto in = head_rows("kv_write", x, norm, buffer.shape(1), buffer.shape(3), dims);
+  in.push_back(buffer);
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(buffer.shape(), mx::float32,
+                   std::make_shared<KVWriteOp>(s, offset, Rotation{(bool)norm, eps, dims, traditional, base, rope_scale}),
+                   in);
+}
+
+static mx::array decode_attention_op(const mx::array& q, const std::optional<mx::array>& norm, const mx::array& keys,
+                                     const mx::array& values, int64_t offset, float eps, int dims, bool traditional,
+                                     float base, float rope_scale, float scale) {
+  if (!is_cache_buffer(keys) || keys.shape() != values.shape() || values.dtype() != mx::float32 || offset < 0 ||
+      offset >= keys.shape(2) || keys.shape(3) < 1 || q.size() % keys.shape(3) || (q.size() / keys.shape(3)) % keys.shape(1))
+    throw std::invalid_argument(
+        "edge0 decode_attention: keys and values (1, Hkv, C, Dh) float32, 0 <= offset < C, q a multiple of Hkv heads of Dh");
+  const int64_t Dh = keys.shape(3), heads = q.size() / Dh;
+  auto in = head_rows("decode_attention", q, norm, heads, Dh, dims);
+  in.push_back(keys);
+  in.push_back(values);
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(mx::Shape{1, 1, (int)(heads * Dh)}, mx::float32,
+                   std::make_shared<DecodeAttentionOp>(
+                       s, offset, Rotation{(bool)norm, eps, dims, traditional, base, rope_scale}, scale),
+                   in);
+}
+
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
 static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what) {
   if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
@@ -710,6 +884,16 @@ NB_MODULE(_kernels, m) {
         "softmax(scale * q k^T) v: q (B, Hq, L, Dh), k and v (B, Hkv, S, Dh); causal: query l sees keys\n"
         "up to S - L + l; starts (B,) int32: sequence b sees keys from starts[b] on (a left-padded batch).");
   m.attr("MAX_GROUPS") = edge0::MAX_GROUPS;
+  m.def("kv_write", &edge0::kv_write_op, "x"_a, "norm"_a.none(), "buffer"_a, "offset"_a, "eps"_a = 0.0f,
+        "dims"_a = 0, "traditional"_a = false, "base"_a = 10000.0f, "rope_scale"_a = 1.0f,
+        "A KV cache buffer (1, H, C, Dh) with row offset set to x's H heads, RMS-normed by norm (or None) and rotated "
+        "at offset over dims features (0: not rotated), as one node; written in place when nothing else holds it.");
+  m.def("decode_attention", &edge0::decode_attention_op, "q"_a, "norm"_a.none(), "keys"_a, "values"_a, "offset"_a,
+        "eps"_a, "dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a,
+        "One new token's attention as one node: q's heads RMS-normed (norm or None) and rotated at offset, then "
+        "attending to rows 0..offset of the (1, Hkv, C, Dh) buffers; (1, 1, heads*Dh).");
+  m.def("kv_copies", [] { return edge0::kv_copies.load(); },
+        "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");

@@ -15,7 +15,8 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import base
+from mlx_lm.models import base, qwen3_moe
+from mlx_lm.models.cache import KVCache
 
 from .kernel import current
 from .qmm import swap_classes
@@ -88,6 +89,35 @@ def _per_row_attention(queries, keys, values, cache, scale, sinks):
                                                         None, scale, None, sinks) for i, p in enumerate(pads)])
 
 
+def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
+    """One new token's attention for a Qwen3-style module (q/k RMS norms, plain RoPE, a KVCache) with its
+    norms, rotation, cache writes and attention as three nodes (Edge0KVWrite for k and for v, then
+    Edge0DecodeAttention) where mlx-lm builds 17 (its reshapes, transposes, slice updates and slices among
+    them), the cache's buffers written in place as mlx-lm's slice updates write them; the result is theirs bit
+    for bit. None where these nodes do not apply (another kernel, a prompt, a batch, another cache type, a cache
+    that must grow first): the caller runs mlx-lm's code."""
+    ext = current().ext
+    rope, qn, kn = attn.rope, attn.q_norm, attn.k_norm
+    if (ext is None or x.shape[:2] != (1, 1) or mask is not None or type(cache) is not KVCache or cache.keys is None
+            or cache.offset >= cache.keys.shape[2] or cache.keys.dtype != mx.float32 or x.dtype != mx.float32
+            or type(rope) not in (nn.RoPE, KernelRoPE) or rope.base is None
+            or qn["weight"].dtype != mx.float32 or kn["weight"].dtype != mx.float32):
+        return None
+    at, turn = cache.offset, (rope.dims, rope.traditional, float(rope.base), float(rope.scale))
+    cache.keys = ext.kv_write(attn.k_proj(x), kn["weight"], cache.keys, at, kn.eps, *turn)
+    cache.values = ext.kv_write(attn.v_proj(x), None, cache.values, at)
+    cache.offset += 1
+    out = ext.decode_attention(attn.q_proj(x), qn["weight"], cache.keys, cache.values, at, qn.eps, *turn,
+                               float(attn.scale))
+    return attn.o_proj(out)
+
+
+class KernelQwen3Attention(qwen3_moe.Attention):
+    def __call__(self, x, mask=None, cache=None):
+        out = decode_attention(self, x, mask, cache)
+        return out if out is not None else super().__call__(x, mask, cache)
+
+
 class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x):
         return rms_norm(x, self["weight"], self.eps)
@@ -99,8 +129,8 @@ class KernelRoPE(nn.RoPE):
 
 
 def use_kernel_ops(model: nn.Module) -> int:
-    """Make the model's RMS norms and plain RoPEs call this module (parameters untouched), and the
-    attention of its model modules call scaled_dot_product_attention above. Returns how many modules
+    """Make the model's RMS norms, plain RoPEs and Qwen3 attention modules call this module (parameters
+    untouched), and the attention of its model modules call scaled_dot_product_attention above. Returns how many modules
     were swapped. mlx-lm's attention calls the function named in its model module's namespace, so that
     name is replaced there (once, for the process); the replacement runs mlx-lm's own function whenever
     the current kernel is not edge0, so models that did not ask for it compute exactly as before.
@@ -108,4 +138,5 @@ def use_kernel_ops(model: nn.Module) -> int:
     for module in {sys.modules.get(type(m).__module__) for _, m in model.named_modules()}:
         if getattr(module, "scaled_dot_product_attention", None) is _mlx_attention:
             module.scaled_dot_product_attention = scaled_dot_product_attention
-    return swap_classes(model, {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE})
+    return swap_classes(model, {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE,
+                                qwen3_moe.Attention: KernelQwen3Attention})

@@ -1,0 +1,131 @@
+"""A decode token's attention as three nodes on the edge0 kernel (Edge0KVWrite for k and v, Edge0DecodeAttention):
+the bits of mlx-lm's own attention code on the same kernel, its numbers on MLX's, the KV cache written in place
+unless something else holds it."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import qwen3_moe
+from mlx_lm.models.cache import KVCache
+
+from edge0.bench_kernels import node_counts
+from edge0.compute import dense, kernels
+from edge0.compute.qmm import use_kernel_products
+from tests.helpers import use_kernel
+
+EXT = kernels.load()
+pytestmark = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()}")
+
+
+def attention_module(seed: int = 0, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A Qwen3-MoE attention module with float32 weights (norm weights away from 1, so the norms matter)."""
+    args = qwen3_moe.ModelArgs(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+                               num_attention_heads=heads, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                               mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=32,
+                               num_key_value_heads=kv_heads, head_dim=16, rope_theta=10000.0,
+                               tie_word_embeddings=False, max_position_embeddings=4096, norm_topk_prob=True)
+    mx.random.seed(seed)
+    attn = qwen3_moe.Attention(args, 0)
+    attn.q_norm.weight = 1 + 0.5 * mx.random.normal((16,))
+    attn.k_norm.weight = 1 + 0.5 * mx.random.normal((16,))
+    dense.use_kernel_ops(attn)
+    return attn
+
+
+def decode(attn, steps: int, prompt: int, fused: bool, seed: int = 1):
+    """Outputs of `steps` one-token calls after a `prompt`-token one, and the cache; mlx-lm's own code unless fused."""
+    call = type(attn).__call__ if fused else qwen3_moe.Attention.__call__
+    key = iter(mx.random.split(mx.random.key(seed), steps + 1))
+    cache = KVCache()
+    x = mx.random.normal((1, prompt, 64), key=next(key))
+    mx.eval(call(attn, x, "causal" if prompt > 1 else None, cache))
+    outs = []
+    for _ in range(steps):
+        outs.append(call(attn, mx.random.normal((1, 1, 64), key=next(key)), None, cache))
+        mx.eval(outs[-1], cache.keys, cache.values)
+    return np.concatenate([np.array(o) for o in outs]), cache
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_the_three_nodes_give_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, kv_heads):
+    """Across the cache's growth at 256 rows (that step runs mlx-lm's code, the next ones the nodes again): every
+    output and every cache row equals mlx-lm's attention code run on the edge0 kernel's separate nodes, bit for bit."""
+    use_kernel("edge0")
+    attn = attention_module(heads=heads, kv_heads=kv_heads)
+    got, c1 = decode(attn, 12, 250, fused=True)
+    want, c2 = decode(attn, 12, 250, fused=False)
+    assert c1.offset == c2.offset == 262 and c1.keys.shape == c2.keys.shape
+    assert np.array_equal(got, want)
+    for a, b in ((c1.keys, c2.keys), (c1.values, c2.values)):
+        assert np.array_equal(np.array(a[..., :262, :]), np.array(b[..., :262, :]))
+
+
+def test_the_nodes_match_mlx_kernels():
+    """Against mlx-lm's attention on MLX's own kernels (mx.fast norms, RoPE, attention): float32 rounding apart."""
+    use_kernel("edge0")
+    attn = attention_module()
+    got, _ = decode(attn, 6, 9, fused=True)
+    use_kernel("mlx")
+    want, _ = decode(attn, 6, 9, fused=False)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_decode_step_is_three_nodes_and_no_slice_update():
+    use_kernel("edge0")
+    attn = attention_module()
+    nn.quantize(attn, group_size=32)
+    use_kernel_products(attn)  # the projections: one Edge0QMV node each, as in a served model
+    cache = KVCache()
+    mx.eval(attn(mx.random.normal((1, 3, 64)), "causal", cache))
+    x = mx.random.normal((1, 1, 64))
+    mx.eval(x)
+    nodes = node_counts(attn(x, None, cache))
+    assert nodes == {"Edge0QMV": 4, "Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
+
+
+def test_the_cache_is_written_in_place_unless_held():
+    """A buffer only the cache holds passes to the next step's output (no copy); one held elsewhere (a snapshot of
+    the cache, say) is copied first and keeps its rows."""
+    use_kernel("edge0")
+    attn = attention_module()
+    cache = KVCache()
+    mx.eval(attn(mx.random.normal((1, 4, 64)), "causal", cache), cache.keys, cache.values)
+    before = EXT.kv_copies()
+    for _ in range(3):
+        mx.eval(attn(mx.random.normal((1, 1, 64)), None, cache), cache.keys, cache.values)
+    assert EXT.kv_copies() == before
+    held = cache.keys
+    rows = np.array(held)
+    mx.eval(attn(mx.random.normal((1, 1, 64)), None, cache), cache.keys, cache.values)
+    assert EXT.kv_copies() == before + 1  # the keys; the values were the cache's alone
+    assert np.array_equal(np.array(held), rows)
+    assert not np.array_equal(np.array(cache.keys[..., 7, :]), rows[..., 7, :])  # the new row went to the copy
+
+
+def test_other_caches_and_prompts_take_mlx_lm_code():
+    """A prompt, a batch of two, a cache that must grow, and MLX's kernel: no edge0 attention node."""
+    use_kernel("edge0")
+    attn = attention_module()
+    cache = KVCache()
+    assert dense.decode_attention(attn, mx.zeros((1, 1, 64)), None, cache) is None  # empty: must grow first
+    mx.eval(attn(mx.random.normal((1, 3, 64)), "causal", cache))
+    assert dense.decode_attention(attn, mx.zeros((1, 2, 64)), None, cache) is None
+    assert dense.decode_attention(attn, mx.zeros((2, 1, 64)), None, cache) is None
+    use_kernel("mlx")
+    assert dense.decode_attention(attn, mx.zeros((1, 1, 64)), None, cache) is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda: EXT.kv_write(mx.zeros((1, 1, 32)), None, mx.zeros((1, 2, 8, 16)), 8),  # row past the buffer
+    lambda: EXT.kv_write(mx.zeros((1, 1, 48)), None, mx.zeros((1, 2, 8, 16)), 0),  # 3 heads for a 2-head buffer
+    lambda: EXT.kv_write(mx.zeros((1, 1, 32)), mx.ones((8,)), mx.zeros((1, 2, 8, 16)), 0),  # norm of another width
+    lambda: EXT.kv_write(mx.zeros((1, 1, 32)), None, mx.zeros((1, 2, 8, 16)), 0, 1e-6, 5),  # odd rope dims
+    lambda: EXT.decode_attention(mx.zeros((1, 1, 48)), None, mx.zeros((1, 2, 8, 16)), mx.zeros((1, 2, 8, 16)), 0,
+                                 1e-6, 16, False, 1e4, 1.0, 0.25),  # 3 query heads over 2 KV heads
+    lambda: EXT.decode_attention(mx.zeros((1, 1, 64)), None, mx.zeros((1, 2, 8, 16)), mx.zeros((1, 2, 9, 16)), 0,
+                                 1e-6, 16, False, 1e4, 1.0, 0.25),  # keys and values of two shapes
+])
+def test_bad_inputs_raise_one_clear_error(call):
+    with pytest.raises(ValueError, match="edge0 (kv_write|decode_attention)"):
+        call()
