@@ -586,9 +586,9 @@ struct Rotation {
 };
 
 // Inputs: x (Hkv*Dh values)[, norm (Dh,)], buffer (1, Hkv, C, Dh); output: the buffer with row offset written.
-class KVWriteOp : public mx::UnaryPrimitive {
+class KVWriteOp : public DenseOp {
  public:
-  KVWriteOp(mx::Stream s, int64_t offset, Rotation r) : mx::UnaryPrimitive(s), offset_(offset), r_(r) {}
+  KVWriteOp(mx::Stream s, int64_t offset, Rotation r) : DenseOp(s), offset_(offset), r_(r) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& buf = inputs.back();
@@ -618,9 +618,6 @@ class KVWriteOp : public mx::UnaryPrimitive {
       for (int64_t h = 0; h < H; h++) std::copy(row.data() + h * Dh, row.data() + (h + 1) * Dh, dst + (h * C + offset) * Dh);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0 kernels: CPU only");
-  }
   const char* name() const override { return "Edge0KVWrite"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const KVWriteOp&>(other);
@@ -634,34 +631,26 @@ class KVWriteOp : public mx::UnaryPrimitive {
 
 // Inputs: q (heads*Dh values)[, norm (Dh,)], keys, values (1, Hkv, C, Dh); output (1, 1, heads*Dh): the heads side
 // by side, as the output projection takes them.
-class DecodeAttentionOp : public mx::UnaryPrimitive {
+class DecodeAttentionOp : public DenseOp {
  public:
   DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, float scale)
-      : mx::UnaryPrimitive(s), offset_(offset), r_(r), scale_(scale) {}
+      : DenseOp(s), offset_(offset), r_(r), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, offset = offset_, r = r_, scale = scale_]() mutable {
-      ProfileScope scope([] { return std::string("Edge0DecodeAttention"); });
-      const auto& keys = inputs[inputs.size() - 2];
-      const auto& values = inputs.back();
-      const int64_t Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3), Hq = inputs[0].size() / Dh;
+    dispatch(inputs, out, [offset = offset_, r = r_, scale = scale_](const std::vector<mx::array>& in, mx::array& o) {
+      const auto& keys = in[in.size() - 2];
+      const auto& values = in.back();
+      const int64_t Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3), Hq = in[0].size() / Dh;
       std::vector<float> xt, wt, kt, vt, qr(Hq * Dh);
-      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, Hq, Dh,
+      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, Hq, Dh,
                   r.dims, r.traditional, r.base, r.scale, offset, qr.data());
       const float* kc = dense_data<float>(keys, kt);  // the KV writes' outputs: contiguous
       const float* vc = dense_data<float>(values, vt);
       const int64_t S = offset + 1;
       attention(View4{qr.data(), {1, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
                 View4{kc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
-                View4{vc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, out.data<float>());
+                View4{vc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, o.data<float>());
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0 kernels: CPU only");
   }
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
