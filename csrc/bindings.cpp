@@ -549,43 +549,47 @@ class RouterOp : public mx::Primitive {
   bool norm_;
 };
 
-// One new token's attention in a decoder layer of one sequence as three nodes where mlx-lm's code builds 17 (its
+// One new token's attention in a decoder layer of each sequence of a batch as three nodes where mlx-lm's code builds 17 (its
 // reshapes, transposes, slice update and slice among them): Edge0KVWrite puts the token's k row (RMS-normed per
 // head and rotated) and its v row at row `offset` of the KV cache's buffers (1, Hkv, C, Dh); Edge0DecodeAttention
-// norms and rotates the token's q and attends to the buffers' first offset + 1 rows. A buffer that nothing else
+// norms and rotates the token's q and attends to the buffers' first offset + 1 rows. A batch (mlx-lm's
+// left-padded BatchKVCache) writes every sequence's row at the same `offset`, rotates each at its own position
+// (`positions`, (B,) int32) and starts each sequence's attention at its own first key (`starts`). A buffer that nothing else
 // holds is written in place (its storage passes to the output, as MLX's slice update does), else copied first.
 // Each step is the function the separate nodes call, so the results are theirs bit for bit.
 static std::atomic<int64_t> kv_copies{0};
 
-// Heads of Dh values, contiguous: RMS-normed (w given) then rotated at `offset` (dims > 0), into out.
-static void norm_rotate(const float* x, const float* w, float eps, int64_t heads, int64_t Dh, int dims, bool trad,
-                        float base, float scale, int64_t offset, float* out) {
+// B sequences' heads of Dh values, contiguous: RMS-normed (w given) then rotated (dims > 0) at `offset`, or at
+// positions[b] for sequence b, into out.
+static void norm_rotate(const float* x, const float* w, float eps, int64_t B, int64_t heads, int64_t Dh, int dims,
+                        bool trad, float base, float scale, int64_t offset, const int32_t* positions, float* out) {
   std::vector<float> n;
   const float* src = x;
   if (w) {
-    n.resize(heads * Dh);
-    rms_norm(x, w, eps, heads, Dh, n.data());
+    n.resize(B * heads * Dh);
+    rms_norm(x, w, eps, B * heads, Dh, n.data());
     src = n.data();
   }
   if (dims > 0)
-    rope(View4{src, {1, heads, 1, Dh}, {heads * Dh, Dh, Dh, 1}}, dims, trad, base, scale, offset, out);
+    rope(View4{src, {B, heads, 1, Dh}, {heads * Dh, Dh, Dh, 1}}, dims, trad, base, scale, offset, out, positions);
   else if (src != out)
-    std::copy(src, src + heads * Dh, out);
+    std::copy(src, src + B * heads * Dh, out);
 }
 
 struct Rotation {
-  bool norm;
+  bool norm, positions;  // inputs: a norm weight; per-sequence positions (else every sequence at offset)
   float eps;
   int dims;  // 0: no rotation
   bool traditional;
   float base, scale;
   bool operator==(const Rotation& o) const {
-    return norm == o.norm && eps == o.eps && dims == o.dims && traditional == o.traditional && base == o.base &&
+    return norm == o.norm && positions == o.positions && eps == o.eps && dims == o.dims && traditional == o.traditional && base == o.base &&
            scale == o.scale;
   }
 };
 
-// Inputs: x (Hkv*Dh values)[, norm (Dh,)], buffer (1, Hkv, C, Dh); output: the buffer with row offset written.
+// Inputs: x (B*Hkv*Dh values)[, norm (Dh,)][, positions (B,)], buffer (B, Hkv, C, Dh); output: the buffer with
+// row offset of every sequence written.
 class KVWriteOp : public DenseOp {
  public:
   KVWriteOp(mx::Stream s, int64_t offset, Rotation r) : DenseOp(s), offset_(offset), r_(r) {}
@@ -605,17 +609,20 @@ class KVWriteOp : public DenseOp {
     enc.dispatch([inputs, out, copy, offset = offset_, r = r_]() mutable {
       ProfileScope scope([] { return std::string("Edge0KVWrite"); });
       const auto& buf = inputs.back();
-      const int64_t H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
+      const int64_t B = buf.shape(0), H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
       float* dst = out.data<float>();
       if (copy) {
         std::vector<float> t;
         const float* src = dense_data<float>(buf, t);
         std::copy(src, src + buf.size(), dst);
       }
-      std::vector<float> xt, wt, row(H * Dh);
-      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, H, Dh,
-                  r.dims, r.traditional, r.base, r.scale, offset, row.data());
-      for (int64_t h = 0; h < H; h++) std::copy(row.data() + h * Dh, row.data() + (h + 1) * Dh, dst + (h * C + offset) * Dh);
+      std::vector<float> xt, wt, row(B * H * Dh);
+      std::vector<int32_t> pt;
+      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, B, H,
+                  Dh, r.dims, r.traditional, r.base, r.scale, offset,
+                  r.positions ? dense_data<int32_t>(inputs[1 + r.norm], pt) : nullptr, row.data());
+      for (int64_t bh = 0; bh < B * H; bh++)
+        std::copy(row.data() + bh * Dh, row.data() + (bh + 1) * Dh, dst + (bh * C + offset) * Dh);
     });
   }
   const char* name() const override { return "Edge0KVWrite"; }
@@ -629,38 +636,45 @@ class KVWriteOp : public DenseOp {
   Rotation r_;
 };
 
-// Inputs: q (heads*Dh values)[, norm (Dh,)], keys, values (1, Hkv, C, Dh); output (1, 1, heads*Dh): the heads side
-// by side, as the output projection takes them.
+// Inputs: q (B*heads*Dh values)[, norm (Dh,)][, positions (B,)][, starts (B,)], keys, values (B, Hkv, C, Dh);
+// output (B, 1, heads*Dh): the heads side by side, as the output projection takes them.
 class DecodeAttentionOp : public DenseOp {
  public:
-  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, float scale)
-      : DenseOp(s), offset_(offset), r_(r), scale_(scale) {}
+  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale)
+      : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [offset = offset_, r = r_, scale = scale_](const std::vector<mx::array>& in, mx::array& o) {
+    dispatch(inputs, out, [offset = offset_, r = r_, starts = starts_, scale = scale_](const std::vector<mx::array>& in,
+                                                                                        mx::array& o) {
       const auto& keys = in[in.size() - 2];
       const auto& values = in.back();
-      const int64_t Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3), Hq = in[0].size() / Dh;
-      std::vector<float> xt, wt, kt, vt, qr(Hq * Dh);
-      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, Hq, Dh,
-                  r.dims, r.traditional, r.base, r.scale, offset, qr.data());
+      const int64_t B = keys.shape(0), Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3),
+                    Hq = in[0].size() / (B * Dh);
+      std::vector<float> xt, wt, kt, vt, qr(B * Hq * Dh);
+      std::vector<int32_t> pt, st;
+      const size_t at = 1 + r.norm;  // the first integer input
+      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, B, Hq, Dh,
+                  r.dims, r.traditional, r.base, r.scale, offset,
+                  r.positions ? dense_data<int32_t>(in[at], pt) : nullptr, qr.data());
       const float* kc = dense_data<float>(keys, kt);  // the KV writes' outputs: contiguous
       const float* vc = dense_data<float>(values, vt);
       const int64_t S = offset + 1;
-      attention(View4{qr.data(), {1, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
-                View4{kc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
-                View4{vc, {1, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, o.data<float>());
+      attention(View4{qr.data(), {B, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
+                View4{kc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
+                View4{vc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, o.data<float>(),
+                starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
     });
   }
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeAttentionOp&>(other);
-    return offset_ == o.offset_ && r_ == o.r_ && scale_ == o.scale_;
+    return offset_ == o.offset_ && r_ == o.r_ && starts_ == o.starts_ && scale_ == o.scale_;
   }
 
  private:
   int64_t offset_;
   Rotation r_;
+  bool starts_;
   float scale_;
 };
 
@@ -753,52 +767,63 @@ static mx::array embed_op(const mx::array& ids, const mx::array& w, const mx::ar
   return mx::array(shape, mx::float32, std::make_shared<EmbedOp>(s, group_size, bits), {ids, w, scales, biases});
 }
 
-// The Dh-wide rows of a decode token and their optional norm weight, checked; returns the inputs so far.
+static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what);
+
+// B sequences' rows of a decode token (heads of Dh values each), their optional norm weight and per-sequence
+// positions, checked; returns the inputs so far.
 static std::vector<mx::array> head_rows(const char* op, const mx::array& x, const std::optional<mx::array>& norm,
-                                        int64_t heads, int64_t Dh, int dims) {
+                                        const std::optional<mx::array>& positions, int64_t B, int64_t heads,
+                                        int64_t Dh, int dims) {
   need_f32(x, op, "the rows");
-  if (heads < 1 || Dh < 1 || x.size() != heads * Dh || dims < 0 || dims % 2 || dims > Dh)
-    throw std::invalid_argument(std::string("edge0 ") + op + ": " + std::to_string(heads) + " heads of " +
-                                std::to_string(Dh) + " values expected, and rope dims even, at most Dh (0: none)");
+  if (heads < 1 || Dh < 1 || x.size() != B * heads * Dh || dims < 0 || dims % 2 || dims > Dh)
+    throw std::invalid_argument(std::string("edge0 ") + op + ": " + std::to_string(B) + " x " + std::to_string(heads) +
+                                " heads of " + std::to_string(Dh) + " values expected, and rope dims even, at most Dh (0: none)");
   std::vector<mx::array> in{x};
   if (norm) {
     need_f32(*norm, op, "the norm weight");
     if (norm->ndim() != 1 || norm->shape(0) != Dh) throw std::invalid_argument(std::string("edge0 ") + op + ": norm weight (Dh,)");
     in.push_back(*norm);
   }
+  need_rows(positions, B, op, "positions");
+  if (positions) in.push_back(*positions);
   return in;
 }
 
-static bool is_cache_buffer(const mx::array& b) { return b.ndim() == 4 && b.shape(0) == 1 && b.dtype() == mx::float32; }
+static bool is_cache_buffer(const mx::array& b) { return b.ndim() == 4 && b.shape(0) >= 1 && b.dtype() == mx::float32; }
 
 static mx::array kv_write_op(const mx::array& x, const std::optional<mx::array>& norm, const mx::array& buffer,
-                             int64_t offset, float eps, int dims, bool traditional, float base, float rope_scale) {
+                             int64_t offset, float eps, int dims, bool traditional, float base, float rope_scale,
+                             const std::optional<mx::array>& positions) {
   if (!is_cache_buffer(buffer) || offset < 0 || offset >= buffer.shape(2))
-    throw std::invalid_argument("edge0 kv_write: buffer (1, H, C, Dh) float32 and 0 <= offset < C");
-  auto in = head_rows("kv_write", x, norm, buffer.shape(1), buffer.shape(3), dims);
+    throw std::invalid_argument("edge0 kv_write: buffer (B, H, C, Dh) float32 and 0 <= offset < C");
+  auto in = head_rows("kv_write", x, norm, positions, buffer.shape(0), buffer.shape(1), buffer.shape(3), dims);
   in.push_back(buffer);
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(buffer.shape(), mx::float32,
-                   std::make_shared<KVWriteOp>(s, offset, Rotation{(bool)norm, eps, dims, traditional, base, rope_scale}),
-                   in);
+  const Rotation r{(bool)norm, (bool)positions, eps, dims, traditional, base, rope_scale};
+  return mx::array(buffer.shape(), mx::float32, std::make_shared<KVWriteOp>(s, offset, r), in);
 }
 
 static mx::array decode_attention_op(const mx::array& q, const std::optional<mx::array>& norm, const mx::array& keys,
                                      const mx::array& values, int64_t offset, float eps, int dims, bool traditional,
-                                     float base, float rope_scale, float scale) {
+                                     float base, float rope_scale, float scale,
+                                     const std::optional<mx::array>& positions,
+                                     const std::optional<mx::array>& starts) {
+  const int64_t B = keys.ndim() == 4 ? keys.shape(0) : 1, Dh = keys.ndim() == 4 ? keys.shape(3) : 1;
   if (!is_cache_buffer(keys) || keys.shape() != values.shape() || values.dtype() != mx::float32 || offset < 0 ||
-      offset >= keys.shape(2) || keys.shape(3) < 1 || q.size() % keys.shape(3) || (q.size() / keys.shape(3)) % keys.shape(1))
+      offset >= keys.shape(2) || Dh < 1 || q.size() % (B * Dh) || (q.size() / (B * Dh)) % keys.shape(1))
     throw std::invalid_argument(
-        "edge0 decode_attention: keys and values (1, Hkv, C, Dh) float32, 0 <= offset < C, q a multiple of Hkv heads of Dh");
-  const int64_t Dh = keys.shape(3), heads = q.size() / Dh;
-  auto in = head_rows("decode_attention", q, norm, heads, Dh, dims);
+        "edge0 decode_attention: keys and values (B, Hkv, C, Dh) float32, 0 <= offset < C, q B x a multiple of Hkv "
+        "heads of Dh");
+  const int64_t heads = q.size() / (B * Dh);
+  auto in = head_rows("decode_attention", q, norm, positions, B, heads, Dh, dims);
+  need_rows(starts, B, "decode_attention", "starts");
+  if (starts) in.push_back(*starts);
   in.push_back(keys);
   in.push_back(values);
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(mx::Shape{1, 1, (int)(heads * Dh)}, mx::float32,
-                   std::make_shared<DecodeAttentionOp>(
-                       s, offset, Rotation{(bool)norm, eps, dims, traditional, base, rope_scale}, scale),
-                   in);
+  const Rotation r{(bool)norm, (bool)positions, eps, dims, traditional, base, rope_scale};
+  return mx::array(mx::Shape{(int)B, 1, (int)(heads * Dh)}, mx::float32,
+                   std::make_shared<DecodeAttentionOp>(s, offset, r, (bool)starts, scale), in);
 }
 
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
@@ -875,12 +900,16 @@ NB_MODULE(_kernels, m) {
   m.attr("MAX_GROUPS") = edge0::MAX_GROUPS;
   m.def("kv_write", &edge0::kv_write_op, "x"_a, "norm"_a.none(), "buffer"_a, "offset"_a, "eps"_a = 0.0f,
         "dims"_a = 0, "traditional"_a = false, "base"_a = 10000.0f, "rope_scale"_a = 1.0f,
-        "A KV cache buffer (1, H, C, Dh) with row offset set to x's H heads, RMS-normed by norm (or None) and rotated "
-        "at offset over dims features (0: not rotated), as one node; written in place when nothing else holds it.");
+        "positions"_a = nb::none(),
+        "A KV cache buffer (B, H, C, Dh) with row offset of each sequence set to its H heads in x, RMS-normed by norm "
+        "(or None) and rotated over dims features (0: not rotated) at offset, or at positions[b] ((B,) int32), as one "
+        "node; written in place when nothing else holds it.");
   m.def("decode_attention", &edge0::decode_attention_op, "q"_a, "norm"_a.none(), "keys"_a, "values"_a, "offset"_a,
-        "eps"_a, "dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a,
-        "One new token's attention as one node: q's heads RMS-normed (norm or None) and rotated at offset, then "
-        "attending to rows 0..offset of the (1, Hkv, C, Dh) buffers; (1, 1, heads*Dh).");
+        "eps"_a, "dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "positions"_a = nb::none(),
+        "starts"_a = nb::none(),
+        "One new token's attention of each of B sequences as one node: q's heads RMS-normed (norm or None) and rotated "
+        "at offset (or positions[b]), then attending to rows starts[b] (or 0) .. offset of the (B, Hkv, C, Dh) "
+        "buffers; (B, 1, heads*Dh).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },

@@ -16,7 +16,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base, qwen3_moe
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .kernel import current
 from .qmm import swap_classes
@@ -90,25 +90,39 @@ def _per_row_attention(queries, keys, values, cache, scale, sinks):
 
 
 def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
-    """One new token's attention for a Qwen3-style module (q/k RMS norms, plain RoPE, a KVCache) with its
-    norms, rotation, cache writes and attention as three nodes (Edge0KVWrite for k and for v, then
-    Edge0DecodeAttention) where mlx-lm builds 17 (its reshapes, transposes, slice updates and slices among
-    them), the cache's buffers written in place as mlx-lm's slice updates write them; the result is theirs bit
-    for bit. None where these nodes do not apply (another kernel, a prompt, a batch, another cache type, a cache
-    that must grow first): the caller runs mlx-lm's code."""
+    """One new token's attention for a Qwen3-style module (q/k RMS norms, plain RoPE) over mlx-lm's KVCache, or a
+    batch's over its left-padded BatchKVCache: the norms, rotation, cache writes and attention as three nodes
+    (Edge0KVWrite for k and for v, then Edge0DecodeAttention) where mlx-lm builds 17 (its reshapes, transposes,
+    slice updates and slices among them), the cache's buffers written in place as mlx-lm's slice updates write
+    them; the result is theirs bit for bit (a batch's as _per_row_attention computes it). None where these nodes
+    do not apply (another kernel, a prompt, another cache type, a cache that must grow first): the caller runs
+    mlx-lm's code."""
     ext = current().ext
     rope, qn, kn = attn.rope, attn.q_norm, attn.k_norm
-    if (ext is None or x.shape[:2] != (1, 1) or mask is not None or type(cache) is not KVCache or cache.keys is None
-            or cache.offset >= cache.keys.shape[2] or cache.keys.dtype != mx.float32 or x.dtype != mx.float32
-            or type(rope) not in (nn.RoPE, KernelRoPE) or rope.base is None
-            or qn["weight"].dtype != mx.float32 or kn["weight"].dtype != mx.float32):
+    if (ext is None or x.shape[1] != 1 or x.dtype != mx.float32 or type(rope) not in (nn.RoPE, KernelRoPE)
+            or rope.base is None or qn["weight"].dtype != mx.float32 or kn["weight"].dtype != mx.float32
+            or cache is None or cache.keys is None or cache.keys.dtype != mx.float32):
         return None
-    at, turn = cache.offset, (rope.dims, rope.traditional, float(rope.base), float(rope.scale))
-    cache.keys = ext.kv_write(attn.k_proj(x), kn["weight"], cache.keys, at, kn.eps, *turn)
+    if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
+        at, positions, starts = cache.offset, None, None
+    elif (type(cache) is BatchKVCache and cache._right_padding is None and cache.offset.dtype == mx.int32
+            and cache.left_padding.dtype == mx.int32 and cache.offset.shape == (x.shape[0],)):
+        at, positions = cache._idx, cache.offset
+        starts = cache.left_padding if mask is not None and not isinstance(mask, str) else None
+    else:
+        return None
+    if at >= cache.keys.shape[2]:
+        return None
+    turn = (rope.dims, rope.traditional, float(rope.base), float(rope.scale))
+    cache.keys = ext.kv_write(attn.k_proj(x), kn["weight"], cache.keys, at, kn.eps, *turn, positions)
     cache.values = ext.kv_write(attn.v_proj(x), None, cache.values, at)
-    cache.offset += 1
     out = ext.decode_attention(attn.q_proj(x), qn["weight"], cache.keys, cache.values, at, qn.eps, *turn,
-                               float(attn.scale))
+                               float(attn.scale), positions, starts)
+    if positions is None:
+        cache.offset += 1
+    else:  # as BatchKVCache.update_and_fetch advances it
+        cache.offset = cache.offset + 1
+        cache._idx += 1
     return attn.o_proj(out)
 
 

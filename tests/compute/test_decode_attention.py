@@ -1,13 +1,14 @@
-"""A decode token's attention as three nodes on the edge0 kernel (Edge0KVWrite for k and v, Edge0DecodeAttention):
-the bits of mlx-lm's own attention code on the same kernel, its numbers on MLX's, the KV cache written in place
-unless something else holds it."""
+"""A decode token's attention as three nodes on the edge0 kernel (Edge0KVWrite for k and v, Edge0DecodeAttention),
+for one sequence and for a left-padded batch: the bits of mlx-lm's own attention code on the same kernel, its
+numbers on MLX's, the KV cache written in place unless something else holds it."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import qwen3_moe
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from edge0.bench_kernels import node_counts
 from edge0.compute import dense, kernels
@@ -61,6 +62,33 @@ def test_the_three_nodes_give_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, 
         assert np.array_equal(np.array(a[..., :262, :]), np.array(b[..., :262, :]))
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])
+def test_a_left_padded_batch_gets_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, kv_heads):
+    """Three sequences in mlx-lm's BatchKVCache, left-padded by 0, 3 and 1, across the cache's growth: each step's
+    outputs and every cache row equal mlx-lm's code on the edge0 kernel's separate nodes (each sequence rotated at
+    its own position, attending from its own first key), bit for bit; the cache's offsets advance as mlx-lm's."""
+    use_kernel("edge0")
+    attn = attention_module(heads=heads, kv_heads=kv_heads)
+    runs = []
+    for fused in (True, False):
+        call = type(attn).__call__ if fused else qwen3_moe.Attention.__call__
+        key = iter(mx.random.split(mx.random.key(5), 13))
+        cache = BatchKVCache([0, 3, 1])
+        x = mx.random.normal((3, 250, 64), key=next(key))
+        mx.eval(call(attn, x, create_attention_mask(x, cache), cache))
+        outs = []
+        for _ in range(12):
+            x = mx.random.normal((3, 1, 64), key=next(key))
+            outs.append(call(attn, x, create_attention_mask(x, cache), cache))
+            mx.eval(outs[-1], cache.keys, cache.values, cache.offset)
+        runs.append((np.concatenate([np.array(o) for o in outs]), cache))
+    (got, c1), (want, c2) = runs
+    assert c1._idx == c2._idx == 262 and c1.offset.tolist() == c2.offset.tolist() == [262, 259, 261]
+    assert np.array_equal(got, want)
+    for a, b in ((c1.keys, c2.keys), (c1.values, c2.values)):
+        assert np.array_equal(np.array(a[..., :262, :]), np.array(b[..., :262, :]))
+
+
 def test_the_nodes_match_mlx_kernels():
     """Against mlx-lm's attention on MLX's own kernels (mx.fast norms, RoPE, attention): float32 rounding apart."""
     use_kernel("edge0")
@@ -104,7 +132,8 @@ def test_the_cache_is_written_in_place_unless_held():
 
 
 def test_other_caches_and_prompts_take_mlx_lm_code():
-    """A prompt, a batch of two, a cache that must grow, and MLX's kernel: no edge0 attention node."""
+    """A prompt, a batch of two in a single sequence's cache, a cache that must grow, and MLX's kernel: no edge0
+    attention node."""
     use_kernel("edge0")
     attn = attention_module()
     cache = KVCache()
