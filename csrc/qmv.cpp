@@ -459,14 +459,17 @@ static inline __m512 load16(const uint16_t* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-// W's row w against R activation rows at once (R = 1: one dot product). 128 weights (64 bytes) per step:
-// vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l covering elements 8l..8l+7 of the step, so a
-// lane lies in one group: GS/8 lanes per group. The lane sums are scaled in float by their group's s * xs and
-// accumulated; no horizontal sums until the end. Each 64-byte weight load and its nibble split serve every
-// row, and each row's float arithmetic is the same whatever R: row r gets the bits it gets alone.
-template <int GS, int R, typename S>
-static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t* const* xq, const float* const* xs,
-                          const float* const* xsum, int64_t D, float* out) {
+// NW weight rows (w + j * row_bytes; their scales and biases G apart) against R activation rows at once; out[r * NW
+// + j]. 128 weights (64 bytes) per step: vpdpbusd sums 4 nibble x int8 products per int32 lane, lane l covering
+// elements 8l..8l+7 of the step, so a lane lies in one group: GS/8 lanes per group. The lane sums are scaled in
+// float by their group's s * xs and accumulated; no horizontal sums until the end. Each 64-byte weight load and
+// its nibble split serve every activation row, each activation chunk every weight row, and each pair's float
+// arithmetic is the same whatever R and NW: every output gets the bits it gets alone. Several activation rows
+// share an expert in a prompt chunk (the row tile); several weight rows interleave a decode token's short rows,
+// whose one dependent chain and reductions left the core idle.
+template <int GS, int R, int NW, typename S>
+static void dot_vnni_tile(const uint8_t* w, int64_t row_bytes, const S* s, const S* b, const int8_t* const* xq,
+                          const float* const* xs, const float* const* xsum, int64_t D, float* out) {
   const int64_t G = D / GS, steps = D / 128;
   constexpr int STEP_GROUPS = 128 / GS;  // groups per step: 4, 2, 1
   const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
@@ -474,53 +477,76 @@ static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t
                                    : _mm512_setzero_si512();
   const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
   const __m512i m = _mm512_set1_epi8(0x0F);
-  // The groups' factors s * xs stay in a register per row, 16 groups at a time, and reach the lanes by a
+  // a row asks for its bytes the block's span ahead at least: PREFETCH_BYTES alone would land in the block's own
+  // later rows, already being read
+  const int64_t ahead = NW == 1 ? PREFETCH_BYTES : std::max<int64_t>(PREFETCH_BYTES, NW * row_bytes);
+  // The groups' factors s * xs stay in a register per pair, 16 groups at a time, and reach the lanes by a
   // permute: no store and reload per step.
-  __m512 f0[R], f1[R], bias[R], d[R];
-  for (int r = 0; r < R; r++) f0[r] = f1[r] = bias[r] = _mm512_setzero_ps();
+  __m512 f0[R][NW], f1[R][NW], bias[R][NW], d[R][NW];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < NW; j++) f0[r][j] = f1[r][j] = bias[r][j] = _mm512_setzero_ps();
   int64_t i = 0;
   for (int64_t g0 = 0; g0 < G; g0 += 16) {
     const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
-    const __m512 sv = load16(s + g0, k), bv = load16(b + g0, k);
-    for (int r = 0; r < R; r++) {
-      d[r] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, xs[r] + g0));
-      bias[r] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(k, xsum[r] + g0), bias[r]);
+    for (int j = 0; j < NW; j++) {
+      const __m512 sv = load16(s + j * G + g0, k), bv = load16(b + j * G + g0, k);
+      for (int r = 0; r < R; r++) {
+        d[r][j] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, xs[r] + g0));
+        bias[r][j] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(k, xsum[r] + g0), bias[r][j]);
+      }
     }
     __m512i lane_group = first;
     for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
-      _mm_prefetch((const char*)(w + i * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
-      const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+      __m512i x0[R], x1[R];
       for (int r = 0; r < R; r++) {
-        __m512i acc =
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)(xq[r] + i * 128)));
-        acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void*)(xq[r] + i * 128 + 64)));
-        const __m512 dl = _mm512_permutexvar_ps(lane_group, d[r]);
-        if (i & 1)
-          f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1[r]);
-        else
-          f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0[r]);
+        x0[r] = _mm512_loadu_si512((const void*)(xq[r] + i * 128));
+        x1[r] = _mm512_loadu_si512((const void*)(xq[r] + i * 128 + 64));
+      }
+      for (int j = 0; j < NW; j++) {
+        const uint8_t* wj = w + j * row_bytes + i * 64;
+        _mm_prefetch((const char*)(wj + ahead), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512((const void*)wj);
+        const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+        for (int r = 0; r < R; r++) {
+          __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0[r]);
+          acc = _mm512_dpbusd_epi32(acc, hi, x1[r]);
+          const __m512 dl = _mm512_permutexvar_ps(lane_group, d[r][j]);
+          if (i & 1)
+            f1[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1[r][j]);
+          else
+            f0[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0[r][j]);
+        }
       }
       lane_group = _mm512_add_epi32(lane_group, advance);
     }
   }
   for (int r = 0; r < R; r++) {
-    float t = _mm512_reduce_add_ps(_mm512_add_ps(f0[r], f1[r])) + _mm512_reduce_add_ps(bias[r]);
-    if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
-      const int64_t c = steps * 128, g = c / GS;
-      const __m256i m8 = _mm256_set1_epi8(0x0F);
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + c / 2));
-      const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
-      __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq[r] + c)));
-      acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq[r] + c + 32)));
-      const float d0 = at(s, g) * xs[r][g], d1 = GS == 32 ? at(s, g + 1) * xs[r][g + 1] : d0;
-      const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
-      alignas(32) float t8[8];
-      _mm256_store_ps(t8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
-      for (float v8 : t8) t += v8;
+    for (int j = 0; j < NW; j++) {
+      float t = _mm512_reduce_add_ps(_mm512_add_ps(f0[r][j], f1[r][j])) + _mm512_reduce_add_ps(bias[r][j]);
+      if (D % 128) {  // the last 64 elements (GS 32 or 64): 8 lanes of 8 elements
+        const int64_t c = steps * 128, g = c / GS;
+        const __m256i m8 = _mm256_set1_epi8(0x0F);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + j * row_bytes + c / 2));
+        const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
+        __m256i acc =
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq[r] + c)));
+        acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq[r] + c + 32)));
+        const float d0 = at(s + j * G, g) * xs[r][g], d1 = GS == 32 ? at(s + j * G, g + 1) * xs[r][g + 1] : d0;
+        const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
+        alignas(32) float t8[8];
+        _mm256_store_ps(t8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
+        for (float v8 : t8) t += v8;
+      }
+      out[r * NW + j] = t;
     }
-    out[r] = t;
   }
+}
+
+// W's row w against R activation rows at once (R = 1: one dot product).
+template <int GS, int R, typename S>
+static void dot_vnni_rows(const uint8_t* w, const S* s, const S* b, const int8_t* const* xq, const float* const* xs,
+                          const float* const* xsum, int64_t D, float* out) {
+  dot_vnni_tile<GS, R, 1>(w, 0, s, b, xq, xs, xsum, D, out);
 }
 
 template <int GS, typename S>
@@ -531,81 +557,16 @@ static float dot_vnni(const uint8_t* w, const S* s, const S* b, const int8_t* xq
   return out;
 }
 
-// NW consecutive weight rows (row_bytes apart, their scales and biases G apart) against one activation row:
-// each row's arithmetic is dot_vnni_rows<GS, 1>'s, operation for operation, so each output has the same bits;
-// the rows' chains are interleaved (one decode token's products are short rows, where one row's dependent
-// chain and its reductions leave the core idle) and each activation chunk is loaded once for them all. Each
-// row asks for its bytes at least the block's span ahead: PREFETCH_BYTES alone would land in the block's own
-// later rows, already being read.
-template <int GS, int NW, typename S>
-static void dot_vnni_wrows(const uint8_t* w, int64_t row_bytes, const S* s, const S* b, const int8_t* xq,
-                           const float* xs, const float* xsum, int64_t D, float* out) {
-  const int64_t G = D / GS, steps = D / 128;
-  constexpr int STEP_GROUPS = 128 / GS;
-  const __m512i first = GS == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                        : GS == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                   : _mm512_setzero_si512();
-  const __m512i advance = _mm512_set1_epi32(STEP_GROUPS);
-  const __m512i m = _mm512_set1_epi8(0x0F);
-  __m512 f0[NW], f1[NW], bias[NW], d[NW];
-  for (int j = 0; j < NW; j++) f0[j] = f1[j] = bias[j] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const __mmask16 k = G - g0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
-    for (int j = 0; j < NW; j++) {
-      const __m512 sv = load16(s + j * G + g0, k), bv = load16(b + j * G + g0, k);
-      d[j] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, xs + g0));
-      bias[j] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(k, xsum + g0), bias[j]);
-    }
-    __m512i lane_group = first;
-    for (const int64_t end = std::min(steps, (g0 + 16) / STEP_GROUPS); i < end; i++) {
-      const __m512i x0 = _mm512_loadu_si512((const void*)(xq + i * 128));
-      const __m512i x1 = _mm512_loadu_si512((const void*)(xq + i * 128 + 64));
-      for (int j = 0; j < NW; j++) {
-        const uint8_t* wj = w + j * row_bytes + i * 64;
-        _mm_prefetch((const char*)(wj + std::max<int64_t>(PREFETCH_BYTES, NW * row_bytes)), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512((const void*)wj);
-        const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0);
-        acc = _mm512_dpbusd_epi32(acc, hi, x1);
-        const __m512 dl = _mm512_permutexvar_ps(lane_group, d[j]);
-        if (i & 1)
-          f1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f1[j]);
-        else
-          f0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dl, f0[j]);
-      }
-      lane_group = _mm512_add_epi32(lane_group, advance);
-    }
-  }
-  for (int j = 0; j < NW; j++) {
-    float t = _mm512_reduce_add_ps(_mm512_add_ps(f0[j], f1[j])) + _mm512_reduce_add_ps(bias[j]);
-    if (D % 128) {  // the last 64 elements (GS 32 or 64), as dot_vnni_rows
-      const int64_t c = steps * 128, g = c / GS;
-      const __m256i m8 = _mm256_set1_epi8(0x0F);
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + j * row_bytes + c / 2));
-      const __m256i lo = _mm256_and_si256(v, m8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m8);
-      __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq + c)));
-      acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq + c + 32)));
-      const float d0 = at(s + j * G, g) * xs[g], d1 = GS == 32 ? at(s + j * G, g + 1) * xs[g + 1] : d0;
-      const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
-      alignas(32) float t8[8];
-      _mm256_store_ps(t8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));
-      for (float v8 : t8) t += v8;
-    }
-    out[j] = t;
-  }
-}
-
-// Four consecutive 4-bit weight rows against one activation row on the VNNI path (dot_vnni_wrows).
+// Four consecutive 4-bit weight rows against one activation row on the VNNI path (dot_vnni_tile).
 template <typename S>
 static void vnni_rows4(int gs, const uint8_t* w, int64_t row_bytes, const S* s, const S* b, const int8_t* xq,
                        const float* xs, const float* xsum, int64_t D, float* out) {
   if (gs == 32)
-    dot_vnni_wrows<32, 4>(w, row_bytes, s, b, xq, xs, xsum, D, out);
+    dot_vnni_tile<32, 1, 4>(w, row_bytes, s, b, &xq, &xs, &xsum, D, out);
   else if (gs == 64)
-    dot_vnni_wrows<64, 4>(w, row_bytes, s, b, xq, xs, xsum, D, out);
+    dot_vnni_tile<64, 1, 4>(w, row_bytes, s, b, &xq, &xs, &xsum, D, out);
   else
-    dot_vnni_wrows<128, 4>(w, row_bytes, s, b, xq, xs, xsum, D, out);
+    dot_vnni_tile<128, 1, 4>(w, row_bytes, s, b, &xq, &xs, &xsum, D, out);
 }
 
 // 8-bit: 64 weights (64 bytes) per step, lane l covering elements 4l..4l+3 (GS/4 lanes per group).
