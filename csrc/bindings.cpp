@@ -349,6 +349,12 @@ class DenseOp : public mx::UnaryPrimitive {
   template <typename F>
   void dispatch(const std::vector<mx::array>& inputs, mx::array& out, F&& fn) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    run(inputs, out, std::forward<F>(fn));
+  }
+
+  // dispatch, for an output whose storage eval_cpu has set itself (a buffer passed on from an input)
+  template <typename F>
+  void run(const std::vector<mx::array>& inputs, mx::array& out, F&& fn) {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
@@ -549,13 +555,14 @@ class RouterOp : public mx::Primitive {
   bool norm_;
 };
 
-// One new token's attention in a decoder layer of each sequence of a batch as three nodes where mlx-lm's code builds 17 (its
-// reshapes, transposes, slice update and slice among them): Edge0KVWrite puts the token's k row (RMS-normed per
-// head and rotated) and its v row at row `offset` of the KV cache's buffers (1, Hkv, C, Dh); Edge0DecodeAttention
-// norms and rotates the token's q and attends to the buffers' first offset + 1 rows. A batch (mlx-lm's
-// left-padded BatchKVCache) writes every sequence's row at the same `offset`, rotates each at its own position
-// (`positions`, (B,) int32) and starts each sequence's attention at its own first key (`starts`). A buffer that nothing else
-// holds is written in place (its storage passes to the output, as MLX's slice update does), else copied first.
+// One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
+// mlx-lm's code builds 17 (its reshapes, transposes, slice updates and slices among them): Edge0KVWrite puts the
+// token's k row (RMS-normed per head and rotated) and its v row at row `offset` of the KV cache's buffers
+// (B, Hkv, C, Dh); Edge0DecodeAttention norms and rotates the token's q and attends to the buffers' first
+// offset + 1 rows. A batch (mlx-lm's left-padded BatchKVCache) writes every sequence's row at the same `offset`,
+// rotates each at its own position (`positions`, (B,) int32) and starts each sequence's attention at its own
+// first key (`starts`). A buffer that nothing else holds is written in place (its storage passes to the output,
+// as MLX's slice update does), else copied first.
 // Each step is the function the separate nodes call, so the results are theirs bit for bit.
 static std::atomic<int64_t> kv_copies{0};
 
@@ -583,8 +590,8 @@ struct Rotation {
   bool traditional;
   float base, scale;
   bool operator==(const Rotation& o) const {
-    return norm == o.norm && positions == o.positions && eps == o.eps && dims == o.dims && traditional == o.traditional && base == o.base &&
-           scale == o.scale;
+    return norm == o.norm && positions == o.positions && eps == o.eps && dims == o.dims &&
+           traditional == o.traditional && base == o.base && scale == o.scale;
   }
 };
 
@@ -603,14 +610,10 @@ class KVWriteOp : public DenseOp {
     } else {
       out.copy_shared_buffer(buf);
     }
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, copy, offset = offset_, r = r_]() mutable {
-      ProfileScope scope([] { return std::string("Edge0KVWrite"); });
-      const auto& buf = inputs.back();
+    run(inputs, out, [copy, offset = offset_, r = r_](const std::vector<mx::array>& in, mx::array& o) {
+      const auto& buf = in.back();
       const int64_t B = buf.shape(0), H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
-      float* dst = out.data<float>();
+      float* dst = o.data<float>();
       if (copy) {
         std::vector<float> t;
         const float* src = dense_data<float>(buf, t);
@@ -618,9 +621,9 @@ class KVWriteOp : public DenseOp {
       }
       std::vector<float> xt, wt, row(B * H * Dh);
       std::vector<int32_t> pt;
-      norm_rotate(dense_data<float>(inputs[0], xt), r.norm ? dense_data<float>(inputs[1], wt) : nullptr, r.eps, B, H,
-                  Dh, r.dims, r.traditional, r.base, r.scale, offset,
-                  r.positions ? dense_data<int32_t>(inputs[1 + r.norm], pt) : nullptr, row.data());
+      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, B, H, Dh,
+                  r.dims, r.traditional, r.base, r.scale, offset,
+                  r.positions ? dense_data<int32_t>(in[1 + r.norm], pt) : nullptr, row.data());
       for (int64_t bh = 0; bh < B * H; bh++)
         std::copy(row.data() + bh * Dh, row.data() + (bh + 1) * Dh, dst + (bh * C + offset) * Dh);
     });
@@ -644,8 +647,8 @@ class DecodeAttentionOp : public DenseOp {
       : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [offset = offset_, r = r_, starts = starts_, scale = scale_](const std::vector<mx::array>& in,
-                                                                                        mx::array& o) {
+    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_](const std::vector<mx::array>& in,
+                                                                           mx::array& o) {
       const auto& keys = in[in.size() - 2];
       const auto& values = in.back();
       const int64_t B = keys.shape(0), Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3),
@@ -663,7 +666,8 @@ class DecodeAttentionOp : public DenseOp {
                 View4{kc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
                 View4{vc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, o.data<float>(),
                 starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
-    });
+    };
+    dispatch(inputs, out, fn);
   }
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -776,12 +780,14 @@ static std::vector<mx::array> head_rows(const char* op, const mx::array& x, cons
                                         int64_t Dh, int dims) {
   need_f32(x, op, "the rows");
   if (heads < 1 || Dh < 1 || x.size() != B * heads * Dh || dims < 0 || dims % 2 || dims > Dh)
-    throw std::invalid_argument(std::string("edge0 ") + op + ": " + std::to_string(B) + " x " + std::to_string(heads) +
-                                " heads of " + std::to_string(Dh) + " values expected, and rope dims even, at most Dh (0: none)");
+    throw std::invalid_argument(std::string("edge0 ") + op + ": " + std::to_string(B) + " x " +
+                                std::to_string(heads) + " heads of " + std::to_string(Dh) +
+                                " values expected, and rope dims even, at most Dh (0: none)");
   std::vector<mx::array> in{x};
   if (norm) {
     need_f32(*norm, op, "the norm weight");
-    if (norm->ndim() != 1 || norm->shape(0) != Dh) throw std::invalid_argument(std::string("edge0 ") + op + ": norm weight (Dh,)");
+    if (norm->ndim() != 1 || norm->shape(0) != Dh)
+      throw std::invalid_argument(std::string("edge0 ") + op + ": norm weight (Dh,)");
     in.push_back(*norm);
   }
   need_rows(positions, B, op, "positions");

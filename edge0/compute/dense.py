@@ -105,7 +105,8 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
         return None
     if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
         at, positions, starts = cache.offset, None, None
-    elif (type(cache) is BatchKVCache and cache._right_padding is None and cache.offset.dtype == mx.int32
+    elif (type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None
+            and isinstance(getattr(cache, "_idx", None), int) and cache.offset.dtype == mx.int32
             and cache.left_padding.dtype == mx.int32 and cache.offset.shape == (x.shape[0],)):
         at, positions = cache._idx, cache.offset
         starts = cache.left_padding if mask is not None and not isinstance(mask, str) else None
