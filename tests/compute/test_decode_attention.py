@@ -158,3 +158,38 @@ def test_other_caches_and_prompts_take_mlx_lm_code():
 def test_bad_inputs_raise_one_clear_error(call):
     with pytest.raises(ValueError, match="edge0 (kv_write|decode_attention)"):
         call()
+
+
+def test_overlapped_decode_of_the_built_in_model_writes_its_cache_in_place():
+    """Resident decode builds step n+1 while step n computes: each layer's KV write still finds its buffer held by
+    nothing else (no copy of the cache per step), and the tokens are those of mlx-lm's attention code on the same
+    kernel."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.model.demo import DEMO_PROMPT, DEMO_STORE
+    from edge0.model.load import load_store
+    from edge0.pipeline.steps import generate_steps, overlaps
+
+    kernel = use_kernel("edge0")
+    runs = []
+    for fused in (True, False):
+        with kernel.active():
+            store = load_store(DEMO_STORE, executor="resident")
+            if not fused:
+                for _, m in store.model.named_modules():
+                    if type(m) is dense.KernelQwen3Attention:
+                        m.__class__ = qwen3_moe.Attention  # its norms and RoPE stay on the kernel
+            prompt = store.tokenizer.encode(DEMO_PROMPT)
+            before = EXT.kv_copies()
+            EXT.profile(True)
+            EXT.set_profile(True)
+            runs.append([t for t, _ in generate_steps(store.model, prompt, max_tokens=40, sampler=make_sampler(0.0),
+                                                      runtime=store.runtime)])
+            EXT.set_profile(False)
+            copies, writes = EXT.kv_copies() - before, EXT.profile(True).get("Edge0KVWrite", (0, 0))[0]
+            assert overlaps(store.runtime, [KVCache()])
+            store.close()
+        assert (writes > 0) == fused
+        if fused:
+            assert copies == 0
+    assert runs[0] == runs[1]
