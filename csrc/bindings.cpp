@@ -686,6 +686,18 @@ static void need_f32(const mx::array& a, const char* op, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be float32");
 }
 
+// exp or erf of every element as the kernels compute them, evaluated here (not a graph node): the tests compare
+// them bit for bit with mx.exp and mx.erf.
+static mx::array math_op(mx::array x, const std::string& fn) {
+  need_f32(x, "math", "x");
+  if (fn != "exp" && fn != "erf") throw std::invalid_argument("edge0 math: fn must be \"exp\" or \"erf\"");
+  x = mx::contiguous(x);
+  x.eval();
+  std::vector<float> y(x.size());
+  (fn == "exp" ? exp_mlx : erf_mlx)(x.data<float>(), y.data(), (int64_t)x.size());
+  return mx::array(y.begin(), x.shape(), mx::float32);
+}
+
 static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) {
   need_f32(x, "rms_norm", "x");
   need_f32(w, "rms_norm", "weight");
@@ -880,6 +892,7 @@ NB_MODULE(_kernels, m) {
         "group_size"_a = 64,
         "W x + scale * (x lora_a) lora_b for a dense 4- or 8-bit affine W (N, D*bits/32), lora_a (D, r),\n"
         "lora_b (r, N) float32: a quantized linear with its unmerged adapter in one node.");
+  m.def("math", &edge0::math_op, "x"_a, "fn"_a, "exp or erf of x (float32) as the kernels compute them, evaluated now.");
   m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
   m.def("linear", &edge0::linear_op, "x"_a, "weight"_a, "bias"_a = nb::none(),

@@ -17,6 +17,123 @@
 
 namespace edge0 {
 
+namespace mx_simd = mlx::core::simd;
+
+// MLX's CPU exp and erf (mlx/backend/cpu/simd/math.h), which MLX runs one float at a time on Linux (Simd<float, 1>),
+// here 16 or 8 lanes at a time with the same operations, each correctly rounded, in the same order: the same bits
+// (tests/compute/test_kernels.py compares them with mx.exp and mx.erf). Two differences of form only: MLX's
+// floor(x + 0.5) adds 0.5 as a double, which is exact, so floor(x) + (x - floor(x) >= 0.5) gives the same integer
+// (the fraction's rounding cannot cross 0.5: 0.5 is a float); and its int conversion of that integer is a
+// truncation here too.
+#if defined(__AVX512F__)
+constexpr int EXP_LANES = 16;
+static inline __m512 exp_lanes(__m512 xin) {
+  const __m512 x = _mm512_mul_ps(xin, _mm512_set1_ps(1.442695f));
+  const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(x, fl), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m512 ipart = _mm512_mask_add_ps(fl, up, fl, _mm512_set1_ps(1.f));
+  const __m512 fpart = _mm512_sub_ps(x, ipart);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(1.000000000000000f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(ipart), _mm512_set1_epi32(127)), 23);
+  __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(e), p);
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, xin, _CMP_UNORD_Q), xin);
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, _mm512_set1_ps(88.f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, _mm512_set1_ps(-88.f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+static inline __m512 erf_lanes(__m512 v) {
+  const __m512 absv = _mm512_andnot_ps(_mm512_set1_ps(-0.f), v);
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), absv, _mm512_set1_ps(1.f)));
+  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
+  const __m512 negv = _mm512_xor_ps(v, _mm512_set1_ps(-0.f));
+  const __m512 e = _mm512_xor_ps(exp_lanes(_mm512_mul_ps(negv, v)), _mm512_set1_ps(-0.f));
+  const __m512 res = _mm512_fmadd_ps(_mm512_mul_ps(e, t), r, _mm512_set1_ps(1.f));
+  return _mm512_mask_mov_ps(_mm512_xor_ps(res, _mm512_set1_ps(-0.f)),
+                            _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), res);
+}
+static inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store_lanes(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 splat(float v) { return _mm512_set1_ps(v); }
+static inline __m512 add_lanes(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+static inline __m512 neg_lanes(__m512 a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
+static inline __m512 mul_lanes(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+static inline __m512 div_lanes(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int EXP_LANES = 8;
+static inline __m256 exp_lanes(__m256 xin) {
+  const __m256 x = _mm256_mul_ps(xin, _mm256_set1_ps(1.442695f));
+  const __m256 fl = _mm256_floor_ps(x);
+  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(x, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m256 ipart = _mm256_add_ps(fl, _mm256_and_ps(up, _mm256_set1_ps(1.f)));
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), p);
+  r = _mm256_blendv_ps(r, xin, _mm256_cmp_ps(xin, xin, _CMP_UNORD_Q));
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(xin, _mm256_set1_ps(88.f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(xin, _mm256_set1_ps(-88.f), _CMP_LT_OQ));
+}
+static inline __m256 erf_lanes(__m256 v) {
+  const __m256 absv = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v);
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), absv, _mm256_set1_ps(1.f)));
+  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(1.061405429f), t, _mm256_set1_ps(-1.453152027f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(1.421413741f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(-0.284496736f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(0.254829592f));
+  const __m256 negv = _mm256_xor_ps(v, _mm256_set1_ps(-0.f));
+  const __m256 e = _mm256_xor_ps(exp_lanes(_mm256_mul_ps(negv, v)), _mm256_set1_ps(-0.f));
+  const __m256 res = _mm256_fmadd_ps(_mm256_mul_ps(e, t), r, _mm256_set1_ps(1.f));
+  return _mm256_blendv_ps(_mm256_xor_ps(res, _mm256_set1_ps(-0.f)), res,
+                          _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ));
+}
+static inline __m256 load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store_lanes(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline __m256 splat(float v) { return _mm256_set1_ps(v); }
+static inline __m256 add_lanes(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+static inline __m256 neg_lanes(__m256 a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+static inline __m256 mul_lanes(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+static inline __m256 div_lanes(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
+#else
+constexpr int EXP_LANES = 0;
+#endif
+
+static inline float exp1(float x) { return mx_simd::exp(mx_simd::Simd<float, 1>(x)).value; }
+static inline float erf1(float x) { return mx_simd::erf(mx_simd::Simd<float, 1>(x)).value; }
+
+// y[i] = f(x[i]) for i < n with the lanes' form (fv) or one at a time (f1) past the last whole vector: the bits
+// of f1 either way.
+template <class FV, class F1>
+static inline void each(const float* x, float* y, int64_t n, [[maybe_unused]] FV fv, F1 f1) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  for (; i + EXP_LANES <= n; i += EXP_LANES) store_lanes(y + i, fv(load_lanes(x + i)));
+#endif
+  for (; i < n; i++) y[i] = f1(x[i]);
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define EDGE0_LANES(expr) [](auto v) { return expr; }
+#else
+#define EDGE0_LANES(expr) nullptr
+#endif
+
+void exp_mlx(const float* x, float* y, int64_t n) { each(x, y, n, EDGE0_LANES(exp_lanes(v)), exp1); }
+void erf_mlx(const float* x, float* y, int64_t n) { each(x, y, n, EDGE0_LANES(erf_lanes(v)), erf1); }
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The G dot products of G query rows (qv, G x Dh, contiguous) with each of KB key rows (kr, kr + ks, ...), into
 // dot[i][0..G): the KB x G sums advance together, 8 lanes at a time, independent FMA chains instead of one chain
@@ -213,13 +330,10 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
       for (int64_t g = 0; g < group; g++) {
         float* pg = p.data() + g * S;
         const float m = mx[g];
+        for (int64_t t = 0; t < seen; t++) pg[t] -= m;
+        exp_mlx(pg, pg, seen);  // MLX's own exp (as its softmax computes it on the CPU)
         float total = 0.f;
-        // MLX's own exp (as its softmax computes it on the CPU): arithmetic the compiler vectorizes
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < seen; t++) {
-          pg[t] = mlx::core::simd::exp(mlx::core::simd::Simd<float, 1>(pg[t] - m)).value;
-          total += pg[t];
-        }
+        for (int64_t t = 0; t < seen; t++) total += pg[t];  // in order
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -251,9 +365,14 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
 }
 
 void swiglu(float* g, const float* u, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; i++)
-    g[i] = g[i] / (1.f + mlx::core::simd::exp(mlx::core::simd::Simd<float, 1>(-g[i])).value) * u[i];
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  for (const auto one = splat(1.f); i + EXP_LANES <= n; i += EXP_LANES) {
+    const auto gv = load_lanes(g + i);
+    store_lanes(g + i, mul_lanes(div_lanes(gv, add_lanes(one, exp_lanes(neg_lanes(gv)))), load_lanes(u + i)));
+  }
+#endif
+  for (; i < n; i++) g[i] = g[i] / (1.f + exp1(-g[i])) * u[i];
 }
 
 void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores) {
@@ -376,9 +495,10 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
   }
   linear(f.data(), rows, w1, b1, H, F, g.data());
   float* gv = g.data();
-#pragma omp simd
-  for (int64_t i = 0; i < rows * H; i++)  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
-    gv[i] = gv[i] * (1.f + mlx::core::simd::erf(mlx::core::simd::Simd<float, 1>(gv[i] / 1.41421356f)).value) / 2.f;
+  std::vector<float> e(rows * H);  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
+  for (int64_t i = 0; i < rows * H; i++) e[i] = gv[i] / 1.41421356f;
+  erf_mlx(e.data(), e.data(), rows * H);
+  for (int64_t i = 0; i < rows * H; i++) gv[i] = gv[i] * (1.f + e[i]) / 2.f;
   linear(f.data(), rows, delta, nullptr, N, F, d.data());
   linear(g.data(), rows, w2, b2, N, H, o2.data());
   for (int64_t i = 0; i < rows * N; i++) out[i] = router[i] + d[i] + o2[i];

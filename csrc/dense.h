@@ -47,6 +47,11 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
           const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
           const float* b2, int64_t N, float* out);
 
+// y[i] = exp(x[i]) and erf(x[i]) for i < n as MLX's CPU backend computes them (mx.exp, mx.erf), bit for bit,
+// vectorized (x == y allowed).
+void exp_mlx(const float* x, float* y, int64_t n);
+void erf_mlx(const float* x, float* y, int64_t n);
+
 // g[i] = silu(g[i]) * u[i] for i < n (a routed expert's SwiGLU between its products), vectorized with MLX's exp.
 void swiglu(float* g, const float* u, int64_t n);
 

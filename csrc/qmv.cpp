@@ -208,17 +208,53 @@ struct Acts {
   std::vector<int8_t> q;  // (rows, D) permuted int8
 };
 
+// v rounded to the nearest integer, ties to even: std::lrintf's own instruction (cvtss2si under the default rounding
+// mode), inline instead of a call into libm per element.
+static inline int32_t round_even(float v) {
+#if defined(EDGE0_AVX2)
+  return _mm_cvtss_si32(_mm_set_ss(v));
+#else
+  return (int32_t)std::lrintf(v);
+#endif
+}
+
+#if defined(EDGE0_VNNI)
+// The VNNI path's int8 values of x (D a multiple of 128) for groups of gs >= 16, 16 at a time: each value rounded as
+// round_even rounds it (vcvtps2dq under the default rounding mode), evens and odds of each 128-element chunk
+// apart by a permute; qsum[g] the sum of group g's values.
+static void quantize_vnni(const float* x, int64_t D, int gs, const float* inv, int8_t* q, int32_t* qsum) {
+  // a NaN's conversion (INT_MIN) is 0 in the int8 value; in the sum too, as the scalar path sums the int8 values
+  const auto to_int = [](__m512 v) {
+    const __m512i i = _mm512_cvtps_epi32(v);
+    return _mm512_maskz_mov_epi32(_mm512_cmpneq_epi32_mask(i, _mm512_set1_epi32(INT32_MIN)), i);
+  };
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t c = 0; c < D; c += 128)
+    for (int64_t j = 0; j < 64; j += 16) {  // elements c + 2j .. c + 2j + 31
+      const int64_t e = c + 2 * j;
+      const __m512i a = to_int(_mm512_mul_ps(_mm512_loadu_ps(x + e), _mm512_set1_ps(inv[e / gs])));
+      const __m512i b = to_int(_mm512_mul_ps(_mm512_loadu_ps(x + e + 16), _mm512_set1_ps(inv[(e + 16) / gs])));
+      qsum[e / gs] += _mm512_reduce_add_epi32(a);
+      qsum[(e + 16) / gs] += _mm512_reduce_add_epi32(b);
+      _mm_storeu_si128((__m128i*)(q + c + j), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, even, b)));
+      _mm_storeu_si128((__m128i*)(q + c + 64 + j), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(a, odd, b)));
+    }
+}
+#endif
+
 static void prepare_row(const float* x, int64_t D, int gs, int impl, int bits, float* sums, float* scale, int8_t* q) {
   const int64_t G = D / gs;
   float inv[MAX_GROUPS];
   for (int64_t g = 0; g < G; g++) {
     const float* xg = x + g * gs;
-    float s = 0.f, amax = 0.f;
-    for (int i = 0; i < gs; i++) {
-      s += xg[i];
-      amax = std::max(amax, std::fabs(xg[i]));
+    float amax = 0.f;
+    for (int i = 0; i < gs; i++) amax = std::max(amax, std::fabs(xg[i]));
+    if (impl == PORTABLE) {  // float activations: the group's sum of x (the other paths take their int8 values')
+      float s = 0.f;
+      for (int i = 0; i < gs; i++) s += xg[i];
+      sums[g] = s;
     }
-    sums[g] = s;
     scale[g] = amax / 127.f;
     inv[g] = amax > 0.f ? 127.f / amax : 0.f;
   }
@@ -226,15 +262,21 @@ static void prepare_row(const float* x, int64_t D, int gs, int impl, int bits, f
   int32_t qsum[MAX_GROUPS] = {0};
   if (bits == 8) {  // a byte per weight: int8 values in their natural order
     for (int64_t i = 0; i < D; i++) {
-      q[i] = (int8_t)std::lrintf(x[i] * inv[i / gs]);
+      q[i] = (int8_t)round_even(x[i] * inv[i / gs]);
       qsum[i / gs] += q[i];
     }
   }
+#if defined(EDGE0_VNNI)
+  if (bits == 4 && impl == VNNI && D % 128 == 0 && gs >= 16) {
+    quantize_vnni(x, D, gs, inv, q, qsum);
+    bits = 0;  // done
+  }
+#endif
   for (int64_t c = 0; bits == 4 && c < D;) {
     const int64_t half = impl == VNNI && c + 128 <= D ? 64 : 32;  // elements per half of this chunk
     for (int64_t j = 0; j < half; j++) {
       int64_t e = c + 2 * j, o = e + 1;
-      int8_t qe = (int8_t)std::lrintf(x[e] * inv[e / gs]), qo = (int8_t)std::lrintf(x[o] * inv[o / gs]);
+      int8_t qe = (int8_t)round_even(x[e] * inv[e / gs]), qo = (int8_t)round_even(x[o] * inv[o / gs]);
       q[c + j] = qe;
       q[c + half + j] = qo;
       qsum[e / gs] += qe;

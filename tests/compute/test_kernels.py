@@ -136,6 +136,27 @@ def test_glu_matches_reference(impl, d, h, e, k, t, gs):
 
 
 @needs_ext
+@pytest.mark.parametrize("fn", ["exp", "erf"])
+def test_exp_and_erf_are_mlx_bitwise(fn):
+    """The kernels' exp and erf (attention's softmax, the routed SwiGLU, the heads' gelu), vectorized, give mx.exp's
+    and mx.erf's bits: a sweep of [-100, 100] (where the rounding to 2**i changes, the +-88 cut-offs), specials,
+    subnormals, and a length that is no multiple of the vector width (the scalar tail)."""
+    sweep = np.linspace(-100, 100, 400_003, dtype=np.float32)
+    edges = np.array([0.5, -0.5, 88, -88, 1e-30, -1e-30, 1e-45, -1e-45, 0.0, -0.0, np.inf, -np.inf, np.nan,
+                      3.4e38, -3.4e38], np.float32)
+    near = np.nextafter(np.repeat(edges[:6], 2), np.tile([np.inf, -np.inf], 6).astype(np.float32))
+    halves = (np.arange(-130, 130, dtype=np.float32) + 0.5) / np.float32(1.442695)  # x * log2(e) near a half
+    x = np.concatenate([sweep, edges, near, halves, np.nextafter(halves, np.float32(np.inf)),
+                        np.nextafter(halves, np.float32(-np.inf))])
+    got = np.array(EXT.math(mx.array(x), fn))
+    want = np.array(getattr(mx, fn)(mx.array(x)))
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])  # -0.0 too
+    with pytest.raises(ValueError, match="exp.*erf"):
+        EXT.math(mx.array(x), "log")
+
+
+@needs_ext
 def test_dense_ops_match_mlx():
     """RMS norm, RoPE and attention (one query, and causal prompts) against MLX's fast ops, views as inputs."""
     from edge0.compute import dense
