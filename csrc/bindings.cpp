@@ -115,27 +115,44 @@ static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array
   return q;
 }
 
+// A dense quantized projection, y = W x (+ scale * (x A) B with an adapter), for inputs x (R rows of D), w, scales,
+// biases[, lora_a (D, r), lora_b (r, N)]: what an Edge0QMV node without indices or an Edge0QMVLoRA node computes.
+// A node that takes such a node's output while it is not yet evaluated can run it itself (absorbed), its inputs
+// leading the node's own: one node fewer, the same function, the same bits.
+struct Projection {
+  int inputs = 0;  // 0: none absorbed; 4: x, w, scales, biases; 6: with lora_a, lora_b
+  int group_size = 0;
+  float scale = 0.f;  // the adapter's
+  bool operator==(const Projection& o) const {
+    return inputs == o.inputs && group_size == o.group_size && scale == o.scale;
+  }
+};
+
 // Output row o reads x row o / ratio (ratio = rows per x row) and expert idx[o] (or 0 without idx).
 // Inputs: x (..., D), w, scales, biases[, idx (any shape, R entries)]; output R x N, in any shape.
 // With glu, the weights are those of gate, up and down (9 arrays) and row o is
-// down[idx[o]] @ (silu(gate[idx[o]] @ x) * (up[idx[o]] @ x)): a routed expert's whole product.
+// down[idx[o]] @ (silu(gate[idx[o]] @ x) * (up[idx[o]] @ x)): a routed expert's whole product. With combine (a glu
+// with idx), one more input, scores (T, K): the output is (T, N), each token's K rows weighed and summed as
+// Edge0Combine sums them (combine_op builds it from a GLU node and its scores).
 class QMV : public mx::UnaryPrimitive {
  public:
-  QMV(mx::Stream stream, int group_size, int64_t ratio, bool has_idx, bool glu)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), ratio_(ratio), has_idx_(has_idx), glu_(glu) {}
+  QMV(mx::Stream stream, int group_size, int64_t ratio, bool has_idx, bool glu, bool combine = false)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), ratio_(ratio), has_idx_(has_idx), glu_(glu),
+        combine_(combine) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out, gs = group_size_, ratio = ratio_, has_idx = has_idx_, glu = glu_]() mutable {
+    enc.dispatch([inputs, out, gs = group_size_, ratio = ratio_, has_idx = has_idx_, glu = glu_,
+                  combine = combine_]() mutable {
       const auto& x = inputs[0];
       const int64_t D = x.shape(-1), Rx = x.size() / D;
       const size_t nw = glu ? 9 : 3;
       ProfileScope scope([&] {
-        return std::string(glu ? "Edge0GLU " : "Edge0QMV ") + std::to_string(inputs[1].shape(-2)) + "x" +
-               std::to_string(D) + (Rx >= PROMPT_ROWS ? " prompt" : "");
+        return std::string(glu ? (combine ? "Edge0GLU+Combine " : "Edge0GLU ") : "Edge0QMV ") +
+               std::to_string(inputs[1].shape(-2)) + "x" + std::to_string(D) + (Rx >= PROMPT_ROWS ? " prompt" : "");
       });
       std::vector<float> xt;
       std::vector<uint32_t> it;
@@ -145,7 +162,7 @@ class QMV : public mx::UnaryPrimitive {
         const int64_t Dj = j < 6 ? D : inputs[1].shape(-2);  // down reads the gate/up width
         q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, temps[j / 3]));
       }
-      const int64_t N = q.back().N, R = out.size() / N;
+      const int64_t N = q.back().N, R = has_idx ? inputs[1 + nw].size() : out.size() / N;
       const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
       std::vector<Pair> pairs(R);
       for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
@@ -161,7 +178,15 @@ class QMV : public mx::UnaryPrimitive {
       qmv(q[1], xd, Rx, pairs, u.data(), prompt);
       swiglu(g.data(), u.data(), R * H);
       for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
-      qmv(q[2], g.data(), R, pairs, out.data<float>(), prompt);
+      if (!combine) {
+        qmv(q[2], g.data(), R, pairs, out.data<float>(), prompt);
+        return;
+      }
+      std::vector<float> y(R * N), st;
+      qmv(q[2], g.data(), R, pairs, y.data(), prompt);
+      const auto& scores = inputs.back();
+      const int k = scores.shape(-1);
+      edge0::combine(y.data(), dense_data<float>(scores, st), R / k, k, N, out.data<float>());
     });
   }
 
@@ -173,14 +198,56 @@ class QMV : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMV&>(other);
-    return group_size_ == o.group_size_ && ratio_ == o.ratio_ && has_idx_ == o.has_idx_ && glu_ == o.glu_;
+    return group_size_ == o.group_size_ && ratio_ == o.ratio_ && has_idx_ == o.has_idx_ && glu_ == o.glu_ &&
+           combine_ == o.combine_;
+  }
+  // a GLU node (not a combined one) with indices: combine_op can take its place
+  bool combinable() const { return glu_ && has_idx_ && !combine_; }
+  // a plain product (no indices): another node can run it (Projection)
+  std::optional<Projection> projection() const {
+    return glu_ || has_idx_ ? std::nullopt : std::optional<Projection>(Projection{4, group_size_, 0.f});
+  }
+  std::shared_ptr<QMV> combined() {
+    return std::make_shared<QMV>(stream(), group_size_, ratio_, has_idx_, glu_, true);
   }
 
  private:
   int group_size_;
   int64_t ratio_;
-  bool has_idx_, glu_;
+  bool has_idx_, glu_, combine_;
 };
+
+static void project(const std::vector<mx::array>& in, const Projection& p, float* y) {
+  const auto& x = in[0];
+  const int64_t D = x.shape(-1), R = x.size() / D;
+  std::vector<float> xt, at, bt;
+  QTemps temps;
+  const QWeights q = qweights(in[1], in[2], in[3], D, p.group_size, temps);
+  std::vector<Pair> pairs(R);
+  for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
+  const float* xd = dense_data<float>(x, xt);
+  qmv(q, xd, R, pairs, y, R >= PROMPT_ROWS);
+  if (p.inputs < 6) return;
+  const int64_t N = q.N, r = in[4].shape(-1);
+  const float* a = dense_data<float>(in[4], at);  // (D, r)
+  const float* b = dense_data<float>(in[5], bt);  // (r, N)
+  const float scale = p.scale;
+  parallel_for(R, [&](int64_t row) {
+    std::vector<float> t(r, 0.f);
+    const float* xr = xd + row * D;
+    for (int64_t d = 0; d < D; d++) {
+      const float xv = xr[d];
+      const float* ad = a + d * r;
+      for (int64_t j = 0; j < r; j++) t[j] += xv * ad[j];
+    }
+    float* yr = y + row * N;
+    for (int64_t j = 0; j < r; j++) {
+      const float tj = scale * t[j];
+      const float* bj = b + j * N;
+      for (int64_t n = 0; n < N; n++) yr[n] += tj * bj[n];
+    }
+  }, R >= PROMPT_ROWS);
+}
 
 // A dense quantized linear with an unmerged low-rank adapter, one node: out = W x + scale * (x A) B, for
 // x (..., D), W (N, D*bits/32), A (D, r), B (r, N) float32 (the recovery adapter of model/lora.py).
@@ -195,38 +262,12 @@ class QMVLoRA : public mx::UnaryPrimitive {
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([inputs, out, gs = group_size_, scale = scale_]() mutable {
-      const auto& x = inputs[0];
-      const int64_t D = x.shape(-1), R = x.size() / D;
+      const int64_t D = inputs[0].shape(-1), R = inputs[0].size() / D;
       ProfileScope scope([&] {
         return "Edge0QMV+LoRA " + std::to_string(inputs[1].shape(-2)) + "x" + std::to_string(D) +
                (R >= PROMPT_ROWS ? " prompt" : "");
       });
-      std::vector<float> xt, at, bt2;
-      QTemps temps;
-      const QWeights q = qweights(inputs[1], inputs[2], inputs[3], D, gs, temps);
-      const int64_t N = q.N, r = inputs[4].shape(-1);
-      std::vector<Pair> pairs(R);
-      for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
-      const float* xd = dense_data<float>(x, xt);
-      float* y = out.data<float>();
-      qmv(q, xd, R, pairs, y, R >= PROMPT_ROWS);
-      const float* a = dense_data<float>(inputs[4], at);  // (D, r)
-      const float* b = dense_data<float>(inputs[5], bt2);  // (r, N)
-      parallel_for(R, [&](int64_t row) {
-        std::vector<float> t(r, 0.f);
-        const float* xr = xd + row * D;
-        for (int64_t d = 0; d < D; d++) {
-          const float xv = xr[d];
-          const float* ad = a + d * r;
-          for (int64_t j = 0; j < r; j++) t[j] += xv * ad[j];
-        }
-        float* yr = y + row * N;
-        for (int64_t j = 0; j < r; j++) {
-          const float tj = scale * t[j];
-          const float* bj = b + j * N;
-          for (int64_t n = 0; n < N; n++) yr[n] += tj * bj[n];
-        }
-      }, R >= PROMPT_ROWS);
+      project(inputs, Projection{6, gs, scale}, out.data<float>());
     });
   }
 
@@ -238,6 +279,7 @@ class QMVLoRA : public mx::UnaryPrimitive {
     auto& o = static_cast<const QMVLoRA&>(other);
     return group_size_ == o.group_size_ && scale_ == o.scale_;
   }
+  Projection projection() const { return {6, group_size_, scale_}; }
 
  private:
   int group_size_;
@@ -526,23 +568,38 @@ class EmbedOp : public DenseOp {
 };
 
 // Routing as one node with two outputs: (inds uint32, scores float32), each (..., k).
-class RouterOp : public mx::Primitive {
+// A node of several outputs: storage for each, then fn(inputs, outputs) on the stream, profiled under its name.
+class MultiOp : public mx::Primitive {
  public:
-  RouterOp(mx::Stream s, int k, bool norm) : mx::Primitive(s), k_(k), norm_(norm) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([in = inputs[0], inds = outputs[0], scores = outputs[1], k = k_, norm = norm_]() mutable {
-      std::vector<float> lt;
-      const int64_t E = in.shape(-1);
-      softmax_topk(dense_data<float>(in, lt), in.size() / E, E, k, norm, inds.data<uint32_t>(),
-                   scores.data<float>());
-    });
-  }
+  using mx::Primitive::Primitive;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("edge0 kernels: CPU only");
+  }
+
+ protected:
+  template <typename F>
+  void dispatch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, F&& fn) {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    enc.dispatch([inputs, outputs, fn = std::forward<F>(fn), name = name()]() mutable {
+      ProfileScope scope([&] { return std::string(name); });
+      fn(inputs, outputs);
+    });
+  }
+};
+
+class RouterOp : public MultiOp {
+ public:
+  RouterOp(mx::Stream s, int k, bool norm) : MultiOp(s), k_(k), norm_(norm) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(inputs, outputs, [k = k_, norm = norm_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      std::vector<float> lt;
+      const int64_t E = in[0].shape(-1);
+      softmax_topk(dense_data<float>(in[0], lt), in[0].size() / E, E, k, norm, out[0].data<uint32_t>(),
+                   out[1].data<float>());
+    });
   }
   const char* name() const override { return "Edge0SoftmaxTopK"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -553,6 +610,30 @@ class RouterOp : public mx::Primitive {
  private:
   int k_;
   bool norm_;
+};
+
+// A decoder layer's residual add and the RMS norm after it as one node: h = x + r (MLX's Add, element by element)
+// and rms_norm(h) (Edge0RMSNorm's bits). Inputs x, r (same shape), w (D,); outputs h, n.
+class AddRMSNormOp : public MultiOp {
+ public:
+  AddRMSNormOp(mx::Stream s, float eps) : MultiOp(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(inputs, outputs, [eps = eps_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      std::vector<float> xt, rt, wt;
+      const float *x = dense_data<float>(in[0], xt), *r = dense_data<float>(in[1], rt);
+      float* h = out[0].data<float>();
+      const int64_t n = in[0].size(), D = in[0].shape(-1);
+      for (int64_t i = 0; i < n; i++) h[i] = x[i] + r[i];
+      rms_norm(h, dense_data<float>(in[2], wt), eps, n / D, D, out[1].data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0AddRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const AddRMSNormOp&>(other).eps_;
+  }
+
+ private:
+  float eps_;
 };
 
 // One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
@@ -595,11 +676,22 @@ struct Rotation {
   }
 };
 
+// The n values the KV write or the attention starts from: input 0, or the output of the projection leading the
+// inputs (Projection), run here into t. next: the index of the first input after them.
+static const float* rows_input(const std::vector<mx::array>& in, const Projection& p, int64_t n, std::vector<float>& t,
+                               size_t& next) {
+  next = p.inputs ? p.inputs : 1;
+  if (!p.inputs) return dense_data<float>(in[0], t);
+  t.resize(n);
+  project(in, p, t.data());
+  return t.data();
+}
+
 // Inputs: x (B*Hkv*Dh values)[, norm (Dh,)][, positions (B,)], buffer (B, Hkv, C, Dh); output: the buffer with
 // row offset of every sequence written.
 class KVWriteOp : public DenseOp {
  public:
-  KVWriteOp(mx::Stream s, int64_t offset, Rotation r) : DenseOp(s), offset_(offset), r_(r) {}
+  KVWriteOp(mx::Stream s, int64_t offset, Rotation r, Projection p) : DenseOp(s), offset_(offset), r_(r), p_(p) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& buf = inputs.back();
@@ -610,7 +702,7 @@ class KVWriteOp : public DenseOp {
     } else {
       out.copy_shared_buffer(buf);
     }
-    run(inputs, out, [copy, offset = offset_, r = r_](const std::vector<mx::array>& in, mx::array& o) {
+    run(inputs, out, [copy, offset = offset_, r = r_, p = p_](const std::vector<mx::array>& in, mx::array& o) {
       const auto& buf = in.back();
       const int64_t B = buf.shape(0), H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
       float* dst = o.data<float>();
@@ -621,9 +713,11 @@ class KVWriteOp : public DenseOp {
       }
       std::vector<float> xt, wt, row(B * H * Dh);
       std::vector<int32_t> pt;
-      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, B, H, Dh,
-                  r.dims, r.traditional, r.base, r.scale, offset,
-                  r.positions ? dense_data<int32_t>(in[1 + r.norm], pt) : nullptr, row.data());
+      size_t at;  // in[at]: the first input after the rows
+      const float* x = rows_input(in, p, B * H * Dh, xt, at);
+      norm_rotate(x, r.norm ? dense_data<float>(in[at], wt) : nullptr, r.eps, B, H, Dh, r.dims,
+                  r.traditional, r.base, r.scale, offset,
+                  r.positions ? dense_data<int32_t>(in[at + r.norm], pt) : nullptr, row.data());
       for (int64_t bh = 0; bh < B * H; bh++)
         std::copy(row.data() + bh * Dh, row.data() + (bh + 1) * Dh, dst + (bh * C + offset) * Dh);
     });
@@ -631,34 +725,37 @@ class KVWriteOp : public DenseOp {
   const char* name() const override { return "Edge0KVWrite"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const KVWriteOp&>(other);
-    return offset_ == o.offset_ && r_ == o.r_;
+    return offset_ == o.offset_ && r_ == o.r_ && p_ == o.p_;
   }
 
  private:
   int64_t offset_;
   Rotation r_;
+  Projection p_;
 };
 
 // Inputs: q (B*heads*Dh values)[, norm (Dh,)][, positions (B,)][, starts (B,)], keys, values (B, Hkv, C, Dh);
 // output (B, 1, heads*Dh): the heads side by side, as the output projection takes them.
 class DecodeAttentionOp : public DenseOp {
  public:
-  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale)
-      : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale) {}
+  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale, Projection p)
+      : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale), p_(p) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_](const std::vector<mx::array>& in,
-                                                                           mx::array& o) {
+    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_, p = p_](const std::vector<mx::array>& in,
+                                                                                  mx::array& o) {
       const auto& keys = in[in.size() - 2];
       const auto& values = in.back();
       const int64_t B = keys.shape(0), Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3),
-                    Hq = in[0].size() / (B * Dh);
+                    Hq = o.size() / (B * Dh);
       std::vector<float> xt, wt, kt, vt, qr(B * Hq * Dh);
       std::vector<int32_t> pt, st;
-      const size_t at = 1 + r.norm;  // the first integer input
-      norm_rotate(dense_data<float>(in[0], xt), r.norm ? dense_data<float>(in[1], wt) : nullptr, r.eps, B, Hq, Dh,
-                  r.dims, r.traditional, r.base, r.scale, offset,
-                  r.positions ? dense_data<int32_t>(in[at], pt) : nullptr, qr.data());
+      size_t first;
+      const float* x = rows_input(in, p, B * Hq * Dh, xt, first);
+      const size_t at = first + r.norm;  // the first integer input
+      norm_rotate(x, r.norm ? dense_data<float>(in[first], wt) : nullptr, r.eps, B, Hq, Dh, r.dims,
+                  r.traditional, r.base, r.scale, offset, r.positions ? dense_data<int32_t>(in[at], pt) : nullptr,
+                  qr.data());
       const float* kc = dense_data<float>(keys, kt);  // the KV writes' outputs: contiguous
       const float* vc = dense_data<float>(values, vt);
       const int64_t S = offset + 1;
@@ -672,7 +769,7 @@ class DecodeAttentionOp : public DenseOp {
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeAttentionOp&>(other);
-    return offset_ == o.offset_ && r_ == o.r_ && starts_ == o.starts_ && scale_ == o.scale_;
+    return offset_ == o.offset_ && r_ == o.r_ && starts_ == o.starts_ && scale_ == o.scale_ && p_ == o.p_;
   }
 
  private:
@@ -680,6 +777,7 @@ class DecodeAttentionOp : public DenseOp {
   Rotation r_;
   bool starts_;
   float scale_;
+  Projection p_;
 };
 
 static void need_f32(const mx::array& a, const char* op, const char* what) {
@@ -705,6 +803,17 @@ static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) 
     throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D), D >= 1");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
+}
+
+static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::array& r, const mx::array& w, float eps) {
+  need_f32(x, "add_rms_norm", "x");
+  need_f32(r, "add_rms_norm", "r");
+  need_f32(w, "add_rms_norm", "weight");
+  if (x.shape() != r.shape() || x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("edge0 add_rms_norm: x and r of one shape (..., D), weight (D,), D >= 1");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<AddRMSNormOp>(s, eps), {x, r, w});
 }
 
 static mx::array linear_op(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
@@ -762,6 +871,13 @@ static mx::array combine_op(const mx::array& y, const mx::array& scores) {
     throw std::invalid_argument("edge0 combine: y (..., K, D) and scores (..., K), K >= 1");
   auto shape = scores.shape();
   shape.back() = y.shape(-1);
+  // y the routed experts' GLU node, not yet evaluated: one node that runs it and sums its rows (the same bits)
+  if (auto* glu = y.status() == mx::array::Status::unscheduled ? dynamic_cast<QMV*>(&y.primitive()) : nullptr;
+      glu && glu->combinable() && y.inputs().back().size() == scores.size()) {
+    auto in = y.inputs();
+    in.push_back(scores);
+    return mx::array(shape, mx::float32, glu->combined(), std::move(in));
+  }
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32, std::make_shared<CombineOp>(s), {y, scores});
 }
@@ -807,6 +923,22 @@ static std::vector<mx::array> head_rows(const char* op, const mx::array& x, cons
   return in;
 }
 
+// x's projection when x is a plain projection node not yet evaluated (Projection: the node taking x runs it, one
+// node fewer); none (inputs 0) otherwise. absorb puts its inputs in x's place.
+static Projection absorbable(const mx::array& x) {
+  if (x.status() != mx::array::Status::unscheduled) return {};
+  if (auto* p = dynamic_cast<QMVLoRA*>(&x.primitive())) return p->projection();
+  if (auto* p = dynamic_cast<QMV*>(&x.primitive())) return p->projection().value_or(Projection{});
+  return {};
+}
+
+static void absorb(std::vector<mx::array>& in, const mx::array& x, const Projection& p) {
+  if (!p.inputs) return;
+  const auto& xin = x.inputs();
+  in.erase(in.begin());
+  in.insert(in.begin(), xin.begin(), xin.end());
+}
+
 static bool is_cache_buffer(const mx::array& b) { return b.ndim() == 4 && b.shape(0) >= 1 && b.dtype() == mx::float32; }
 
 static mx::array kv_write_op(const mx::array& x, const std::optional<mx::array>& norm, const mx::array& buffer,
@@ -816,9 +948,11 @@ static mx::array kv_write_op(const mx::array& x, const std::optional<mx::array>&
     throw std::invalid_argument("edge0 kv_write: buffer (B, H, C, Dh) float32 and 0 <= offset < C");
   auto in = head_rows("kv_write", x, norm, positions, buffer.shape(0), buffer.shape(1), buffer.shape(3), dims);
   in.push_back(buffer);
+  const Projection p = absorbable(x);
+  absorb(in, x, p);
   auto s = mx::default_stream(mx::Device::cpu);
   const Rotation r{(bool)norm, (bool)positions, eps, dims, traditional, base, rope_scale};
-  return mx::array(buffer.shape(), mx::float32, std::make_shared<KVWriteOp>(s, offset, r), in);
+  return mx::array(buffer.shape(), mx::float32, std::make_shared<KVWriteOp>(s, offset, r, p), in);
 }
 
 static mx::array decode_attention_op(const mx::array& q, const std::optional<mx::array>& norm, const mx::array& keys,
@@ -838,10 +972,12 @@ static mx::array decode_attention_op(const mx::array& q, const std::optional<mx:
   if (starts) in.push_back(*starts);
   in.push_back(keys);
   in.push_back(values);
+  const Projection p = absorbable(q);
+  absorb(in, q, p);
   auto s = mx::default_stream(mx::Device::cpu);
   const Rotation r{(bool)norm, (bool)positions, eps, dims, traditional, base, rope_scale};
   return mx::array(mx::Shape{(int)B, 1, (int)(heads * Dh)}, mx::float32,
-                   std::make_shared<DecodeAttentionOp>(s, offset, r, (bool)starts, scale), in);
+                   std::make_shared<DecodeAttentionOp>(s, offset, r, (bool)starts, scale, p), in);
 }
 
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
@@ -893,6 +1029,8 @@ NB_MODULE(_kernels, m) {
         "W x + scale * (x lora_a) lora_b for a dense 4- or 8-bit affine W (N, D*bits/32), lora_a (D, r),\n"
         "lora_b (r, N) float32: a quantized linear with its unmerged adapter in one node.");
   m.def("math", &edge0::math_op, "x"_a, "fn"_a, "exp or erf of x (float32) as the kernels compute them, evaluated now.");
+  m.def("add_rms_norm", &edge0::add_rms_norm_op, "x"_a, "r"_a, "weight"_a, "eps"_a,
+        "(h, n): h = x + r and n = rms_norm(h, weight, eps), one node (a residual add and the norm after it).");
   m.def("rms_norm", &edge0::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32, one graph node (mx.fast.rms_norm's math).");
   m.def("linear", &edge0::linear_op, "x"_a, "weight"_a, "bias"_a = nb::none(),

@@ -825,11 +825,18 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
     const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
     for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
       const int64_t i1 = std::min(run.end, i0 + PB);
-      if (i1 - i0 > 1 && rows_tile(impl, q, e, n0, n1, sorted.data() + i0, i1 - i0, acts, out))
-        continue;  // several rows of one expert: each weight row loaded once for them all
-      for (int64_t m0 = n0; m0 < n1; m0 += NS) {
+      // several rows of one expert: each weight row loaded once for them all. On the VNNI path whole tiles only:
+      // a row left over takes four weight rows at once below (independent chains), not one alone.
+      int64_t first = i0;
+#if defined(EDGE0_VNNI)
+      const int64_t tiled = impl == VNNI ? (i1 - i0) / TILE_ROWS * TILE_ROWS : i1 - i0;
+#else
+      const int64_t tiled = i1 - i0;
+#endif
+      if (tiled > 1 && rows_tile(impl, q, e, n0, n1, sorted.data() + i0, tiled, acts, out)) first = i0 + tiled;
+      for (int64_t m0 = n0; m0 < n1 && first < i1; m0 += NS) {
         const int64_t m1 = std::min(n1, m0 + NS);
-        for (int64_t i = i0; i < i1; i++) {
+        for (int64_t i = first; i < i1; i++) {
           const Pair& pr = sorted[i];
 #if defined(EDGE0_VNNI)
           if (impl == VNNI && q.bits == 4 && m1 - m0 == 4) {  // four outputs at once, each with its own bits

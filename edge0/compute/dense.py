@@ -133,6 +133,39 @@ class KernelQwen3Attention(qwen3_moe.Attention):
         return out if out is not None else super().__call__(x, mask, cache)
 
 
+def add_norm(h: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:
+    """(h + r, norm(h + r)): a residual add and the RMS norm after it, one node on the edge0 kernel (the two
+    nodes' bits)."""
+    ext = current().ext
+    w = norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
+    if (ext is not None and w is not None and h.dtype == r.dtype == w.dtype == mx.float32 and h.shape == r.shape
+            and w.ndim == 1):
+        return tuple(ext.add_rms_norm(h, r, w, norm.eps))
+    h = h + r
+    return h, norm(h)
+
+
+class KernelQwen3MoeModel(qwen3_moe.Qwen3MoeModel):
+    """mlx-lm's decoder stack, each residual add fused with the RMS norm that follows it (the next layer's input
+    norm, the final norm): one node where there were two, the same numbers. mlx-lm's own code for another kernel,
+    input embeddings or a pipeline over several processes."""
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        layers = self.pipeline_layers
+        if (current().ext is None or input_embeddings is not None or self.pipeline_size > 1
+                or any(type(layer) is not qwen3_moe.Qwen3MoeDecoderLayer for layer in layers)):
+            return super().__call__(inputs, cache, input_embeddings)
+        cache = cache if cache is not None else [None] * len(layers)
+        h = self.embed_tokens(inputs)
+        mask = qwen3_moe.create_attention_mask(h, cache[0])
+        x = layers[0].input_layernorm(h)
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            h, x = add_norm(h, layer.self_attn(x, mask, c), layer.post_attention_layernorm)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, x = add_norm(h, layer.mlp(x), after)
+        return x
+
+
 class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x):
         return rms_norm(x, self["weight"], self.eps)
@@ -154,4 +187,5 @@ def use_kernel_ops(model: nn.Module) -> int:
         if getattr(module, "scaled_dot_product_attention", None) is _mlx_attention:
             module.scaled_dot_product_attention = scaled_dot_product_attention
     return swap_classes(model, {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE,
-                                qwen3_moe.Attention: KernelQwen3Attention})
+                                qwen3_moe.Attention: KernelQwen3Attention,
+                                qwen3_moe.Qwen3MoeModel: KernelQwen3MoeModel})

@@ -99,17 +99,59 @@ def test_the_nodes_match_mlx_kernels():
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_a_decode_step_is_three_nodes_and_no_slice_update():
-    use_kernel("edge0")
+def served_module(lora: bool) -> nn.Module:
+    """attention_module quantized as a store serves it (one Edge0QMV node per projection), with a recovery adapter on
+    each projection (Edge0QMVLoRA nodes) when `lora`."""
+    from edge0.model.lora import LoRALinear
+
     attn = attention_module()
     nn.quantize(attn, group_size=32)
-    use_kernel_products(attn)  # the projections: one Edge0QMV node each, as in a served model
+    use_kernel_products(attn)
+    if lora:
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj")):
+            base = getattr(attn, name)
+            n, d = base.weight.shape[0], base.weight.shape[1] * 8
+            key = iter(mx.random.split(mx.random.key(10 + i), 2))
+            setattr(attn, name, LoRALinear(base, 0.1 * mx.random.normal((d, 4), key=next(key)),
+                                           0.1 * mx.random.normal((4, n), key=next(key)), 2.0))
+    return attn
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_decode_step_is_three_nodes_and_no_slice_update(lora):
+    """The q, k and v projections run inside the attention and the KV writes (absorbed: one node fewer each);
+    o_proj stays a node of its own."""
+    use_kernel("edge0")
+    attn = served_module(lora)
     cache = KVCache()
     mx.eval(attn(mx.random.normal((1, 3, 64)), "causal", cache))
     x = mx.random.normal((1, 1, 64))
     mx.eval(x)
     nodes = node_counts(attn(x, None, cache))
-    assert nodes == {"Edge0QMV": 4, "Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
+    assert nodes == {"Edge0QMVLoRA" if lora else "Edge0QMV": 1, "Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_absorbed_projections_give_the_bits_of_their_own_nodes(lora):
+    """Served projections (quantized, with and without an adapter) run inside the KV writes and the attention: every
+    output and cache row equals mlx-lm's attention code on the same kernel, where each projection is its own node;
+    a projection already evaluated is taken as it is."""
+    use_kernel("edge0")
+    attn = served_module(lora)
+    got, c1 = decode(attn, 6, 20, fused=True)
+    want, c2 = decode(attn, 6, 20, fused=False)
+    assert np.array_equal(got, want)
+    assert np.array_equal(np.array(c1.keys[..., :26, :]), np.array(c2.keys[..., :26, :]))
+    assert np.array_equal(np.array(c1.values[..., :26, :]), np.array(c2.values[..., :26, :]))
+    x = mx.random.normal((1, 1, 64))
+    mx.eval(x)
+    q = attn.q_proj(x)
+    mx.eval(q)
+    args = (attn.q_norm.weight, c1.keys, c1.values, 25, 1e-6, 16, False, 10000.0, 1.0, 0.25, None, None)
+    apart = EXT.decode_attention(q, *args)  # q evaluated: nothing to absorb
+    inside = EXT.decode_attention(attn.q_proj(x), *args)
+    assert node_counts(apart) == node_counts(inside) == {"Edge0DecodeAttention": 1}
+    assert np.array_equal(np.array(apart), np.array(inside))
 
 
 def test_the_cache_is_written_in_place_unless_held():

@@ -280,6 +280,33 @@ def test_combine_matches_mlx():
 
 
 @needs_ext
+@pytest.mark.parametrize("t", [1, 3])
+def test_routed_glu_and_its_combine_are_one_node_with_the_bits_of_two(t):
+    """combine() of a GLU node not yet evaluated builds one node that sums the rows as it computes them, with the
+    bits of the GLU node and Edge0Combine run apart (the apart case: the GLU's output evaluated first)."""
+    from edge0.bench_kernels import node_counts
+    from edge0.compute.routing import combine
+
+    use_kernel("edge0")
+    d, h, e, k = 256, 128, 6, 3
+    parts = {n: quantized((e, *shape), 64, seed=i) for i, (n, shape) in
+             enumerate((("gate_proj", (h, d)), ("up_proj", (h, d)), ("down_proj", (d, h))))}
+    bank = {f"{n}.{f}": a for n, p in parts.items() for f, a in zip(("weight", "scales", "biases"), p)}
+    rng = np.random.default_rng(t)
+    inds = mx.array(rng.integers(0, e, size=(1, t, k)).astype(np.uint32))
+    x = mx.array(rng.standard_normal((1, t, d)).astype(np.float32))
+    scores = mx.softmax(mx.array(rng.standard_normal((1, t, k)).astype(np.float32)), axis=-1)
+    mx.eval(inds, x, scores, bank)
+    fused = combine(qmm.gather_glu(x, inds, bank, group_size=64, bits=4, mode="affine"), scores, cast_back=False)
+    assert node_counts(fused) == {"Edge0GLU": 1}
+    y = qmm.gather_glu(x, inds, bank, group_size=64, bits=4, mode="affine")
+    mx.eval(y)
+    apart = combine(y, scores, cast_back=False)
+    assert node_counts(apart) == {"Edge0Combine": 1}
+    assert fused.shape == apart.shape == (1, t, d) and mx.array_equal(fused, apart)
+
+
+@needs_ext
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("d", [256, 384])
@@ -693,6 +720,56 @@ def test_edge0_decode_graph_has_fewer_nodes(models):
     mlx_nodes, edge0_nodes = (graph_nodes(str(models("qwen3_moe")), k) for k in ("mlx", "edge0"))
     assert "Edge0GLU" in edge0_nodes and "Edge0GLU" not in mlx_nodes
     assert sum(edge0_nodes.values()) < 0.4 * sum(mlx_nodes.values())
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 5, 48)])
+def test_residual_add_and_norm_are_one_node_with_the_bits_of_two(shape):
+    """Edge0AddRMSNorm: (x + r, rms_norm(x + r)) equal to MLX's Add and Edge0RMSNorm run apart."""
+    key = iter(mx.random.split(mx.random.key(3), 3))
+    x, r = (mx.random.normal(shape, key=next(key)) for _ in range(2))
+    w = mx.random.normal(shape[-1:], key=next(key))
+    mx.eval(x, r, w)
+    h, n = EXT.add_rms_norm(x, r, w, 1e-6)
+    from edge0.bench_kernels import node_counts
+
+    assert node_counts(n) == {"Edge0AddRMSNorm": 1}
+    assert mx.array_equal(h, x + r) and mx.array_equal(n, EXT.rms_norm(x + r, w, 1e-6))
+    with pytest.raises(ValueError, match="add_rms_norm: x and r of one shape"):
+        EXT.add_rms_norm(x, r[..., :-1], w, 1e-6)
+
+
+@needs_ext
+def test_decoder_stack_fuses_each_residual_add_with_the_next_norm(models):
+    """On the edge0 kernel the qwen3_moe decoder stack runs each residual add with the norm after it (the next
+    layer's input norm, the final norm) as one node, logits bit for bit those of mlx-lm's own stack on the same
+    kernel, prompt and decode; under --kernel mlx mlx-lm's stack runs as it is."""
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from edge0.bench_kernels import node_counts
+    from edge0.compute.dense import KernelQwen3MoeModel
+    from edge0.model.load import load_store
+
+    use_kernel("edge0")
+    store = load_store(str(models("qwen3_moe")), executor="resident", dtype="float32")
+    inner = store.model.model
+    assert type(inner) is KernelQwen3MoeModel
+    runs = {}
+    for fused in (True, False):
+        cache = make_prompt_cache(store.model)
+        call = inner.__call__ if fused else (lambda *a, **k: qwen3_moe.Qwen3MoeModel.__call__(inner, *a, **k))
+        prompt = call(mx.array([list(range(3, 12))]), cache)
+        mx.eval(prompt, [c.state for c in cache])
+        step = call(mx.array([[7]]), cache)
+        runs[fused] = (prompt, step, node_counts(step))
+    assert mx.array_equal(runs[True][0], runs[False][0]) and mx.array_equal(runs[True][1], runs[False][1])
+    layers = len(inner.layers)
+    assert runs[True][2]["Edge0AddRMSNorm"] == 2 * layers and "Add" not in runs[True][2]
+    assert runs[False][2]["Add"] >= 2 * layers and "Edge0AddRMSNorm" not in runs[False][2]
+    use_kernel("mlx")
+    assert "Edge0AddRMSNorm" not in node_counts(store.model(mx.array([[7]]), cache=make_prompt_cache(store.model)))
+    store.close()
 
 
 @needs_ext
