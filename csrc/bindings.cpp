@@ -217,20 +217,19 @@ class QMV : public mx::UnaryPrimitive {
   bool has_idx_, glu_, combine_;
 };
 
-static void project(const std::vector<mx::array>& in, const Projection& p, float* y) {
-  const auto& x = in[0];
-  const int64_t D = x.shape(-1), R = x.size() / D;
-  std::vector<float> xt, at, bt;
+// The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
+static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
+                         const Projection& p, float* y) {
+  std::vector<float> at, bt;
   QTemps temps;
-  const QWeights q = qweights(in[1], in[2], in[3], D, p.group_size, temps);
+  const QWeights q = qweights(in[w], in[w + 1], in[w + 2], D, p.group_size, temps);
   std::vector<Pair> pairs(R);
   for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
-  const float* xd = dense_data<float>(x, xt);
   qmv(q, xd, R, pairs, y, R >= PROMPT_ROWS);
   if (p.inputs < 6) return;
-  const int64_t N = q.N, r = in[4].shape(-1);
-  const float* a = dense_data<float>(in[4], at);  // (D, r)
-  const float* b = dense_data<float>(in[5], bt);  // (r, N)
+  const int64_t N = q.N, r = in[w + 3].shape(-1);
+  const float* a = dense_data<float>(in[w + 3], at);  // (D, r)
+  const float* b = dense_data<float>(in[w + 4], bt);  // (r, N)
   const float scale = p.scale;
   parallel_for(R, [&](int64_t row) {
     std::vector<float> t(r, 0.f);
@@ -248,6 +247,18 @@ static void project(const std::vector<mx::array>& in, const Projection& p, float
     }
   }, R >= PROMPT_ROWS);
 }
+
+// in[0] (x) and the weights after it
+static void project(const std::vector<mx::array>& in, const Projection& p, float* y) {
+  std::vector<float> xt;
+  const int64_t D = in[0].shape(-1);
+  project_rows(dense_data<float>(in[0], xt), in[0].size() / D, D, in, 1, p, y);
+}
+
+// x's attention node (Edge0DecodeAttention, not yet evaluated) running the projection (weights: w, scales, biases[,
+// lora_a, lora_b]) of its output itself, as one node of that shape; nothing where x is no such node.
+static std::optional<mx::array> attention_then(const mx::array& x, const std::vector<mx::array>& weights,
+                                               const Projection& p, const mx::Shape& shape);
 
 // A dense quantized linear with an unmerged low-rank adapter, one node: out = W x + scale * (x A) B, for
 // x (..., D), W (N, D*bits/32), A (D, r), B (r, N) float32 (the recovery adapter of model/lora.py).
@@ -341,6 +352,9 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
   const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
   const int64_t R = idx ? idx->size() : rx;
   if (R % rx != 0) fail("index rows must be a multiple of x rows");
+  if (!idx)
+    if (auto fused = attention_then(x, {w, scales, biases}, Projection{4, group_size, 0.f}, out_shape(shape, R, N)))
+      return *fused;
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(out_shape(shape, R, N), mx::float32, std::make_shared<QMV>(s, group_size, R / rx, (bool)idx, false),
                    with_idx({x, w, scales, biases}, idx, s));
@@ -358,6 +372,7 @@ static mx::array qmv_lora_op(const mx::array& x, const mx::array& w, const mx::a
   mx::Shape shape(x.shape().begin(), x.shape().end());
   shape.back() = (int)N;
   (void)rx;
+  if (auto fused = attention_then(x, {w, scales, biases, a, b}, Projection{6, group_size, scale}, shape)) return *fused;
   return mx::array(shape, mx::float32, std::make_shared<QMVLoRA>(s, group_size, scale), {x, w, scales, biases, a, b});
 }
 
@@ -738,19 +753,22 @@ class KVWriteOp : public DenseOp {
 // output (B, 1, heads*Dh): the heads side by side, as the output projection takes them.
 class DecodeAttentionOp : public DenseOp {
  public:
-  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale, Projection p)
-      : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale), p_(p) {}
+  DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale, Projection p,
+                    Projection out = {})
+      : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale), p_(p), out_(out) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_, p = p_](const std::vector<mx::array>& in,
-                                                                                  mx::array& o) {
-      const auto& keys = in[in.size() - 2];
-      const auto& values = in.back();
-      const int64_t B = keys.shape(0), Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3),
-                    Hq = o.size() / (B * Dh);
-      std::vector<float> xt, wt, kt, vt, qr(B * Hq * Dh);
-      std::vector<int32_t> pt, st;
+    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_, p = p_, op = out_](
+                  const std::vector<mx::array>& in, mx::array& o) {
+      const size_t kv = in.size() - 2 - (op.inputs ? op.inputs - 1 : 0);  // keys, values; the out projection's weights
+      const auto& keys = in[kv];
+      const auto& values = in[kv + 1];
+      const int64_t B = keys.shape(0), Hkv = keys.shape(1), C = keys.shape(2), Dh = keys.shape(3);
       size_t first;
+      std::vector<float> xt, wt, kt, vt;
+      const int64_t Hq = p.inputs ? in[1].shape(-2) / Dh : in[0].size() / (B * Dh);  // the q rows' heads
+      std::vector<float> qr(B * Hq * Dh), heads(op.inputs ? B * Hq * Dh : 0);
+      std::vector<int32_t> pt, st;
       const float* x = rows_input(in, p, B * Hq * Dh, xt, first);
       const size_t at = first + r.norm;  // the first integer input
       norm_rotate(x, r.norm ? dense_data<float>(in[first], wt) : nullptr, r.eps, B, Hq, Dh, r.dims,
@@ -761,15 +779,21 @@ class DecodeAttentionOp : public DenseOp {
       const int64_t S = offset + 1;
       attention(View4{qr.data(), {B, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
                 View4{kc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
-                View4{vc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false, o.data<float>(),
-                starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
+                View4{vc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false,
+                op.inputs ? heads.data() : o.data<float>(), starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
+      if (op.inputs) project_rows(heads.data(), B, Hq * Dh, in, kv + 2, op, o.data<float>());
     };
     dispatch(inputs, out, fn);
   }
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeAttentionOp&>(other);
-    return offset_ == o.offset_ && r_ == o.r_ && starts_ == o.starts_ && scale_ == o.scale_ && p_ == o.p_;
+    return offset_ == o.offset_ && r_ == o.r_ && starts_ == o.starts_ && scale_ == o.scale_ && p_ == o.p_ &&
+           out_ == o.out_;
+  }
+  // this node with the projection of its output run inside it as well
+  std::shared_ptr<DecodeAttentionOp> then(const Projection& out) {
+    return out_.inputs ? nullptr : std::make_shared<DecodeAttentionOp>(stream(), offset_, r_, starts_, scale_, p_, out);
   }
 
  private:
@@ -777,8 +801,18 @@ class DecodeAttentionOp : public DenseOp {
   Rotation r_;
   bool starts_;
   float scale_;
-  Projection p_;
+  Projection p_, out_;  // the q projection run first; the output projection run last
 };
+
+static std::optional<mx::array> attention_then(const mx::array& x, const std::vector<mx::array>& weights,
+                                               const Projection& p, const mx::Shape& shape) {
+  auto* att = x.status() == mx::array::Status::unscheduled ? dynamic_cast<DecodeAttentionOp*>(&x.primitive()) : nullptr;
+  auto fused = att ? att->then(p) : nullptr;
+  if (!fused) return std::nullopt;
+  auto in = x.inputs();
+  in.insert(in.end(), weights.begin(), weights.end());
+  return mx::array(shape, mx::float32, fused, std::move(in));
+}
 
 static void need_f32(const mx::array& a, const char* op, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("edge0 ") + op + ": " + what + " must be float32");

@@ -119,8 +119,8 @@ def served_module(lora: bool) -> nn.Module:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_decode_step_is_three_nodes_and_no_slice_update(lora):
-    """The q, k and v projections run inside the attention and the KV writes (absorbed: one node fewer each);
-    o_proj stays a node of its own."""
+    """The q, k and v projections run inside the attention and the KV writes, o_proj inside the attention after it
+    (absorbed: one node fewer each): the layer's whole attention in three nodes."""
     use_kernel("edge0")
     attn = served_module(lora)
     cache = KVCache()
@@ -128,14 +128,14 @@ def test_a_decode_step_is_three_nodes_and_no_slice_update(lora):
     x = mx.random.normal((1, 1, 64))
     mx.eval(x)
     nodes = node_counts(attn(x, None, cache))
-    assert nodes == {"Edge0QMVLoRA" if lora else "Edge0QMV": 1, "Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
+    assert nodes == {"Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_absorbed_projections_give_the_bits_of_their_own_nodes(lora):
-    """Served projections (quantized, with and without an adapter) run inside the KV writes and the attention: every
-    output and cache row equals mlx-lm's attention code on the same kernel, where each projection is its own node;
-    a projection already evaluated is taken as it is."""
+    """Served projections (quantized, with and without an adapter) run inside the KV writes and the attention (o_proj
+    after it): every output and cache row equals mlx-lm's attention code on the same kernel, where each projection
+    is its own node; a projection or an attention already evaluated is taken as it is."""
     use_kernel("edge0")
     attn = served_module(lora)
     got, c1 = decode(attn, 6, 20, fused=True)
@@ -152,6 +152,10 @@ def test_absorbed_projections_give_the_bits_of_their_own_nodes(lora):
     inside = EXT.decode_attention(attn.q_proj(x), *args)
     assert node_counts(apart) == node_counts(inside) == {"Edge0DecodeAttention": 1}
     assert np.array_equal(np.array(apart), np.array(inside))
+    assert node_counts(attn.o_proj(apart)) == {"Edge0QMVLoRA" if lora else "Edge0QMV": 1}  # evaluated: its own node
+    projected = attn.o_proj(EXT.decode_attention(q, *args))
+    assert node_counts(projected) == {"Edge0DecodeAttention": 1}
+    assert np.array_equal(np.array(projected), np.array(attn.o_proj(apart)))
 
 
 def test_the_cache_is_written_in_place_unless_held():
