@@ -25,90 +25,71 @@ namespace mx_simd = mlx::core::simd;
 // floor(x + 0.5) adds 0.5 as a double, which is exact, so floor(x) + (x - floor(x) >= 0.5) gives the same integer
 // (the fraction's rounding cannot cross 0.5: 0.5 is a float); and its int conversion of that integer is a
 // truncation here too.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define EDGE0_LANES_BUILT 1
+// The lane operations of one vector width W (512 or 256 bits): the same intrinsic names but for the width.
+#define EDGE0_LANE_OPS(W, SI)                                                                      \
+  using Lanes = __m##W;                                                                            \
+  constexpr int EXP_LANES = W / 32;                                                                \
+  static inline Lanes load_lanes(const float* p) { return _mm##W##_loadu_ps(p); }                  \
+  static inline void store_lanes(float* p, Lanes v) { _mm##W##_storeu_ps(p, v); }                  \
+  static inline Lanes splat(float v) { return _mm##W##_set1_ps(v); }                               \
+  static inline Lanes add_lanes(Lanes a, Lanes b) { return _mm##W##_add_ps(a, b); }                \
+  static inline Lanes sub_lanes(Lanes a, Lanes b) { return _mm##W##_sub_ps(a, b); }                \
+  static inline Lanes mul_lanes(Lanes a, Lanes b) { return _mm##W##_mul_ps(a, b); }                \
+  static inline Lanes div_lanes(Lanes a, Lanes b) { return _mm##W##_div_ps(a, b); }                \
+  static inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return _mm##W##_fmadd_ps(a, b, c); } \
+  static inline Lanes neg_lanes(Lanes a) { return _mm##W##_xor_ps(a, splat(-0.f)); }               \
+  static inline Lanes abs_lanes(Lanes a) { return _mm##W##_andnot_ps(splat(-0.f), a); }            \
+  /* 2^i for the integral values i (as MLX: (int(i) + 127) << 23 read as a float) */                \
+  static inline Lanes pow2_lanes(Lanes i) {                                                        \
+    return _mm##W##_castsi##SI##_ps(                                                               \
+        _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvttps_epi32(i), _mm##W##_set1_epi32(127)), 23)); \
+  }
+#endif
 #if defined(__AVX512F__)
-constexpr int EXP_LANES = 16;
-static inline __m512 exp_lanes(__m512 xin) {
-  const __m512 x = _mm512_mul_ps(xin, _mm512_set1_ps(1.442695f));
-  const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(x, fl), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-  const __m512 ipart = _mm512_mask_add_ps(fl, up, fl, _mm512_set1_ps(1.f));
-  const __m512 fpart = _mm512_sub_ps(x, ipart);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(1.000000000000000f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(ipart), _mm512_set1_epi32(127)), 23);
-  __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(e), p);
-  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, xin, _CMP_UNORD_Q), xin);
-  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, _mm512_set1_ps(88.f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
-  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(xin, _mm512_set1_ps(-88.f), _CMP_LT_OQ), _mm512_setzero_ps());
+EDGE0_LANE_OPS(512, 512)
+static inline Lanes floor_lanes(Lanes a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+// where(a CMP b, then, otherwise)
+template <int CMP>
+static inline Lanes where(Lanes a, Lanes b, Lanes then, Lanes otherwise) {
+  return _mm512_mask_mov_ps(otherwise, _mm512_cmp_ps_mask(a, b, CMP), then);
 }
-static inline __m512 erf_lanes(__m512 v) {
-  const __m512 absv = _mm512_andnot_ps(_mm512_set1_ps(-0.f), v);
-  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), absv, _mm512_set1_ps(1.f)));
-  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
-  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
-  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
-  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
-  const __m512 negv = _mm512_xor_ps(v, _mm512_set1_ps(-0.f));
-  const __m512 e = _mm512_xor_ps(exp_lanes(_mm512_mul_ps(negv, v)), _mm512_set1_ps(-0.f));
-  const __m512 res = _mm512_fmadd_ps(_mm512_mul_ps(e, t), r, _mm512_set1_ps(1.f));
-  return _mm512_mask_mov_ps(_mm512_xor_ps(res, _mm512_set1_ps(-0.f)),
-                            _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), res);
-}
-static inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
-static inline void store_lanes(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m512 splat(float v) { return _mm512_set1_ps(v); }
-static inline __m512 add_lanes(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-static inline __m512 neg_lanes(__m512 a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
-static inline __m512 mul_lanes(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
-static inline __m512 div_lanes(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int EXP_LANES = 8;
-static inline __m256 exp_lanes(__m256 xin) {
-  const __m256 x = _mm256_mul_ps(xin, _mm256_set1_ps(1.442695f));
-  const __m256 fl = _mm256_floor_ps(x);
-  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(x, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-  const __m256 ipart = _mm256_add_ps(fl, _mm256_and_ps(up, _mm256_set1_ps(1.f)));
-  const __m256 fpart = _mm256_sub_ps(x, ipart);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
-  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), p);
-  r = _mm256_blendv_ps(r, xin, _mm256_cmp_ps(xin, xin, _CMP_UNORD_Q));
-  r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(xin, _mm256_set1_ps(88.f), _CMP_GT_OQ));
-  return _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(xin, _mm256_set1_ps(-88.f), _CMP_LT_OQ));
+EDGE0_LANE_OPS(256, 256)
+static inline Lanes floor_lanes(Lanes a) { return _mm256_floor_ps(a); }
+template <int CMP>
+static inline Lanes where(Lanes a, Lanes b, Lanes then, Lanes otherwise) {
+  return _mm256_blendv_ps(otherwise, then, _mm256_cmp_ps(a, b, CMP));
 }
-static inline __m256 erf_lanes(__m256 v) {
-  const __m256 absv = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v);
-  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), absv, _mm256_set1_ps(1.f)));
-  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(1.061405429f), t, _mm256_set1_ps(-1.453152027f));
-  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(1.421413741f));
-  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(-0.284496736f));
-  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(0.254829592f));
-  const __m256 negv = _mm256_xor_ps(v, _mm256_set1_ps(-0.f));
-  const __m256 e = _mm256_xor_ps(exp_lanes(_mm256_mul_ps(negv, v)), _mm256_set1_ps(-0.f));
-  const __m256 res = _mm256_fmadd_ps(_mm256_mul_ps(e, t), r, _mm256_set1_ps(1.f));
-  return _mm256_blendv_ps(_mm256_xor_ps(res, _mm256_set1_ps(-0.f)), res,
-                          _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ));
-}
-static inline __m256 load_lanes(const float* p) { return _mm256_loadu_ps(p); }
-static inline void store_lanes(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-static inline __m256 splat(float v) { return _mm256_set1_ps(v); }
-static inline __m256 add_lanes(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-static inline __m256 neg_lanes(__m256 a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
-static inline __m256 mul_lanes(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
-static inline __m256 div_lanes(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 #else
 constexpr int EXP_LANES = 0;
+#endif
+
+#if defined(EDGE0_LANES_BUILT)
+static inline Lanes exp_lanes(Lanes xin) {
+  const Lanes x = mul_lanes(xin, splat(1.442695f));
+  const Lanes fl = floor_lanes(x);
+  const Lanes ipart = where<_CMP_GE_OQ>(sub_lanes(x, fl), splat(0.5f), add_lanes(fl, splat(1.f)), fl);
+  const Lanes fpart = sub_lanes(x, ipart);
+  Lanes p = splat(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.000000000000000f})
+    p = fma_lanes(p, fpart, splat(c));
+  Lanes r = mul_lanes(pow2_lanes(ipart), p);
+  r = where<_CMP_UNORD_Q>(xin, xin, xin, r);  // NaN stays itself
+  r = where<_CMP_GT_OQ>(xin, splat(88.f), splat(INFINITY), r);
+  return where<_CMP_LT_OQ>(xin, splat(-88.f), splat(0.f), r);
+}
+
+static inline Lanes erf_lanes(Lanes v) {
+  const Lanes t = div_lanes(splat(1.f), fma_lanes(splat(0.3275911f), abs_lanes(v), splat(1.f)));
+  Lanes r = fma_lanes(splat(1.061405429f), t, splat(-1.453152027f));
+  for (const float c : {1.421413741f, -0.284496736f, 0.254829592f}) r = fma_lanes(r, t, splat(c));
+  const Lanes e = neg_lanes(exp_lanes(mul_lanes(neg_lanes(v), v)));
+  const Lanes res = fma_lanes(mul_lanes(e, t), r, splat(1.f));
+  return where<_CMP_GT_OQ>(v, splat(0.f), res, neg_lanes(res));
+}
 #endif
 
 static inline float exp1(float x) { return mx_simd::exp(mx_simd::Simd<float, 1>(x)).value; }
@@ -119,13 +100,13 @@ static inline float erf1(float x) { return mx_simd::erf(mx_simd::Simd<float, 1>(
 template <class FV, class F1>
 static inline void each(const float* x, float* y, int64_t n, [[maybe_unused]] FV fv, F1 f1) {
   int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(EDGE0_LANES_BUILT)
   for (; i + EXP_LANES <= n; i += EXP_LANES) store_lanes(y + i, fv(load_lanes(x + i)));
 #endif
   for (; i < n; i++) y[i] = f1(x[i]);
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(EDGE0_LANES_BUILT)
 #define EDGE0_LANES(expr) [](auto v) { return expr; }
 #else
 #define EDGE0_LANES(expr) nullptr
@@ -366,7 +347,7 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
 
 void swiglu(float* g, const float* u, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(EDGE0_LANES_BUILT)
   for (const auto one = splat(1.f); i + EXP_LANES <= n; i += EXP_LANES) {
     const auto gv = load_lanes(g + i);
     store_lanes(g + i, mul_lanes(div_lanes(gv, add_lanes(one, exp_lanes(neg_lanes(gv)))), load_lanes(u + i)));
