@@ -203,10 +203,8 @@ class QMV : public mx::UnaryPrimitive {
   }
   // a GLU node (not a combined one) with indices: combine_op can take its place
   bool combinable() const { return glu_ && has_idx_ && !combine_; }
-  // a plain product (no indices): another node can run it (Projection)
-  std::optional<Projection> projection() const {
-    return glu_ || has_idx_ ? std::nullopt : std::optional<Projection>(Projection{4, group_size_, 0.f});
-  }
+  // a plain product (no indices): another node can run it; none (inputs 0) otherwise
+  Projection projection() const { return glu_ || has_idx_ ? Projection{} : Projection{4, group_size_, 0.f}; }
   std::shared_ptr<QMV> combined() {
     return std::make_shared<QMV>(stream(), group_size_, ratio_, has_idx_, glu_, true);
   }
@@ -962,7 +960,7 @@ static std::vector<mx::array> head_rows(const char* op, const mx::array& x, cons
 static Projection absorbable(const mx::array& x) {
   if (x.status() != mx::array::Status::unscheduled) return {};
   if (auto* p = dynamic_cast<QMVLoRA*>(&x.primitive())) return p->projection();
-  if (auto* p = dynamic_cast<QMV*>(&x.primitive())) return p->projection().value_or(Projection{});
+  if (auto* p = dynamic_cast<QMV*>(&x.primitive())) return p->projection();
   return {};
 }
 

@@ -62,8 +62,6 @@ template <int CMP>
 static inline Lanes where(Lanes a, Lanes b, Lanes then, Lanes otherwise) {
   return _mm256_blendv_ps(otherwise, then, _mm256_cmp_ps(a, b, CMP));
 }
-#else
-constexpr int EXP_LANES = 0;
 #endif
 
 #if defined(EDGE0_LANES_BUILT)

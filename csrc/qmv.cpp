@@ -705,7 +705,8 @@ static void rows_avx2_s(const QWeights& q, const S* scales, const S* biases, int
 #endif
 
 #if defined(EDGE0_VNNI)
-// The same on the VNNI path (4-bit, any group size): dot_vnni_rows over TILE_ROWS rows at a time, the rest alone.
+// The same on the VNNI path (4-bit, any group size): dot_vnni_rows over TILE_ROWS rows at a time; count is a
+// multiple of TILE_ROWS (qmv gives the rows left over the four-row product).
 template <int GS, typename S>
 static void rows_vnni_s(const QWeights& q, const S* scales, const S* biases, int64_t e, int64_t n0, int64_t n1,
                         const Pair* pairs, int64_t count, const Acts& acts, float* out) {
@@ -714,8 +715,7 @@ static void rows_vnni_s(const QWeights& q, const S* scales, const S* biases, int
     const int64_t row = e * N + n;
     const uint8_t* w = q.w + row * row_bytes;
     const S *s = scales + row * G, *b = biases + row * G;
-    int64_t r0 = 0;
-    for (; r0 + TILE_ROWS <= count; r0 += TILE_ROWS) {
+    for (int64_t r0 = 0; r0 + TILE_ROWS <= count; r0 += TILE_ROWS) {
       const int8_t* xq[TILE_ROWS];
       const float *xs[TILE_ROWS], *xsum[TILE_ROWS];
       float v[TILE_ROWS];
@@ -727,11 +727,6 @@ static void rows_vnni_s(const QWeights& q, const S* scales, const S* biases, int
       }
       dot_vnni_rows<GS, TILE_ROWS>(w, s, b, xq, xs, xsum, D, v);
       for (int r = 0; r < TILE_ROWS; r++) out[pairs[r0 + r].out * N + n] = v[r];
-    }
-    for (; r0 < count; r0++) {
-      const int64_t xr = pairs[r0].xrow;
-      out[pairs[r0].out * N + n] = dot_vnni<GS>(w, s, b, acts.q.data() + xr * D, acts.scale.data() + xr * G,
-                                                acts.sums.data() + xr * G, D);
     }
   }
 }
