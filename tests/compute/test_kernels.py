@@ -331,6 +331,26 @@ def test_rows_sharing_an_expert_get_the_bits_of_each_row_alone(impl, gs, d, bf16
     assert rel(together, want) < TOL[impl]
 
 
+
+@needs_ext
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("d", [128, 256, 384])
+def test_outputs_summed_four_at_once_keep_the_bits_of_one_alone(impl, gs, d):
+    """A decode row's outputs are taken four weight rows at a time and their lane sums reduced together (and a
+    row tile's four activation rows likewise); a matrix of one row takes the single dot product and its own
+    reduction. Each weight row alone must give the bits it gets among the four."""
+    use_kernel("edge0")
+    EXT.set_impl(impl)
+    w, s, b = quantized((8, d), gs, seed=3)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    x = mx.array(np.random.default_rng(9).standard_normal((1, d)).astype(np.float32) * 4)
+    four = EXT.qmv(x, w, s, b, None, gs)
+    one = mx.concatenate([EXT.qmv(x, w[n:n + 1], s[n:n + 1], b[n:n + 1], None, gs) for n in range(8)], axis=-1)
+    assert mx.array_equal(four, one)
+    rows = mx.concatenate([x, -x, 2 * x, x + 1])  # four rows sharing the weights: the row tile
+    assert mx.array_equal(EXT.qmv(rows, w, s, b, None, gs)[0], four[0])
+
 @needs_ext
 def test_a_left_padded_batch_ropes_and_attends_each_row_as_alone():
     """Batched decode over mlx-lm's BatchKVCache: RoPE at each sequence's own offset and attention from its own
