@@ -12,10 +12,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "mlx/array.h"
@@ -128,13 +130,21 @@ struct Projection {
   }
 };
 
+// A node whose output a later node can compute in its place (an Edge0AddRMSNorm taking it as its residual r): the
+// node's function of its inputs, into a float32 buffer of the output's size. The same code as the node's own
+// evaluation, so the same bits.
+struct Computes {
+  virtual ~Computes() = default;
+  virtual void compute(const std::vector<mx::array>& in, float* out, int64_t size) const = 0;
+};
+
 // Output row o reads x row o / ratio (ratio = rows per x row) and expert idx[o] (or 0 without idx).
 // Inputs: x (..., D), w, scales, biases[, idx (any shape, R entries)]; output R x N, in any shape.
 // With glu, the weights are those of gate, up and down (9 arrays) and row o is
 // down[idx[o]] @ (silu(gate[idx[o]] @ x) * (up[idx[o]] @ x)): a routed expert's whole product. With combine (a glu
 // with idx), one more input, scores (T, K): the output is (T, N), each token's K rows weighed and summed as
 // Edge0Combine sums them (combine_op builds it from a GLU node and its scores).
-class QMV : public mx::UnaryPrimitive {
+class QMV : public mx::UnaryPrimitive, public Computes {
  public:
   QMV(mx::Stream stream, int group_size, int64_t ratio, bool has_idx, bool glu, bool combine = false)
       : mx::UnaryPrimitive(stream), group_size_(group_size), ratio_(ratio), has_idx_(has_idx), glu_(glu),
@@ -147,47 +157,57 @@ class QMV : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     enc.dispatch([inputs, out, gs = group_size_, ratio = ratio_, has_idx = has_idx_, glu = glu_,
                   combine = combine_]() mutable {
-      const auto& x = inputs[0];
-      const int64_t D = x.shape(-1), Rx = x.size() / D;
-      const size_t nw = glu ? 9 : 3;
+      const int64_t D = inputs[0].shape(-1), Rx = inputs[0].size() / D;
       ProfileScope scope([&] {
         return std::string(glu ? (combine ? "Edge0GLU+Combine " : "Edge0GLU ") : "Edge0QMV ") +
                std::to_string(inputs[1].shape(-2)) + "x" + std::to_string(D) + (Rx >= PROMPT_ROWS ? " prompt" : "");
       });
-      std::vector<float> xt;
-      std::vector<uint32_t> it;
-      std::vector<QTemps> temps(3);
-      std::vector<QWeights> q;
-      for (size_t j = 0; j < nw; j += 3) {
-        const int64_t Dj = j < 6 ? D : inputs[1].shape(-2);  // down reads the gate/up width
-        q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, temps[j / 3]));
-      }
-      const int64_t N = q.back().N, R = has_idx ? inputs[1 + nw].size() : out.size() / N;
-      const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
-      std::vector<Pair> pairs(R);
-      for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
-      const float* xd = dense_data<float>(x, xt);
-      const bool prompt = Rx >= PROMPT_ROWS;  // token rows: a prompt chunk
-      if (!glu) {
-        qmv(q[0], xd, Rx, pairs, out.data<float>(), prompt);
-        return;
-      }
-      const int64_t H = q[0].N;
-      std::vector<float> g(R * H), u(R * H);
-      qmv(q[0], xd, Rx, pairs, g.data(), prompt);
-      qmv(q[1], xd, Rx, pairs, u.data(), prompt);
-      swiglu(g.data(), u.data(), R * H);
-      for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
-      if (!combine) {
-        qmv(q[2], g.data(), R, pairs, out.data<float>(), prompt);
-        return;
-      }
-      std::vector<float> y(R * N), st;
-      qmv(q[2], g.data(), R, pairs, y.data(), prompt);
-      const auto& scores = inputs.back();
-      const int k = scores.shape(-1);
-      edge0::combine(y.data(), dense_data<float>(scores, st), R / k, k, N, out.data<float>());
+      run(inputs, out.data<float>(), out.size(), gs, ratio, has_idx, glu, combine);
     });
+  }
+
+  void compute(const std::vector<mx::array>& in, float* out, int64_t size) const override {
+    run(in, out, size, group_size_, ratio_, has_idx_, glu_, combine_);
+  }
+
+  static void run(const std::vector<mx::array>& inputs, float* out, int64_t size, int gs, int64_t ratio, bool has_idx,
+                  bool glu, bool combine) {
+    const auto& x = inputs[0];
+    const int64_t D = x.shape(-1), Rx = x.size() / D;
+    const size_t nw = glu ? 9 : 3;
+    std::vector<float> xt;
+    std::vector<uint32_t> it;
+    std::vector<QTemps> temps(3);
+    std::vector<QWeights> q;
+    for (size_t j = 0; j < nw; j += 3) {
+      const int64_t Dj = j < 6 ? D : inputs[1].shape(-2);  // down reads the gate/up width
+      q.push_back(qweights(inputs[1 + j], inputs[2 + j], inputs[3 + j], Dj, gs, temps[j / 3]));
+    }
+    const int64_t N = q.back().N, R = has_idx ? inputs[1 + nw].size() : size / N;
+    const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
+    std::vector<Pair> pairs(R);
+    for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
+    const float* xd = dense_data<float>(x, xt);
+    const bool prompt = Rx >= PROMPT_ROWS;  // token rows: a prompt chunk
+    if (!glu) {
+      qmv(q[0], xd, Rx, pairs, out, prompt);
+      return;
+    }
+    const int64_t H = q[0].N;
+    std::vector<float> g(R * H), u(R * H);
+    qmv(q[0], xd, Rx, pairs, g.data(), prompt);
+    qmv(q[1], xd, Rx, pairs, u.data(), prompt);
+    swiglu(g.data(), u.data(), R * H);
+    for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
+    if (!combine) {
+      qmv(q[2], g.data(), R, pairs, out, prompt);
+      return;
+    }
+    std::vector<float> y(R * N), st;
+    qmv(q[2], g.data(), R, pairs, y.data(), prompt);
+    const auto& scores = inputs.back();
+    const int k = scores.shape(-1);
+    edge0::combine(y.data(), dense_data<float>(scores, st), R / k, k, N, out);
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -260,7 +280,7 @@ static std::optional<mx::array> attention_then(const mx::array& x, const std::ve
 
 // A dense quantized linear with an unmerged low-rank adapter, one node: out = W x + scale * (x A) B, for
 // x (..., D), W (N, D*bits/32), A (D, r), B (r, N) float32 (the recovery adapter of model/lora.py).
-class QMVLoRA : public mx::UnaryPrimitive {
+class QMVLoRA : public mx::UnaryPrimitive, public Computes {
  public:
   QMVLoRA(mx::Stream stream, int group_size, float scale)
       : mx::UnaryPrimitive(stream), group_size_(group_size), scale_(scale) {}
@@ -289,6 +309,7 @@ class QMVLoRA : public mx::UnaryPrimitive {
     return group_size_ == o.group_size_ && scale_ == o.scale_;
   }
   Projection projection() const { return {6, group_size_, scale_}; }
+  void compute(const std::vector<mx::array>& in, float* out, int64_t) const override { project(in, projection(), out); }
 
  private:
   int group_size_;
@@ -486,30 +507,87 @@ class LinearOp : public DenseOp {
   bool bias_;
 };
 
-class HeadOp : public DenseOp {
+// An input of a node whose own node, not yet evaluated, runs inside it (one node fewer, the same bits): that node's
+// primitive (Computes) and how many of the node's inputs, first, are its inputs.
+struct Absorbed {
+  std::shared_ptr<mx::Primitive> from;
+  int inputs = 0;
+
+  // the input's values: computed from the first `inputs` inputs, else in[own] as it is
+  const float* values(const std::vector<mx::array>& in, size_t own, int64_t size, std::vector<float>& t) const {
+    if (!from) return dense_data<float>(in[own], t);
+    t.resize(size);
+    dynamic_cast<const Computes&>(*from).compute({in.begin(), in.begin() + inputs}, t.data(), size);
+    return t.data();
+  }
+  bool operator==(const Absorbed& o) const {
+    return inputs == o.inputs && (from == o.from || (from && o.from && typeid(*from) == typeid(*o.from) &&
+                                                     from->is_equivalent(*o.from)));
+  }
+  // "<its node>+<own>" (a name that outlives the node: a task may profile it after the node is gone), or own
+  const char* name(const char* own) const {
+    if (!from) return own;
+    // its node's name first: that node may have absorbed one too (a head running its router's product)
+    const std::string n = std::string(from->name()) + "+" + (std::strncmp(own, "Edge0", 5) ? own : own + 5);
+    static std::mutex mu;
+    static std::map<std::string, std::string> names;  // a map's entries stay where they are
+    std::lock_guard<std::mutex> lk(mu);
+    return names.try_emplace(n, n).first->second.c_str();
+  }
+};
+
+// a's node where the node taking a can run it (a float32 node of one output, not yet evaluated, that Computes)
+static Absorbed absorbable_node(const mx::array& a) {
+  if (a.status() != mx::array::Status::unscheduled || !a.siblings().empty() ||
+      dynamic_cast<Computes*>(&a.primitive()) == nullptr)
+    return {};
+  return {a.primitive_ptr(), (int)a.inputs().size()};
+}
+
+// the inputs of a node taking `a` first: a's node's inputs where it runs inside, else a
+static std::vector<mx::array> leading(const mx::array& a, const Absorbed& p) {
+  return p.from ? a.inputs() : std::vector<mx::array>{a};
+}
+
+class HeadOp : public DenseOp, public Computes {
  public:
-  HeadOp(mx::Stream s, bool prev) : DenseOp(s), prev_(prev) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [prev = prev_](const std::vector<mx::array>& in, mx::array& o) {
-      // in: x, now, [prev], router, delta, w1, b1, w2, b2
-      const int p = prev ? 1 : 0;
+  HeadOp(mx::Stream s, bool prev, Absorbed router = {}) : DenseOp(s), prev_(prev), router_(std::move(router)) {}
+
+  // the head on its inputs, into o (rows of N logits)
+  auto function() const {
+    return [prev = prev_, rn = router_](const std::vector<mx::array>& in, float* o, int64_t N) {
+      // in: x, now, [prev], router, delta, w1, b1, w2, b2; the router's product's inputs first, and no router,
+      // where that product runs here
+      const size_t b = rn.from ? rn.inputs : 0, p = prev ? 1 : 0, at = b + 2 + p, w = at + (rn.from ? 0 : 1);
       std::vector<float> xt, rt, dt, w1t, b1t, w2t, b2t;
       std::vector<uint32_t> nt, pt;
-      const int64_t D = in[0].shape(-1), k = in[1].shape(-1), N = in[2 + p].shape(-1), H = in[4 + p].shape(0);
-      const int64_t E = (in[3 + p].shape(1) - D) / 2;
-      head(dense_data<float>(in[0], xt), dense_data<uint32_t>(in[1], nt), prev ? dense_data<uint32_t>(in[2], pt) : nullptr,
-           in[0].size() / D, (int)k, D, E, dense_data<float>(in[2 + p], rt), dense_data<float>(in[3 + p], dt),
-           dense_data<float>(in[4 + p], w1t), dense_data<float>(in[5 + p], b1t), H, dense_data<float>(in[6 + p], w2t),
-           dense_data<float>(in[7 + p], b2t), N, o.data<float>());
+      const int64_t D = in[b].shape(-1), k = in[b + 1].shape(-1), H = in[w + 1].shape(0);
+      const int64_t E = (in[w].shape(1) - D) / 2, T = in[b].size() / D;
+      head(dense_data<float>(in[b], xt), dense_data<uint32_t>(in[b + 1], nt),
+           prev ? dense_data<uint32_t>(in[b + 2], pt) : nullptr, T, (int)k, D, E, rn.values(in, at, T * N, rt),
+           dense_data<float>(in[w], dt), dense_data<float>(in[w + 1], w1t), dense_data<float>(in[w + 2], b1t), H,
+           dense_data<float>(in[w + 3], w2t), dense_data<float>(in[w + 4], b2t), N, o);
+    };
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [fn = function()](const std::vector<mx::array>& in, mx::array& o) {
+      fn(in, o.data<float>(), o.shape(-1));
     });
   }
-  const char* name() const override { return "Edge0Head"; }
+  // (a SoftmaxTopK node deciding from the head's logits runs the head inside it)
+  void compute(const std::vector<mx::array>& in, float* out, int64_t size) const override {
+    const size_t b = router_.from ? router_.inputs : 0;
+    function()(in, out, size / (in[b].size() / in[b].shape(-1)));
+  }
+  const char* name() const override { return router_.name("Edge0Head"); }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return prev_ == static_cast<const HeadOp&>(other).prev_;
+    auto& o = static_cast<const HeadOp&>(other);
+    return prev_ == o.prev_ && router_ == o.router_;
   }
 
  private:
   bool prev_;
+  Absorbed router_;  // the router's product, run here
 };
 
 class AttentionOp : public DenseOp {
@@ -580,7 +658,6 @@ class EmbedOp : public DenseOp {
   int group_size_, bits_;
 };
 
-// Routing as one node with two outputs: (inds uint32, scores float32), each (..., k).
 // A node of several outputs: storage for each, then fn(inputs, outputs) on the stream, profiled under its name.
 class MultiOp : public mx::Primitive {
  public:
@@ -603,50 +680,61 @@ class MultiOp : public mx::Primitive {
   }
 };
 
+// Routing as one node with two outputs: (inds uint32, scores float32), each (..., k), from the router's logits
+// (..., E); where they are the router's product, not yet evaluated, that product runs here too.
 class RouterOp : public MultiOp {
  public:
-  RouterOp(mx::Stream s, int k, bool norm) : MultiOp(s), k_(k), norm_(norm) {}
+  RouterOp(mx::Stream s, int k, bool norm, int64_t E, Absorbed logits = {})
+      : MultiOp(s), k_(k), norm_(norm), E_(E), logits_(std::move(logits)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs, [k = k_, norm = norm_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    dispatch(inputs, outputs, [k = k_, norm = norm_, E = E_, l = logits_](const std::vector<mx::array>& in,
+                                                                         std::vector<mx::array>& out) {
       std::vector<float> lt;
-      const int64_t E = in[0].shape(-1);
-      softmax_topk(dense_data<float>(in[0], lt), in[0].size() / E, E, k, norm, out[0].data<uint32_t>(),
-                   out[1].data<float>());
+      const int64_t T = out[0].size() / k;
+      softmax_topk(l.values(in, 0, T * E, lt), T, E, k, norm, out[0].data<uint32_t>(), out[1].data<float>());
     });
   }
-  const char* name() const override { return "Edge0SoftmaxTopK"; }
+  const char* name() const override { return logits_.name("Edge0SoftmaxTopK"); }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RouterOp&>(other);
-    return k_ == o.k_ && norm_ == o.norm_;
+    return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && logits_ == o.logits_;
   }
 
  private:
   int k_;
   bool norm_;
+  int64_t E_;
+  Absorbed logits_;  // the router's product, run here
 };
 
 // A decoder layer's residual add and the RMS norm after it as one node: h = x + r (MLX's Add, element by element)
-// and rms_norm(h) (Edge0RMSNorm's bits). Inputs x, r (same shape), w (D,); outputs h, n.
+// and rms_norm(h) (Edge0RMSNorm's bits). Inputs x, r (same shape), w (D,); outputs h, n. Where r is a node not yet
+// evaluated that Computes (the attention block's output, the MoE block's combined experts), this node runs r's node
+// itself (Absorbed): inputs r's inputs..., x, w; one node fewer, the same bits.
 class AddRMSNormOp : public MultiOp {
  public:
-  AddRMSNormOp(mx::Stream s, float eps) : MultiOp(s), eps_(eps) {}
+  AddRMSNormOp(mx::Stream s, float eps, Absorbed r = {}) : MultiOp(s), eps_(eps), r_(std::move(r)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs, [eps = eps_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    dispatch(inputs, outputs, [eps = eps_, rn = r_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<float> xt, rt, wt;
-      const float *x = dense_data<float>(in[0], xt), *r = dense_data<float>(in[1], rt);
+      const int64_t n = out[0].size(), D = out[0].shape(-1);
+      const size_t at = rn.from ? rn.inputs : 0;  // x, then r unless run here, then w
+      const float* r = rn.values(in, 1, n, rt);
+      const float* x = dense_data<float>(in[at], xt);
       float* h = out[0].data<float>();
-      const int64_t n = in[0].size(), D = in[0].shape(-1);
       for (int64_t i = 0; i < n; i++) h[i] = x[i] + r[i];
-      rms_norm(h, dense_data<float>(in[2], wt), eps, n / D, D, out[1].data<float>());
+      rms_norm(h, dense_data<float>(in[rn.from ? at + 1 : 2], wt), eps, n / D, D, out[1].data<float>());
     });
   }
-  const char* name() const override { return "Edge0AddRMSNorm"; }
+  const char* name() const override { return r_.name("Edge0AddRMSNorm"); }  // Edge0GLU+AddRMSNorm running a GLU
   bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const AddRMSNormOp&>(other).eps_;
+    auto& o = static_cast<const AddRMSNormOp&>(other);
+    return eps_ == o.eps_ && r_ == o.r_;
   }
 
  private:
   float eps_;
+  Absorbed r_;  // r's node, run here
 };
 
 // One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
@@ -659,6 +747,25 @@ class AddRMSNormOp : public MultiOp {
 // as MLX's slice update does), else copied first.
 // Each step is the function the separate nodes call, so the results are theirs bit for bit.
 static std::atomic<int64_t> kv_copies{0};
+
+// Whether buf can pass its storage on to the node now being evaluated. A step built while the step before it
+// computes (overlapped decode) is evaluated here while that step's tasks that read buf may still be queued on the
+// stream, holding it until they have run: then wait, until buf is free or until a marker queued behind them has run
+// (every task queued before it done). A holder that is no queued task (a prompt cache's copy, a caller's
+// reference) still holds it then, and the buffer is copied. Without the wait the cache was copied, whole, at a
+// share of the steps that depended on how far ahead the graph-building thread ran.
+static bool donatable(const mx::array& buf, mx::Stream s) {
+  if (buf.is_donatable()) return true;
+  if (!buf.data_shared_ptr() || !buf.data_shared_ptr()->is_owned()) return false;
+  auto ran = std::make_shared<std::atomic<bool>>(false);
+  mx::cpu::get_command_encoder(s).dispatch([ran] { ran->store(true, std::memory_order_release); });
+  for (;;) {
+    const bool drained = ran->load(std::memory_order_acquire);  // before the check: its tasks are then gone
+    if (buf.is_donatable()) return true;
+    if (drained) return false;
+    std::this_thread::yield();
+  }
+}
 
 // B sequences' heads of Dh values, contiguous: RMS-normed (w given) then rotated (dims > 0) at `offset`, or at
 // positions[b] for sequence b, into out.
@@ -708,7 +815,7 @@ class KVWriteOp : public DenseOp {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& buf = inputs.back();
-    const bool copy = !(buf.is_donatable() && buf.flags().row_contiguous && buf.data_size() == buf.size());
+    const bool copy = !(buf.flags().row_contiguous && buf.data_size() == buf.size() && donatable(buf, stream()));
     if (copy) {
       out.set_data(mx::allocator::malloc(out.nbytes()));
       kv_copies.fetch_add(1, std::memory_order_relaxed);
@@ -749,15 +856,16 @@ class KVWriteOp : public DenseOp {
 
 // Inputs: q (B*heads*Dh values)[, norm (Dh,)][, positions (B,)][, starts (B,)], keys, values (B, Hkv, C, Dh);
 // output (B, 1, heads*Dh): the heads side by side, as the output projection takes them.
-class DecodeAttentionOp : public DenseOp {
+class DecodeAttentionOp : public DenseOp, public Computes {
  public:
   DecodeAttentionOp(mx::Stream s, int64_t offset, Rotation r, bool starts, float scale, Projection p,
                     Projection out = {})
       : DenseOp(s), offset_(offset), r_(r), starts_(starts), scale_(scale), p_(p), out_(out) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto fn = [offset = offset_, r = r_, starts = starts_, scale = scale_, p = p_, op = out_](
-                  const std::vector<mx::array>& in, mx::array& o) {
+  // the node's work on its inputs, into o
+  auto function() const {
+    return [offset = offset_, r = r_, starts = starts_, scale = scale_, p = p_, op = out_](
+                  const std::vector<mx::array>& in, float* o) {
       const size_t kv = in.size() - 2 - (op.inputs ? op.inputs - 1 : 0);  // keys, values; the out projection's weights
       const auto& keys = in[kv];
       const auto& values = in[kv + 1];
@@ -778,11 +886,15 @@ class DecodeAttentionOp : public DenseOp {
       attention(View4{qr.data(), {B, Hq, 1, Dh}, {Hq * Dh, Dh, Dh, 1}},
                 View4{kc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}},
                 View4{vc, {B, Hkv, S, Dh}, {Hkv * C * Dh, C * Dh, Dh, 1}}, scale, false,
-                op.inputs ? heads.data() : o.data<float>(), starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
-      if (op.inputs) project_rows(heads.data(), B, Hq * Dh, in, kv + 2, op, o.data<float>());
+                op.inputs ? heads.data() : o, starts ? dense_data<int32_t>(in[at + r.positions], st) : nullptr);
+      if (op.inputs) project_rows(heads.data(), B, Hq * Dh, in, kv + 2, op, o);
     };
-    dispatch(inputs, out, fn);
   }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [fn = function()](const std::vector<mx::array>& in, mx::array& o) { fn(in, o.data<float>()); });
+  }
+  void compute(const std::vector<mx::array>& in, float* out, int64_t) const override { function()(in, out); }
   const char* name() const override { return "Edge0DecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeAttentionOp&>(other);
@@ -844,8 +956,12 @@ static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::arra
   if (x.shape() != r.shape() || x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
     throw std::invalid_argument("edge0 add_rms_norm: x and r of one shape (..., D), weight (D,), D >= 1");
   auto s = mx::default_stream(mx::Device::cpu);
+  const Absorbed from = absorbable_node(r);  // r's node runs inside this one
+  std::vector<mx::array> in = from.from ? leading(r, from) : std::vector<mx::array>{x, r};
+  if (from.from) in.push_back(x);
+  in.push_back(w);
   return mx::array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32},
-                                std::make_shared<AddRMSNormOp>(s, eps), {x, r, w});
+                                std::make_shared<AddRMSNormOp>(s, eps, from), std::move(in));
 }
 
 static mx::array linear_op(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
@@ -879,10 +995,14 @@ static mx::array head_op(const mx::array& x, const mx::array& now, const std::op
         "edge0 head: x (..., D), now and prev (..., k) uint32, router (..., N), delta (N, D + 2E), w1 (H, D + 2E), "
         "b1 (H,), w2 (N, H), b2 (N,)");
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> in{x, now};
+  const Absorbed from = absorbable_node(router);  // the router's product runs inside this node
+  std::vector<mx::array> in = from.from ? router.inputs() : std::vector<mx::array>{};
+  in.push_back(x);
+  in.push_back(now);
   if (prev) in.push_back(*prev);
-  for (auto* a : {&router, &delta, &w1, &b1, &w2, &b2}) in.push_back(*a);
-  return mx::array(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev), in);
+  if (!from.from) in.push_back(router);
+  for (auto* a : {&delta, &w1, &b1, &w2, &b2}) in.push_back(*a);
+  return mx::array(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev, from), std::move(in));
 }
 
 static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm) {
@@ -892,8 +1012,9 @@ static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bo
   auto shape = logits.shape();
   shape.back() = k;
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays({shape, shape}, {mx::uint32, mx::float32}, std::make_shared<RouterOp>(s, k, norm),
-                                {logits});
+  const Absorbed from = absorbable_node(logits);  // the router's product runs inside this node
+  return mx::array::make_arrays({shape, shape}, {mx::uint32, mx::float32},
+                                std::make_shared<RouterOp>(s, k, norm, logits.shape(-1), from), leading(logits, from));
 }
 
 static mx::array combine_op(const mx::array& y, const mx::array& scores) {

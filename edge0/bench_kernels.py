@@ -209,7 +209,7 @@ def node_counts(out: mx.array) -> dict[str, int]:
 
     dot = io.StringIO()
     mx.export_to_dot(dot, out)
-    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_]+)', dot.getvalue())))
+    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_+]+)', dot.getvalue())))
 
 
 def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:

@@ -135,7 +135,8 @@ class KernelQwen3Attention(qwen3_moe.Attention):
 
 def add_norm(h: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:
     """(h + r, norm(h + r)): a residual add and the RMS norm after it, one node on the edge0 kernel (the two
-    nodes' bits)."""
+    nodes' bits). Where r is the attention's or the experts' node, not yet evaluated, that node runs inside this
+    one (Edge0DecodeAttention+AddRMSNorm, Edge0GLU+AddRMSNorm): one node fewer, the same bits."""
     ext = current().ext
     w = norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
     if (ext is not None and w is not None and h.dtype == r.dtype == w.dtype == mx.float32 and h.shape == r.shape
