@@ -130,9 +130,9 @@ struct Projection {
   }
 };
 
-// A node whose output a later node can compute in its place (an Edge0AddRMSNorm taking it as its residual r): the
-// node's function of its inputs, into a float32 buffer of the output's size. The same code as the node's own
-// evaluation, so the same bits.
+// A node whose output a later node can compute in its place (Absorbed: an add-norm its residual, a top-k or a head
+// its router's product, a top-k its head): the node's function of its inputs, into a float32 buffer of the output's
+// size. The same code as the node's own evaluation, so the same bits.
 struct Computes {
   virtual ~Computes() = default;
   virtual void compute(const std::vector<mx::array>& in, float* out, int64_t size) const = 0;
@@ -524,7 +524,8 @@ struct Absorbed {
     return inputs == o.inputs && (from == o.from || (from && o.from && typeid(*from) == typeid(*o.from) &&
                                                      from->is_equivalent(*o.from)));
   }
-  // "<its node>+<own>" (a name that outlives the node: a task may profile it after the node is gone), or own
+  // "<its node>+<own>", or own: the name of the node taking it, built once when that node is made (the map's
+  // strings outlive the node: a task may profile under it after the node is gone)
   const char* name(const char* own) const {
     if (!from) return own;
     // its node's name first: that node may have absorbed one too (a head running its router's product)
@@ -551,7 +552,8 @@ static std::vector<mx::array> leading(const mx::array& a, const Absorbed& p) {
 
 class HeadOp : public DenseOp, public Computes {
  public:
-  HeadOp(mx::Stream s, bool prev, Absorbed router = {}) : DenseOp(s), prev_(prev), router_(std::move(router)) {}
+  HeadOp(mx::Stream s, bool prev, Absorbed router = {})
+      : DenseOp(s), prev_(prev), router_(std::move(router)), name_(router_.name("Edge0Head")) {}
 
   // the head on its inputs, into o (rows of N logits)
   auto function() const {
@@ -579,7 +581,7 @@ class HeadOp : public DenseOp, public Computes {
     const size_t b = router_.from ? router_.inputs : 0;
     function()(in, out, size / (in[b].size() / in[b].shape(-1)));
   }
-  const char* name() const override { return router_.name("Edge0Head"); }
+  const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const HeadOp&>(other);
     return prev_ == o.prev_ && router_ == o.router_;
@@ -588,6 +590,7 @@ class HeadOp : public DenseOp, public Computes {
  private:
   bool prev_;
   Absorbed router_;  // the router's product, run here
+  const char* name_;
 };
 
 class AttentionOp : public DenseOp {
@@ -685,7 +688,7 @@ class MultiOp : public mx::Primitive {
 class RouterOp : public MultiOp {
  public:
   RouterOp(mx::Stream s, int k, bool norm, int64_t E, Absorbed logits = {})
-      : MultiOp(s), k_(k), norm_(norm), E_(E), logits_(std::move(logits)) {}
+      : MultiOp(s), k_(k), norm_(norm), E_(E), logits_(std::move(logits)), name_(logits_.name("Edge0SoftmaxTopK")) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     dispatch(inputs, outputs, [k = k_, norm = norm_, E = E_, l = logits_](const std::vector<mx::array>& in,
                                                                          std::vector<mx::array>& out) {
@@ -694,7 +697,7 @@ class RouterOp : public MultiOp {
       softmax_topk(l.values(in, 0, T * E, lt), T, E, k, norm, out[0].data<uint32_t>(), out[1].data<float>());
     });
   }
-  const char* name() const override { return logits_.name("Edge0SoftmaxTopK"); }
+  const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RouterOp&>(other);
     return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && logits_ == o.logits_;
@@ -705,6 +708,7 @@ class RouterOp : public MultiOp {
   bool norm_;
   int64_t E_;
   Absorbed logits_;  // the router's product, run here
+  const char* name_;
 };
 
 // A decoder layer's residual add and the RMS norm after it as one node: h = x + r (MLX's Add, element by element)
@@ -713,7 +717,8 @@ class RouterOp : public MultiOp {
 // itself (Absorbed): inputs r's inputs..., x, w; one node fewer, the same bits.
 class AddRMSNormOp : public MultiOp {
  public:
-  AddRMSNormOp(mx::Stream s, float eps, Absorbed r = {}) : MultiOp(s), eps_(eps), r_(std::move(r)) {}
+  AddRMSNormOp(mx::Stream s, float eps, Absorbed r = {})
+      : MultiOp(s), eps_(eps), r_(std::move(r)), name_(r_.name("Edge0AddRMSNorm")) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     dispatch(inputs, outputs, [eps = eps_, rn = r_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<float> xt, rt, wt;
@@ -726,7 +731,7 @@ class AddRMSNormOp : public MultiOp {
       rms_norm(h, dense_data<float>(in[rn.from ? at + 1 : 2], wt), eps, n / D, D, out[1].data<float>());
     });
   }
-  const char* name() const override { return r_.name("Edge0AddRMSNorm"); }  // Edge0GLU+AddRMSNorm running a GLU
+  const char* name() const override { return name_; }  // Edge0GLU+AddRMSNorm running a GLU
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AddRMSNormOp&>(other);
     return eps_ == o.eps_ && r_ == o.r_;
@@ -735,6 +740,7 @@ class AddRMSNormOp : public MultiOp {
  private:
   float eps_;
   Absorbed r_;  // r's node, run here
+  const char* name_;
 };
 
 // One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
