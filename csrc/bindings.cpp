@@ -188,7 +188,7 @@ class QMV : public mx::UnaryPrimitive, public Computes {
     std::vector<Pair> pairs(R);
     for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
     const float* xd = dense_data<float>(x, xt);
-    const bool prompt = Rx >= PROMPT_ROWS;  // token rows: a prompt chunk
+    const bool prompt = spread(Rx);  // token rows: a prompt chunk or a batch's step
     if (!glu) {
       qmv(q[0], xd, Rx, pairs, out, prompt);
       return;
@@ -243,7 +243,7 @@ static void project_rows(const float* xd, int64_t R, int64_t D, const std::vecto
   const QWeights q = qweights(in[w], in[w + 1], in[w + 2], D, p.group_size, temps);
   std::vector<Pair> pairs(R);
   for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
-  qmv(q, xd, R, pairs, y, R >= PROMPT_ROWS);
+  qmv(q, xd, R, pairs, y, spread(R));
   if (p.inputs < 6) return;
   const int64_t N = q.N, r = in[w + 3].shape(-1);
   const float* a = dense_data<float>(in[w + 3], at);  // (D, r)
@@ -263,7 +263,7 @@ static void project_rows(const float* xd, int64_t R, int64_t D, const std::vecto
       const float* bj = b + j * N;
       for (int64_t n = 0; n < N; n++) yr[n] += tj * bj[n];
     }
-  }, R >= PROMPT_ROWS);
+  }, spread(R));
 }
 
 // in[0] (x) and the weights after it
@@ -687,26 +687,30 @@ class MultiOp : public mx::Primitive {
 // (..., E); where they are the router's product, not yet evaluated, that product runs here too.
 class RouterOp : public MultiOp {
  public:
-  RouterOp(mx::Stream s, int k, bool norm, int64_t E, Absorbed logits = {})
-      : MultiOp(s), k_(k), norm_(norm), E_(E), logits_(std::move(logits)), name_(logits_.name("Edge0SoftmaxTopK")) {}
+  RouterOp(mx::Stream s, int k, bool norm, int64_t E, Absorbed logits = {}, bool among = false)
+      : MultiOp(s), k_(k), norm_(norm), E_(E), among_(among), logits_(std::move(logits)),
+        name_(logits_.name("Edge0SoftmaxTopK")) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs, [k = k_, norm = norm_, E = E_, l = logits_](const std::vector<mx::array>& in,
-                                                                         std::vector<mx::array>& out) {
+    dispatch(inputs, outputs, [k = k_, norm = norm_, E = E_, among = among_, l = logits_](
+                                  const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<float> lt;
-      const int64_t T = out[0].size() / k;
-      softmax_topk(l.values(in, 0, T * E, lt), T, E, k, norm, out[0].data<uint32_t>(), out[1].data<float>());
+      std::vector<uint32_t> ct;
+      const int64_t T = out[0].size() / k, M = among ? in.back().shape(-1) : 0;
+      softmax_topk(l.values(in, 0, T * E, lt), T, E, k, norm, out[0].data<uint32_t>(), out[1].data<float>(),
+                   among ? dense_data<uint32_t>(in.back(), ct) : nullptr, M);
     });
   }
   const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RouterOp&>(other);
-    return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && logits_ == o.logits_;
+    return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && among_ == o.among_ && logits_ == o.logits_;
   }
 
  private:
   int k_;
   bool norm_;
   int64_t E_;
+  bool among_;  // a last input (T, M) of candidate ids: the k are chosen among them
   Absorbed logits_;  // the router's product, run here
   const char* name_;
 };
@@ -1011,16 +1015,22 @@ static mx::array head_op(const mx::array& x, const mx::array& now, const std::op
   return mx::array(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev, from), std::move(in));
 }
 
-static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm) {
+static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm,
+                                              std::optional<mx::array> among) {
   need_f32(logits, "softmax_topk", "logits");
   if (logits.ndim() < 1 || k < 1 || k > logits.shape(-1))
     throw std::invalid_argument("edge0 softmax_topk: logits (..., E) and 1 <= k <= E");
+  if (among && (among->dtype() != mx::uint32 || among->ndim() != logits.ndim() || among->shape(-1) < k ||
+                among->size() / among->shape(-1) != logits.size() / logits.shape(-1)))
+    throw std::invalid_argument("edge0 softmax_topk: among must be uint32 (..., M), M >= k, a row per logits row");
   auto shape = logits.shape();
   shape.back() = k;
   auto s = mx::default_stream(mx::Device::cpu);
   const Absorbed from = absorbable_node(logits);  // the router's product runs inside this node
+  auto in = leading(logits, from);
+  if (among) in.push_back(*among);
   return mx::array::make_arrays({shape, shape}, {mx::uint32, mx::float32},
-                                std::make_shared<RouterOp>(s, k, norm, logits.shape(-1), from), leading(logits, from));
+                                std::make_shared<RouterOp>(s, k, norm, logits.shape(-1), from, (bool)among), in);
 }
 
 static mx::array combine_op(const mx::array& y, const mx::array& scores) {
@@ -1201,8 +1211,9 @@ NB_MODULE(_kernels, m) {
   m.def("embed", &edge0::embed_op, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "Rows ids of a 4- or 8-bit affine-quantized table (V, D*bits/32) with float32 scales and biases (V, D/gs):\n"
         "(*ids.shape, D) float32, each element as mx.dequantize rounds it; an id out of range gives zeros.");
-  m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a,
-        "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm.");
+  m.def("softmax_topk", &edge0::softmax_topk_op, "logits"_a, "k"_a, "norm"_a, "among"_a = nb::none(),
+        "(inds, scores) of the k most probable experts under softmax(logits), scores renormalised when norm;\n"
+        "among (..., M) uint32: the k most probable of each row's candidate ids only.");
   m.def("combine", &edge0::combine_op, "y"_a, "scores"_a,
         "sum over K of scores[..., K, None] * y[..., K, :]: the routed experts' weighted sum, (..., D).");
   m.def("rope", &edge0::rope_op, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
@@ -1234,7 +1245,7 @@ NB_MODULE(_kernels, m) {
   m.def("set_impl", [](const std::string& n) { return edge0::set_impl(n.c_str()); }, "name"_a);
   m.def("set_num_threads", &edge0::set_num_threads, "n"_a, "prompt"_a = 0,
         "Compute threads, the caller included: n for decode steps, prompt (n when 0) for prompt chunks\n"
-        "(products of at least PROMPT_ROWS token rows, attention over as many queries).");
+        "(nodes of at least SPREAD_ROWS token rows: prompt chunks, a served batch's steps).");
   m.def("num_threads", &edge0::num_threads);
   m.def("set_profile", [](bool on) { edge0::profiling.store(on); }, "on"_a,
         "Time every edge0 node from now on (on) or no more; see profile().");
@@ -1249,4 +1260,5 @@ NB_MODULE(_kernels, m) {
       "reset"_a = true, "{node name and widths: (nodes, seconds)} timed since the last reset.");
   m.def("prompt_threads", &edge0::prompt_threads);
   m.attr("PROMPT_ROWS") = edge0::PROMPT_ROWS;
+  m.attr("SPREAD_ROWS") = edge0::SPREAD_ROWS;
 }

@@ -290,7 +290,7 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
   const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], Dh = q.shape[3];
   const int64_t Hkv = k.shape[1], Sk = k.shape[2], group = Hq / Hkv;
   // tasks: (sequence, KV head, block of QB queries), the group query heads sharing that KV head together, so
-  // each key and value row is read once for all of them; a prompt's run on the prompt threads
+  // each key and value row is read once for all of them; a prompt's or a batch's run on the prompt threads
   const int64_t QB = 16, blocks = (L + QB - 1) / QB;
   parallel_for(B * Hkv * blocks, [&](int64_t task) {
     const int64_t b = task / (Hkv * blocks), kh = task / blocks % Hkv, l0 = task % blocks * QB;
@@ -340,7 +340,7 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
         for (int64_t d = 0; d < Dh; d++) o[d] = acc[g * Dh + d] * inv;
       }
     }
-  }, L >= PROMPT_ROWS);
+  }, spread(B * L));
 }
 
 void swiglu(float* g, const float* u, int64_t n) {
@@ -354,7 +354,8 @@ void swiglu(float* g, const float* u, int64_t n) {
   for (; i < n; i++) g[i] = g[i] / (1.f + exp1(-g[i])) * u[i];
 }
 
-void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores) {
+void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores,
+                  const uint32_t* among, int64_t M) {
   std::vector<float> p(E);
   std::vector<uint32_t> order(E);
   for (int64_t t = 0; t < T; t++) {
@@ -362,8 +363,19 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
     const float mx = *std::max_element(l, l + E);
     float sum = 0.f;
     for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(l[e] - mx));
-    for (int64_t e = 0; e < E; e++) order[e] = (uint32_t)e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+    int64_t n = 0;
+    if (among) {  // the row's distinct candidates, in id order (the tie rule below needs no other)
+      std::vector<char> in(E, 0);
+      for (int64_t j = 0; j < M; j++)
+        if (among[t * M + j] < E) in[among[t * M + j]] = 1;
+      for (int64_t e = 0; e < E; e++)
+        if (in[e]) order[n++] = (uint32_t)e;
+    }
+    if (n < k) {  // no candidates (or fewer than k): every expert
+      n = E;
+      for (int64_t e = 0; e < E; e++) order[e] = (uint32_t)e;
+    }
+    std::partial_sort(order.begin(), order.begin() + k, order.begin() + n,
                       [&](uint32_t a, uint32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     float picked = 0.f;
     for (int j = 0; j < k; j++) picked += (scores[t * k + j] = p[order[j]] / sum);
@@ -456,7 +468,7 @@ void linear(const float* x, int64_t rows, const float* w, const float* bias, int
       }
       for (; n < n1; n++) out[r * N + n] = dot16(x + r * D, w + n * D, D) + (bias ? bias[n] : 0.f);
     }
-  }, rows >= PROMPT_ROWS);
+  }, spread(rows));
 }
 
 void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,

@@ -33,7 +33,10 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
 
 // Routing of T tokens over E experts: softmax, the k largest (by descending probability, ties to the
 // lower id), their probabilities renormalised to sum 1 when norm. inds and scores are (T, k).
-void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores);
+// among (T, M) ids, or null: the k are chosen among row t's M candidates only (an id >= E names none; fewer
+// than k distinct: among all E); the probabilities are still the softmax over all E logits.
+void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, uint32_t* inds, float* scores,
+                  const uint32_t* among = nullptr, int64_t M = 0);
 
 // out[r, n] = x[r] . w[n] (+ bias[n]) for x (rows, D), w (N, D), float32: a float linear whose every output is
 // one fixed-order sum, so a row's result does not depend on the other rows (a batch equals its rows run alone).

@@ -32,9 +32,14 @@ struct QWeights {
   const uint16_t* biases16 = nullptr;
 };
 
-// Token rows from which a product or an attention is a prompt chunk (prefill): it runs on the prompt
-// threads, a decode step's on the decode threads.
+// Token rows from which a product or an attention is a prompt chunk (prefill), as its node's name says.
 constexpr int64_t PROMPT_ROWS = 16;
+
+// Token rows from which a node's work runs on the prompt threads (every core): a prompt chunk, or one step of a
+// served batch of several sequences, whose products and attention are several times one sequence's; one
+// sequence's decode step runs on the decode threads. Which threads compute an output never changes its bits.
+constexpr int64_t SPREAD_ROWS = 4;
+inline bool spread(int64_t rows) { return rows >= SPREAD_ROWS; }
 
 // out[p.out, :N] = W[p.expert] @ x[p.xrow] for every pair; x (rows, D) float32, out (*, N) float32.
 // prompt: on the prompt threads.

@@ -45,6 +45,7 @@ class EngineConfig:
     predictor: str | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
     guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
+    candidates: int | None = None  # predicted: experts each head names ahead, the router choosing K; None: 2K resident, else K
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
     executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
@@ -72,6 +73,7 @@ class EngineConfig:
         _choice("--kernel", self.kernel, KERNELS, optional=True)
         _int("--k", self.top_k, 1, None)
         _int("--guesses", self.guesses, 1, None)
+        _int("--candidates", self.candidates, 1, None)
         _int("--slots", self.slots, 1, None)
         _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
         _int("--kernel-threads", self.kernel_threads, 1, machine_cores(), "the machine's cores")

@@ -76,6 +76,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
     routing = routing or "native"
     if c.guesses is not None and routing != "prefetch":
         raise Edge0Error(f"--guesses {c.guesses}: only used with --routing prefetch (other routings read what they route)")
+    if c.candidates is not None and routing != "predicted":
+        raise Edge0Error(f"--candidates {c.candidates}: only used with --routing predicted")
     if predictor is not None and routing == "native":
         raise Edge0Error(f"--predictor {predictor}: only used with --routing prefetch or predicted")
     if routing == "predicted" and predictor not in (None, "heads"):
@@ -265,14 +267,27 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         heads = None
         if c.predictor == "heads":
             heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
-        if c.routing == "predicted" and _resident(c, reader.manifest, cdtype):
+        resident = c.routing == "predicted" and _resident(c, reader.manifest, cdtype)
+        candidates = _candidates(c, reader.manifest, resident) if c.routing == "predicted" else None
+        if resident:
             from .pipeline.resident import build_predicted_resident
 
-            return build_predicted_resident(reader, cdtype, heads=heads)
+            return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
                                       slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
-                                      predicted_routing=c.routing == "predicted")
+                                      predicted_routing=c.routing == "predicted", candidates=candidates)
     return build
+
+
+def _candidates(c: EngineConfig, manifest, resident: bool) -> int:
+    """The experts a head names ahead for its consumer under predicted routing, the consumer's router choosing K:
+    --candidates, else 2K over resident experts (nothing is read, so more candidates cost nothing) and K when
+    streamed (each candidate is read)."""
+    k, e = c.top_k or manifest.top_k, manifest.num_experts
+    m = c.candidates or (min(2 * k, e) if resident else k)
+    if not k <= m <= e:
+        raise Edge0Error(f"--candidates {m}: must be between K = {k} and the model's {e} experts")
+    return m
 
 
 def _resident(c: EngineConfig, manifest, cdtype) -> bool:

@@ -39,6 +39,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
     p.add_argument("--guesses", type=int, default=None, metavar="N",
                    help="--routing prefetch: read ahead only the predictor's N likeliest experts of each set, at "
                         "most K (default: all K); fewer guesses read less on a busy disk, and miss more")
+    p.add_argument("--candidates", type=int, default=None, metavar="M",
+                   help="--routing predicted: each head names its layer's M likeliest experts a token ahead (those are "
+                        "read), and the layer's own router chooses and weighs K of them (default: 2K where every expert "
+                        "is resident and nothing is read, K when experts are streamed; between K and the model's experts)")
     p.add_argument("--lora", metavar="FILE", default=None,
                    help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
                         "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")
@@ -85,7 +89,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig of `add_engine_flags`' flags, checked."""
     return EngineConfig(
         model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
-        guesses=args.guesses,
+        guesses=args.guesses, candidates=args.candidates,
         executor=args.executor, slots=args.slots, memory_budget_gib=args.memory_budget, io=args.io,
         io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,

@@ -14,8 +14,9 @@ from ..errors import Edge0Error
 
 # Compute threads of the kernels, the calling thread included. On a 2-core machine a decode step's
 # products take one thread, leaving the other core to the I/O workers and to the Python that builds the
-# next layer's graph (docs/DESIGN.md §15); a prompt chunk's products and attention (at least PROMPT_ROWS
-# token rows: compute-bound, nothing to overlap) take every core. EDGE0_KERNEL_THREADS sets both.
+# next layer's graph (docs/DESIGN.md §15); a node of at least SPREAD_ROWS token rows (a prompt chunk's products
+# and attention, compute-bound, nothing to overlap; a served batch's step of several sequences) takes every
+# core. EDGE0_KERNEL_THREADS sets both.
 DEFAULT_THREADS_2_CORES = 1
 MAX_DEFAULT_THREADS = 8
 

@@ -27,6 +27,23 @@ def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.arr
     return inds, scores
 
 
+def choose_among(logits: mx.array, among: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
+    """softmax_topk with the k chosen among each row's candidate ids `among` (T, M) only: the probabilities are
+    the softmax of all E logits, the weights of the chosen renormalised when norm_topk_prob. Predicted routing:
+    a head names M candidates a token ahead (they are read then), the layer's own router picks and weighs K."""
+    ext = current().ext
+    if ext is not None and logits.dtype == mx.float32 and among.dtype == mx.uint32:
+        return tuple(ext.softmax_topk(logits, k, norm_topk_prob, among))
+    gates = mx.softmax(logits, axis=-1, precise=True)  # (T, E)
+    cand = mx.take_along_axis(gates, among, axis=-1)  # (T, M)
+    pos = mx.stop_gradient(mx.argpartition(-cand, kth=k - 1, axis=-1)[..., :k])
+    inds = mx.take_along_axis(among, pos, axis=-1)  # (T, K)
+    scores = mx.take_along_axis(cand, pos, axis=-1)
+    if norm_topk_prob:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
 @mx.compile
 def sigmoid_group_topk(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, score_function):
     """Bailing (Ling) / DeepSeek-style: sigmoid scores, group-limited top-k, selection bias, routed scaling."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compute.routing import combine, combine_compiled, sigmoid_group_topk, softmax_topk
+from ..compute.routing import choose_among, combine, combine_compiled, sigmoid_group_topk, softmax_topk
 
 
 class SoftmaxMoeBlock(nn.Module):
@@ -26,7 +26,8 @@ class SoftmaxMoeBlock(nn.Module):
             self.shared_expert_gate = src.shared_expert_gate
         self.executor = executor  # (x, inds) -> (T, K, D)
         self.cast_back = cast_back
-        self.planned = None  # () -> (inds, scores) | None: routing decided ahead (predicted routing)
+        self.planned = None  # () -> (candidates, plan) | None: routing decided ahead (predicted routing)
+        self.candidates = None  # predicted routing: how many of its head's likeliest experts it chooses among (None: K)
 
     def logits(self, x: mx.array) -> mx.array:
         return self.gate(x)  # (T, E)
@@ -37,7 +38,15 @@ class SoftmaxMoeBlock(nn.Module):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.select(self.logits(x))
 
-    decide = select  # predicted routing decides (inds, weights) ahead
+    def decide(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Predicted routing, a token ahead, from its head's logits: the `candidates` likeliest experts (T, M), read
+        ahead, and the plan the `planned` hook gives back with them (the same ids)."""
+        inds = softmax_topk(logits, self.candidates or self.top_k, False)[0]
+        return inds, inds
+
+    def choose(self, x: mx.array, among: mx.array, plan: mx.array) -> tuple[mx.array, mx.array]:
+        """Predicted routing at this token: the router's K likeliest of the candidates decided ahead, weighed by it."""
+        return choose_among(self.logits(x), among, self.top_k, self.norm_topk_prob)
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = _routing(self, x)
@@ -87,9 +96,13 @@ class SigmoidGroupMoeBlock(nn.Module):
 
 
 def _routing(block, x: mx.array) -> tuple[mx.array, mx.array]:
-    """The block's routing for this step: decided ahead by a prerouter head when planned, else its router."""
+    """The block's routing for this step: decided ahead by a prerouter head when planned (its candidates chosen
+    among by the block's router, where the block chooses), else its router."""
     planned = block.planned() if block.planned is not None else None
-    return planned if planned is not None else block.route(x)
+    if planned is None:
+        return block.route(x)
+    choose = getattr(block, "choose", None)
+    return choose(x, *planned) if choose is not None else planned
 
 
 def make_block(model_type: str, src: nn.Module, executor) -> nn.Module:

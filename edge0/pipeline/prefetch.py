@@ -106,15 +106,10 @@ class PrefetchExperts:
                 and not sched.busy(self.layer)):
             return self._staged(x, inds, step)
         d = self.decided.get(step) if self.answered == step else None
-        if d is not None:  # decided a step ahead: ids and slots are on the host already
-            host, ids = d.host, d.ids
-        else:
-            t0 = now_us()
-            mx.eval(inds)  # SYNC: the routed ids to the host (this layer routes with its own router)
-            rt.span(f"eval L{self.layer}", "compute", t0)
-            rt.fence.sync()
-            host = np.array(inds, copy=False)
-            ids = unique_ids(host)
+        chosen = d is not None and inds is not d.inds  # the block's router chose K of the candidates, in the graph
+        # decided a step ahead: the candidates' ids and slots are on the host already; else this layer routes with
+        # its own router
+        host, ids = (d.host, d.ids) if d is not None else self._on_host(inds)
         with rt.scheduling(self.layer):
             if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
                 rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
@@ -126,12 +121,14 @@ class PrefetchExperts:
             else:
                 got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
         if got is None:  # more experts than slots, or too few writable: read them the exact way
+            host, ids = self._on_host(inds) if chosen else (host, ids)
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
         slots, reads = got
         fills = reads.fills if reads is not None else []
-        try:  # the held experts compute while the rest are read from the disk
-            early = held_first(self.exact.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant)
+        try:  # the held experts compute while the rest are read from the disk (the routed rows known on the host)
+            early = None if chosen else held_first(self.exact.reader, self.layer, x, host, ids, slots, cache.bank,
+                                                   fills, self.quant)
         except BaseException:
             cache.forget([slot for slot, _ in fills])  # assigned, never to be read
             raise
@@ -145,13 +142,23 @@ class PrefetchExperts:
                 self.plan_waiting()
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
-        y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), arrays, self.quant)
+        where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
+        y = early() if early is not None else switch_glu(x, where, arrays, self.quant)
         t0 = now_us()
         if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
             mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
         mx.async_eval(y)  # returns once MLX's queue has room: a long wait means the stream is busy (good)
         rt.span(f"queue L{self.layer}", "compute", t0)
         return y
+
+    def _on_host(self, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """The routed ids on the host, and their unique values."""
+        t0 = now_us()
+        mx.eval(inds)  # SYNC: the routed ids to the host
+        self.rt.span(f"eval L{self.layer}", "compute", t0)
+        self.rt.fence.sync()
+        host = np.array(inds, copy=False)
+        return host, unique_ids(host)
 
     def _staged(self, x: mx.array, inds: mx.array, step: int) -> mx.array:
         """Paused with nothing planned here: native routing on the same bank, no scheduler. A layer owning a
@@ -204,6 +211,13 @@ class PrefetchExperts:
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
     planned_by = None  # the executor of the layer whose head decides this one's routing (predicted routing)
     routes_ahead = False  # this layer owns a head that decides its consumer's routing (predicted routing)
+
+
+def slot_positions(inds: mx.array, ids: np.ndarray, slots, num_experts: int) -> mx.array:
+    """Routed ids `inds` (a graph array, each one of `ids`) as positions in a bank where slots[i] holds ids[i]."""
+    table = np.zeros(num_experts, dtype=np.uint32)
+    table[ids] = np.asarray(slots, dtype=np.uint32)
+    return mx.take(mx.array(table), inds)
 
 
 def _likeliest(scores: mx.array, n: int) -> mx.array:

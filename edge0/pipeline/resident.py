@@ -59,6 +59,7 @@ class PredictedResidentRuntime(Runtime):
     """The runtime of predicted routing over resident experts: no scheduler, no reads, no host sync."""
 
     heads = None  # the HeadSet that routes
+    candidates = None  # experts each head names a token ahead, its consumer's router choosing K of them (None: K)
     predicted_routing = True
     step = 0  # the decode step being built (step 0: the prompt's last token)
 
@@ -105,13 +106,18 @@ class PredictedResidentRuntime(Runtime):
             ex = self.executors[consumer]
             self.executors[owner].heads.append((self.heads.heads[consumer], ex))
             blocks[consumer].planned = ex.planned
+            if hasattr(blocks[consumer], "choose"):
+                blocks[consumer].candidates = self.candidates
 
 
-def build_predicted_resident(reader, compute_dtype, *, heads, **_) -> PredictedResidentRuntime:
-    """Every expert read once into memory, routed by `heads` (a HeadSet) decided one step ahead in the graph."""
+def build_predicted_resident(reader, compute_dtype, *, heads, candidates: int | None = None,
+                             **_) -> PredictedResidentRuntime:
+    """Every expert read once into memory, routed by `heads` (a HeadSet) decided one step ahead in the graph;
+    candidates: experts each head names, its consumer's router choosing K of them (None: K)."""
     base = build_runtime(reader, "resident", compute_dtype)
     rt = PredictedResidentRuntime("resident", base.fence, {}, banks=base.banks, stats=base.stats)
     rt.heads = heads
+    rt.candidates = candidates
     for layer, resident in base.executors.items():
         rt.executors[layer] = PredictedResident(layer, resident, reader.manifest.num_experts, rt)
     return rt

@@ -24,6 +24,7 @@ class PrefetchRuntime(Runtime):
     sched: Scheduler = None
     heads = None  # HeadSet when predicting with trained heads
     predicted_routing = False
+    candidates: int | None = None  # predicted routing: experts read ahead per consumer, its router choosing K (None: K)
     guesses: int | None = None  # experts read ahead per predicted set, the predictor's likeliest (None: all K)
     pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
@@ -221,6 +222,8 @@ class PrefetchRuntime(Runtime):
             ex.predicted_routing = self.predicted_routing and routes
             if ex.predicted_routing:
                 blocks[consumer].planned = ex.planned
+                if hasattr(blocks[consumer], "choose"):
+                    blocks[consumer].candidates = self.candidates
                 ex.planned_by = self.executors[owner]
                 self.executors[owner].routes_ahead = True
 
@@ -263,11 +266,13 @@ class _Scheduling:
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
                            predicted_routing: bool = False, guesses: int | None = None, top_k: int | None = None,
-                           **_) -> PrefetchRuntime:
+                           candidates: int | None = None, **_) -> PrefetchRuntime:
     """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
-    N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's)."""
+    N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's).
+    candidates: predicted routing reads ahead each head's M likeliest experts, its consumer's router choosing K
+    of them (None: K)."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
@@ -284,6 +289,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.trace = trace
     rt.heads = heads
     rt.predicted_routing = predicted_routing
+    rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)

@@ -49,6 +49,7 @@ class Hyper:
     temp: float = 1.0  # the student's sampling temperature
     seed: int = 0  # prompts, sampling, batch order
     top_k: int = 0  # K of the heads (set from them)
+    candidates: int = 0  # experts each head names, its layer's router choosing K (set from the student)
 
 
 def reverse_kl(s_lp: mx.array, t_lp: mx.array, top: int) -> mx.array:
@@ -99,6 +100,7 @@ def initial_adapter(student: Student, model_dir: Path, init) -> tuple[Adapter, P
 
 
 def train_distill(model_dir, out, *, init=None, teacher=None, data=None, heads=None, heldout=None, top_k: int | None = None,
+                  candidates: int | None = None,
                   steps: int = 60, batch: int = 8, prompt_len: int = 16, new: int = 112, top: int = TOP,
                   lr: float = 5e-4, temp: float = 1.0, seed: int = 0, eval_every: int = 20, eval_windows: int = 4,
                   resume: bool = False, progress: bool = True) -> dict:
@@ -111,9 +113,9 @@ def train_distill(model_dir, out, *, init=None, teacher=None, data=None, heads=N
     report_path = check_out(out, resume, steps)
     world = World.init()
     world.check_batch(batch)
-    student = load_student(model_dir, heads, top_k)
+    student = load_student(model_dir, heads, top_k, candidates)
     try:
-        hp = Hyper(steps, batch, prompt_len, new, top, lr, temp, seed, student.heads.top_k)
+        hp = Hyper(steps, batch, prompt_len, new, top, lr, temp, seed, student.heads.top_k, student.candidates)
         adapter, init_path = initial_adapter(student, model_dir, init)
         student.adapter(adapter)
         teacher_path = resolve_teacher(model_dir, teacher)
@@ -183,6 +185,9 @@ def add_train_distill_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", metavar="FILE", help="the Phase 2 adapter to start from (default STORE/lora-k{K}.safetensors)")
     p.add_argument("--heads", metavar="FILE", help="the heads that route it (default STORE/heads-k{K}.safetensors)")
     p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
+    p.add_argument("--candidates", type=int, default=None, metavar="M",
+                   help="experts each head names, its layer's router choosing K of them, as `--candidates` serves "
+                        "(default 2K: the default over resident experts)")
     p.add_argument("--teacher", metavar="DIR",
                    help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
     p.add_argument("--data", metavar="FILE_OR_DIR",
@@ -212,7 +217,7 @@ def train_distill_cli(args) -> int:
         if not (math.isfinite(value) and value > 0):
             raise Edge0Error(f"{flag} {value}: must be a positive number")
     r = train_distill(args.model, args.out, init=args.init, teacher=args.teacher, data=args.data, heads=args.heads,
-                      heldout=args.heldout, top_k=args.k, steps=args.steps, batch=args.batch,
+                      heldout=args.heldout, top_k=args.k, candidates=args.candidates, steps=args.steps, batch=args.batch,
                       prompt_len=args.prompt_len, new=args.new, top=args.top, lr=args.lr, temp=args.temp,
                       seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
     if World.init().rank:  # rank 0 reports

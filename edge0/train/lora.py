@@ -46,6 +46,7 @@ class Hyper:
     temp: float = 1.0  # the teacher's sampling temperature
     samples: int = 0  # windows the teacher writes, drawn from in turn (0: steps x batch, each used once)
     top_k: int = 0  # K of the heads (set from them)
+    candidates: int = 0  # experts each head names, its layer's router choosing K (set from the student)
 
 
 def next_token_loss(student: Student, tokens: mx.array) -> mx.array:
@@ -89,6 +90,7 @@ def data_windows(model_dir: Path, hp: Hyper, *, teacher, data, world: World, cac
 
 
 def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=None, top_k: int | None = None,
+               candidates: int | None = None,
                steps: int = 300, batch: int = 8, seq_len: int = 256, rank: int = RANK, alpha: float = ALPHA,
                lr: float = 1e-3, seed: int = 0, temp: float = 1.0, samples: int = 0, eval_every: int = 50,
                eval_windows: int = 4, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
@@ -100,9 +102,9 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
     hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples)
     world = World.init()
     world.check_batch(batch)
-    student = load_student(model_dir, heads, top_k)
+    student = load_student(model_dir, heads, top_k, candidates)
     try:
-        hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k})
+        hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k, "candidates": student.candidates})
         pool, desc, teacher_path = data_windows(model_dir, hp, teacher=teacher, data=data, world=world,
                                                 cache_dir=out.with_name(out.name + ".data"), progress=progress)
         held, held_desc = heldout_windows(model_dir, heldout, seq_len, eval_windows)
@@ -173,6 +175,9 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
                    help="adapter to write (safetensors); STORE/lora-k{K}.safetensors is the one served by default")
     p.add_argument("--heads", metavar="FILE", help="the heads that route it (default STORE/heads-k{K}.safetensors)")
     p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
+    p.add_argument("--candidates", type=int, default=None, metavar="M",
+                   help="experts each head names, its layer's router choosing K of them, as `--candidates` serves "
+                        "(default 2K: the default over resident experts)")
     p.add_argument("--teacher", metavar="DIR",
                    help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
     p.add_argument("--data", metavar="FILE_OR_DIR",
@@ -212,7 +217,7 @@ def check_flags(args) -> None:
 def train_lora_cli(args) -> int:
     check_flags(args)
     r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
-                   top_k=args.k, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
+                   top_k=args.k, candidates=args.candidates, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
                    alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
                    eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
     if World.init().rank:  # rank 0 reports

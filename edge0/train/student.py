@@ -5,9 +5,9 @@
 
 The base is the dequantized reconstruction of the int4 store (every quantized linear, the embeddings
 and the routed experts), frozen; only the adapter's lora_a and lora_b train. Routing is the served
-path's, predicted by the heads at K: at a consumer layer M, position t routes by the top-K of
-head(features of its owner N at t - 1), with the softmax weights of the head's logits (gradients flow
-through them into N's hidden state); the first `prefix` positions route by M's own router, as a fresh
+path's, predicted by the heads at K: at a consumer layer M, position t routes by the K likeliest under M's own
+router among the `candidates` likeliest of head(features of its owner N at t - 1), with the router's softmax
+weights; the first `prefix` positions route by M's own router, as a fresh
 context's first token (eval) or a prompt's tokens (generation) do when served. Other layers route by
 their own router. Everything builds on MLX's own ops (the edge0 kernels have no gradients).
 """
@@ -108,7 +108,11 @@ class ServedRouting:
         else:
             h, mh = self.seen[owner]  # features at position p - 1 for p = offset..: (h, multi-hot, the one before)
             feats = mx.concatenate([h[:, q:t].astype(mx.float32), mh[:, q + 1:t + 1], mh[:, q:t]], axis=-1)
-            inds, scores = blk.select(self.heads.heads[layer](feats, blk.logits(h[:, q:t]).astype(mx.float32)))
+            logits = self.heads.heads[layer](feats, blk.logits(h[:, q:t]).astype(mx.float32))
+            if hasattr(blk, "choose"):  # the head names candidates, the layer's router chooses K of them
+                inds, scores = blk.choose(x[:, q:t], *blk.decide(logits))
+            else:
+                inds, scores = blk.select(logits)
             if q:
                 ni, ns = blk.select(blk.logits(x[:, :q]))
                 inds = mx.concatenate([ni, inds.astype(ni.dtype)], axis=1)
@@ -137,6 +141,7 @@ class Student:
     heads_file: Path
     routing: ServedRouting
     kernel: Kernel  # MLX's own: the graphs need gradients
+    candidates: int  # experts each head names, its consumer's router choosing K of them
 
     def adapter(self, adapter: Adapter) -> None:
         """Attach `adapter` (only its weights train from now on)."""
@@ -175,8 +180,10 @@ def default_heads_file(store: Path, top_k: int) -> Path:
     return store / f"heads-k{top_k}.safetensors"
 
 
-def load_student(store_dir: str | Path, heads_file: str | Path | None = None, top_k: int | None = None) -> Student:
-    """The store dequantized, at K = top_k (default the heads'), routed by `heads_file` (default heads-k{K})."""
+def load_student(store_dir: str | Path, heads_file: str | Path | None = None, top_k: int | None = None,
+                 candidates: int | None = None) -> Student:
+    """The store dequantized, at K = top_k (default the heads'), routed by `heads_file` (default heads-k{K}): each
+    head names `candidates` experts (default 2K, as served over resident experts), its layer's router chooses K."""
     from ..io.manifest import read_manifest
     from ..model.arch import read_config
     from ..model.load import load_store
@@ -189,6 +196,10 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
         raise Edge0Error(f"{heads_file}: no prerouter heads for K={k}; the adapter trains on predicted routing, so "
                          f"train the heads first: edge0 train heads --model {store_dir} --out {heads_file} --k {k}")
     heads = HeadSet.load(heads_file, manifest, config, top_k=top_k)
+    m = candidates or min(2 * heads.top_k, manifest.num_experts)
+    if not heads.top_k <= m <= manifest.num_experts:
+        raise Edge0Error(f"--candidates {m}: must be between K = {heads.top_k} and the model's "
+                         f"{manifest.num_experts} experts")
     routing = heads.owners if heads.routes is None else {c: heads.owners[c] for c in heads.routes}
     late = sorted(c for c, o in routing.items() if o >= c)
     if late:  # the consumer's routing at t would need a later layer at t - 1: not one parallel forward
@@ -205,8 +216,9 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
                 ex = store.runtime.executors[i]
                 layer.mlp.executor = DenseExperts(ex.bank, ex.quant)
                 layer.mlp.top_k = heads.top_k
+                layer.mlp.candidates = m
     mx.eval(model.parameters())
-    return Student(model, store, heads, heads_file, ServedRouting(model, heads, manifest.num_experts), kernel)
+    return Student(model, store, heads, heads_file, ServedRouting(model, heads, manifest.num_experts), kernel, m)
 
 
 def new_adapter(student: Student, *, rank: int, alpha: float, seed: int) -> Adapter:

@@ -264,6 +264,40 @@ def test_softmax_topk_matches_mlx(shape, k, norm):
 
 
 @needs_ext
+@pytest.mark.parametrize("norm", [True, False])
+def test_choose_among_candidates_matches_mlx(norm):
+    """Predicted routing's choice: the router's k likeliest of each row's candidate ids, weighed by the softmax of
+    all the logits (renormalised over the chosen when norm): the edge0 node and MLX's ops agree, the chosen are
+    candidates and the likeliest of them, and with every expert a candidate it is plain softmax_topk."""
+    from edge0.compute.routing import choose_among, softmax_topk
+
+    t, e, m, k = 6, 32, 8, 4
+    logits = mx.random.normal((t, 1, e), key=mx.random.key(11)) * 3
+    rng = np.random.default_rng(3)
+    among = mx.array(np.stack([rng.permutation(e)[:m] for _ in range(t)]).astype(np.uint32).reshape(t, 1, m))
+    use_kernel("mlx")
+    want_i, want_s = choose_among(logits, among, k, norm)
+    use_kernel("edge0")
+    got_i, got_s = choose_among(logits, among, k, norm)
+    all_i, all_s = softmax_topk(logits, k, norm)
+    full = np.array(choose_among(logits, mx.broadcast_to(mx.arange(e, dtype=mx.uint32), (t, 1, e)), k, norm)[1])
+    np.testing.assert_array_equal(full, np.array(all_s))
+    lg, am = np.array(logits).reshape(t, e), np.array(among).reshape(t, m)
+    gi, gs_, wi, ws = (np.array(a).reshape(t, k) for a in (got_i, got_s, want_i, want_s))
+    for row in range(t):
+        best = am[row][np.argsort(-lg[row][am[row]])[:k]]
+        assert set(gi[row]) == set(wi[row]) == set(best)
+        np.testing.assert_allclose(gs_[row][np.argsort(gi[row])], ws[row][np.argsort(wi[row])], rtol=1e-6, atol=1e-7)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    picked = np.take_along_axis(p, gi.astype(np.int64), -1)
+    np.testing.assert_allclose(gs_, picked / picked.sum(-1, keepdims=True) if norm else picked, rtol=1e-5)
+    assert not np.array_equal(np.sort(gi, -1), np.sort(np.array(all_i).reshape(t, k), -1))  # candidates matter
+    with pytest.raises(ValueError, match="among must be uint32"):
+        EXT.softmax_topk(logits, k, norm, among[..., :2])
+
+
+@needs_ext
 def test_combine_matches_mlx():
     from edge0.compute.routing import combine
 
@@ -643,9 +677,10 @@ def test_threads_give_identical_results():
 
 
 @needs_ext
-def test_prompt_chunks_on_prompt_threads_give_identical_results():
-    """A prompt chunk (at least PROMPT_ROWS token rows) runs its products and attention on the prompt
-    threads, a decode step's on the decode threads: the numbers are the same on any count."""
+def test_prompt_chunks_and_batches_on_prompt_threads_give_identical_results():
+    """A node of at least SPREAD_ROWS token rows (a prompt chunk; a served batch's step, one row per sequence)
+    runs its products and attention on the prompt threads, one sequence's decode step on the decode threads:
+    the numbers are the same on any count."""
     use_kernel("edge0")
     e, d, h, t = 8, 256, 128, 3 * EXT.PROMPT_ROWS + 5
     parts = {n: quantized((e, *shape), 64, seed=i) for i, (n, shape) in
@@ -655,6 +690,10 @@ def test_prompt_chunks_on_prompt_threads_give_identical_results():
     inds = mx.array(rng.integers(0, e, size=(t, 4)).astype(np.uint32))
     x = mx.array(rng.standard_normal((t, d)).astype(np.float32))
     q, k, v = (mx.array(rng.standard_normal((1, hh, t, 64)).astype(np.float32)) for hh in (4, 2, 2))
+    batch = EXT.SPREAD_ROWS + 2  # a batch's decode step: one query row for each of its sequences
+    bq = mx.array(rng.standard_normal((batch, 4, 1, 64)).astype(np.float32))
+    bk, bv = (mx.array(rng.standard_normal((batch, 2, 40, 64)).astype(np.float32)) for _ in range(2))
+    assert EXT.SPREAD_ROWS <= EXT.PROMPT_ROWS
     outs = []
     for decode, prompt in ((1, 1), (1, 2), (1, 3), (2, 1)):
         EXT.set_num_threads(decode, prompt)
@@ -662,7 +701,10 @@ def test_prompt_chunks_on_prompt_threads_give_identical_results():
         outs.append([np.array(a) for a in (qmm.gather_glu(x, inds, bank, group_size=64, bits=4, mode="affine"),
                                            EXT.attention(q, k, v, 0.125, True),
                                            qmm.gather_glu(x[:1], inds[:1], bank, group_size=64, bits=4,
-                                                          mode="affine"))])
+                                                          mode="affine"),
+                                           qmm.gather_glu(x[:batch], inds[:batch], bank, group_size=64, bits=4,
+                                                          mode="affine"),
+                                           EXT.attention(bq, bk, bv, 0.125, False))])
     assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
     EXT.set_num_threads(2)  # an explicit count holds for both
     assert EXT.prompt_threads() == 2

@@ -22,14 +22,17 @@ def logprobs(ids: list[int], **config) -> np.ndarray:
         return np.array(engine.forced_logprobs(ids))
 
 
-@pytest.mark.parametrize("lora", [None, "none"], ids=["adapter", "no-adapter"])
-def test_resident_predicted_equals_streamed_predicted_on_real_text(lora):
+@pytest.mark.parametrize("lora,candidates", [(None, 8), ("none", 8), ("none", 4)],
+                         ids=["adapter", "no-adapter", "no-adapter-K-candidates"])
+def test_resident_predicted_equals_streamed_predicted_on_real_text(lora, candidates):
+    """The same candidates (the streamed default K, the resident default 2K): the same answers, bit for bit;
+    the streamed executor takes the chosen K's slots in the graph."""
     ids = real_text()
-    extra = {} if lora is None else {"lora": lora}
+    extra = {"candidates": candidates} if lora is None else {"lora": lora, "candidates": candidates}
     streamed = logprobs(ids, routing="predicted", executor="staged", **extra)
     resident = logprobs(ids, routing="predicted", executor="resident", **extra)
     assert resident.shape == streamed.shape and np.array_equal(resident, streamed)
-    native = logprobs(ids, routing="native", executor="resident", **extra) if lora == "none" else None
+    native = logprobs(ids, routing="native", executor="resident", lora="none") if lora == "none" else None
     if native is not None:  # the heads do route: not the model's own router
         assert not np.array_equal(resident, native)
 
@@ -46,8 +49,8 @@ def test_a_head_owned_by_a_later_layer_routes_the_next_step(tmp_path):
     path = tmp_path / "heads-late.safetensors"
     heads.save(path)
     ids = real_text()
-    streamed = logprobs(ids, routing="predicted", executor="staged", heads=str(path))
-    resident = logprobs(ids, routing="predicted", executor="resident", heads=str(path))
+    streamed = logprobs(ids, routing="predicted", executor="staged", heads=str(path), candidates=8)
+    resident = logprobs(ids, routing="predicted", executor="resident", heads=str(path), candidates=8)
     assert np.array_equal(resident, streamed)
     default = logprobs(ids, routing="predicted", executor="resident")
     assert not np.array_equal(resident, default)  # layer 0 is routed by the new head

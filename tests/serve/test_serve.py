@@ -3,7 +3,8 @@
 The server runs in-process (its loop on a thread, MLX on its worker thread) on the built-in demo model with its
 default routing (predicted), its experts streamed through the scheduled path (--executor staged: pending reads
 must be cancelled cleanly; the default keeps the demo's experts resident and reads nothing per request, see
-test_defaults.py). References come from `edge0 run` with no flag (resident): the same tokens. They are run
+test_defaults.py). References come from `edge0 run` with no flag (resident, whose heads name 2K candidates; the
+streamed default names K, so the server is given --candidates 8 to serve the same tokens). They are run
 before the server starts (one MLX user at a time). Malformed requests and stopping the server are in
 test_serve_input.py.
 """
@@ -53,7 +54,7 @@ def setup():
     refs["chat"] = edge0_run("hello", "--chat")["text"]
     # one generation at a time: these tests are about the queue (FIFO order, one generating while others wait,
     # a full queue, a failure mid-generation); the default (batched) server: tests/test_defaults.py, test_batching.py
-    srv = BackgroundServer(*serve_configs(serve_args("--max-batch", "1", "--executor", "staged")), port=0, max_queue=8).start()
+    srv = BackgroundServer(*serve_configs(serve_args("--max-batch", "1", "--executor", "staged", "--candidates", "8")), port=0, max_queue=8).start()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
     try:
         yield srv, client, refs

@@ -156,3 +156,33 @@ def test_a_delta_below_the_int4_step_does_not_survive_requantization():
     s_large = survival(base + large, requantized(base, large, q), base)
     assert s_small < 0.3 and s_large > 0.85, (s_small, s_large)
     assert survival(base + large, base + large, base) == 1.0
+
+
+@pytest.mark.parametrize("candidates", [None, "K"])
+def test_the_student_path_routes_as_served(phase, candidates):
+    """The student's logits (Phases 2 and 3 train on them) are the served path's, token for token: the head names
+    the candidates a token ahead, the layer's router chooses K of them; position 0 by the layer's own router.
+    Served with other candidates, they part."""
+    from edge0.train.student import load_student
+
+    store, _, text = phase
+    k = read_manifest(store).top_k
+    candidates = k if candidates == "K" else candidates
+    m = candidates or 2 * k
+    with open_engine(EngineConfig(model=str(store), routing="predicted", executor="resident", kernel="mlx",
+                                  lora="none", candidates=m)) as engine:
+        ids = engine.encode_text(text.read_text())[:40]
+        served = np.array(engine.forced_logprobs(ids))  # (39, V)
+    with open_engine(EngineConfig(model=str(store), routing="predicted", executor="resident", kernel="mlx",
+                                  lora="none", candidates=k + 1 if m != k + 1 else k)) as engine:
+        other = np.array(engine.forced_logprobs(ids))
+    student = load_student(store, candidates=candidates)
+    try:
+        with student.kernel.active():
+            logits = student.logits(mx.array([ids[:-1]]))[0].astype(mx.float32)
+            mine = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    finally:
+        student.close()
+    assert student.candidates == m and mine.shape == served.shape
+    np.testing.assert_allclose(mine, served, atol=2e-3)
+    assert np.abs(mine - other).max() > 1e-2
