@@ -358,6 +358,7 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
                   const uint32_t* among, int64_t M) {
   std::vector<float> p(E);
   std::vector<uint32_t> order(E);
+  std::vector<char> in(among ? E : 0);
   for (int64_t t = 0; t < T; t++) {
     const float* l = logits + t * E;
     const float mx = *std::max_element(l, l + E);
@@ -365,7 +366,7 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
     for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(l[e] - mx));
     int64_t n = 0;
     if (among) {  // the row's distinct candidates, in id order (the tie rule below needs no other)
-      std::vector<char> in(E, 0);
+      std::fill(in.begin(), in.end(), 0);
       for (int64_t j = 0; j < M; j++)
         if (among[t * M + j] < E) in[among[t * M + j]] = 1;
       for (int64_t e = 0; e < E; e++)

@@ -186,3 +186,11 @@ def test_the_student_path_routes_as_served(phase, candidates):
     assert student.candidates == m and mine.shape == served.shape
     np.testing.assert_allclose(mine, served, atol=2e-3)
     assert np.abs(mine - other).max() > 1e-2
+
+
+@pytest.mark.parametrize("candidates", [0, 3, 17])
+def test_candidates_out_of_range_are_refused(phase, tmp_path, candidates):
+    """Outside [K, E] (K = 4, E = 16 here), 0 included: one message naming the flag, nothing written."""
+    with pytest.raises(Edge0Error, match=f"--candidates {candidates}: must be between K = 4 and the model's 16"):
+        lora(phase, tmp_path / "a.safetensors", candidates=candidates)
+    assert not (tmp_path / "a.safetensors").exists()
