@@ -62,6 +62,18 @@ def reverse_kl(s_lp: mx.array, t_lp: mx.array, top: int) -> mx.array:
     return (ps * (s - t)).sum(-1) + s_tail * (mx.log(s_tail) - mx.log(t_tail))
 
 
+def forward_kl(s_lp: mx.array, t_lp: mx.array, top: int) -> mx.array:
+    """KL(teacher || student) over the teacher's `top` tokens plus one bucket for all others; (..., V) -> (...).
+    Mean-seeking (the student spreads over what the teacher finds likely): Phase 2's distillation loss."""
+    top = min(top, t_lp.shape[-1])
+    idx = mx.stop_gradient(mx.argpartition(-t_lp, kth=top - 1, axis=-1)[..., :top])
+    t, s = mx.take_along_axis(t_lp, idx, axis=-1), mx.take_along_axis(s_lp, idx, axis=-1)
+    pt = mx.exp(t)
+    t_tail = mx.maximum(1 - pt.sum(-1), 1e-6)
+    s_tail = mx.maximum(1 - mx.exp(s).sum(-1), 1e-6)
+    return (pt * (t - s)).sum(-1) + t_tail * (mx.log(t_tail) - mx.log(s_tail))
+
+
 def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 

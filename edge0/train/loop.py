@@ -150,6 +150,6 @@ def heldout_windows(model_dir: Path, heldout, seq_len: int, n: int) -> tuple[np.
 
 def card(report: dict) -> str:
     """The few figures an adapter file carries in its metadata."""
-    keys = ("phase", "top_k", "steps", "batch", "seq_len", "rank", "alpha", "teacher", "heldout_ppl_before",
+    keys = ("phase", "loss", "top_k", "candidates", "steps", "batch", "seq_len", "rank", "alpha", "teacher", "heldout_ppl_before",
             "heldout_before", "heldout_ppl", "heldout_after")
     return json.dumps({k: report[k] for k in keys if k in report})

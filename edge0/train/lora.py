@@ -29,7 +29,10 @@ from mlx.utils import tree_flatten
 from ..model.lora import ALPHA, RANK
 from .loop import (World, card, check_out, heldout_windows, load_checkpoint, progress_bar, save_checkpoint,
                    schedule, windows_of, write_outputs)
+from .distill import TOP, forward_kl, log_softmax
 from .student import Student, load_student, mlx_kernel, new_adapter
+
+LOSSES = ("ce", "kd", "ce+kd")
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,25 @@ class Hyper:
     samples: int = 0  # windows the teacher writes, drawn from in turn (0: steps x batch, each used once)
     top_k: int = 0  # K of the heads (set from them)
     candidates: int = 0  # experts each head names, its layer's router choosing K (set from the student)
+    loss: str = "ce"  # "ce": next-token cross-entropy; "kd": KL(teacher || student) on the same windows; "ce+kd"
+    top: int = TOP  # kd: teacher tokens the KL is taken over, besides the tail bucket
 
 
 def next_token_loss(student: Student, tokens: mx.array) -> mx.array:
     """Mean cross-entropy of (B, T + 1) windows on the student path (position 0 routed natively)."""
     return nn.losses.cross_entropy(student.logits(tokens[:, :-1]), tokens[:, 1:], reduction="mean")
+
+
+def teacher_kl_loss(student: Student, teacher_lp: mx.array, tokens: mx.array, top: int, ce: bool = False) -> mx.array:
+    """Mean KL(teacher || student) over (B, T + 1) windows on the student path; teacher_lp (B, T, V), the
+    teacher's log-probabilities of each next token (its whole distribution, not only the sampled token). ce: plus
+    the next-token cross-entropy of the same logits (the sum: their gradients, p - onehot and p - p_teacher, weigh
+    alike)."""
+    s_lp = log_softmax(student.logits(tokens[:, :-1]))
+    kl = forward_kl(s_lp, teacher_lp, top).mean()
+    if not ce:
+        return kl
+    return kl - mx.take_along_axis(s_lp, tokens[:, 1:, None], axis=-1).mean()
 
 
 def heldout_ppl(student: Student, windows: np.ndarray, world: World, native: bool = False) -> float:
@@ -67,8 +84,8 @@ def heldout_ppl(student: Student, windows: np.ndarray, world: World, native: boo
 
 
 def data_windows(model_dir: Path, hp: Hyper, *, teacher, data, world: World, cache_dir: Path, progress: bool):
-    """(windows, description, teacher): the teacher's continuations of prompts cut from the training text (--data,
-    else the stdlib train split), plus --data's own windows."""
+    """(windows, description, teacher path, teacher model): the teacher's continuations of prompts cut from the
+    training text (--data, else the stdlib train split), plus --data's own windows."""
     from .corpus import train_stream
     from .teacher import GEN_BATCH, load_teacher, resolve_teacher, teacher_windows
     from ..model.arch import read_config, vocab_size
@@ -86,11 +103,11 @@ def data_windows(model_dir: Path, hp: Hyper, *, teacher, data, world: World, cac
     if data is not None:
         windows = np.concatenate([windows, windows_of(stream, hp.seq_len + 1)])
         desc += f" + {what}"
-    return windows, desc, str(path)
+    return windows, desc, str(path), model
 
 
 def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=None, top_k: int | None = None,
-               candidates: int | None = None,
+               candidates: int | None = None, loss: str = "ce", top: int = TOP,
                steps: int = 300, batch: int = 8, seq_len: int = 256, rank: int = RANK, alpha: float = ALPHA,
                lr: float = 1e-3, seed: int = 0, temp: float = 1.0, samples: int = 0, eval_every: int = 50,
                eval_windows: int = 4, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
@@ -99,20 +116,22 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
     no output (an interruption, for tests)."""
     out, model_dir = Path(out), Path(model_dir)
     report_path = check_out(out, resume, steps)
-    hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples)
+    hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples, loss=loss, top=top)
     world = World.init()
     world.check_batch(batch)
     student = load_student(model_dir, heads, top_k, candidates)
     try:
         hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k, "candidates": student.candidates})
-        pool, desc, teacher_path = data_windows(model_dir, hp, teacher=teacher, data=data, world=world,
-                                                cache_dir=out.with_name(out.name + ".data"), progress=progress)
+        pool, desc, teacher_path, tutor = data_windows(model_dir, hp, teacher=teacher, data=data, world=world,
+                                                       cache_dir=out.with_name(out.name + ".data"), progress=progress)
+        if "kd" not in hp.loss:
+            tutor = None  # the teacher's weights are not held through training unless it scores the windows
         held, held_desc = heldout_windows(model_dir, heldout, seq_len, eval_windows)
         adapter = new_adapter(student, rank=rank, alpha=alpha, seed=seed)
         student.adapter(adapter)
         before = {"predicted": heldout_ppl(student, held, world), "native": heldout_ppl(student, held, world, True)}
-        run = _fit(student, hp, pool, held, world, out.with_name(out.name + ".ckpt"), resume, eval_every, progress,
-                   stop_at)
+        run = _fit(student, tutor, hp, pool, held, world,
+                   out.with_name(out.name + ".ckpt"), resume, eval_every, progress, stop_at)
         report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file), **asdict(hp),
                   "targets": adapter.kinds(),
                   "ranks": world.size, "train": desc, "heldout": held_desc, "heldout_windows": len(held),
@@ -131,9 +150,12 @@ def _adapted(student: Student) -> dict:
     return adapted(student.model)
 
 
-def _fit(student: Student, hp: Hyper, pool: np.ndarray, held: np.ndarray, world: World, ckpt: Path, resume: bool,
-         eval_every: int, progress: bool, stop_at: int | None = None) -> dict:
-    """The optimisation loop; returns the run's figures (losses, held-out curve, time)."""
+def _fit(student: Student, tutor, hp: Hyper, pool: np.ndarray, held: np.ndarray, world: World, ckpt: Path,
+         resume: bool, eval_every: int, progress: bool, stop_at: int | None = None) -> dict:
+    """The optimisation loop; returns the run's figures (losses, held-out curve, time). tutor: the teacher
+    model, scoring each batch (--loss kd), else None."""
+    from .teacher import logprobs
+
     opt = optim.AdamW(learning_rate=schedule(hp.lr, hp.steps, hp.steps // 10), weight_decay=0.0)
     state = {"step": 0, "losses": [], "curve": [], "train_s": 0.0}
     loaded = load_checkpoint(ckpt, opt, asdict(hp)) if resume else None
@@ -141,7 +163,16 @@ def _fit(student: Student, hp: Hyper, pool: np.ndarray, held: np.ndarray, world:
         weights, saved = loaded
         student.model.load_weights(list(weights.items()), strict=False)
         state.update({k: saved[k] for k in state})
-    loss_grad = nn.value_and_grad(student.model, lambda _, tokens: next_token_loss(student, tokens))
+    if tutor is None:
+        loss_grad = nn.value_and_grad(student.model, lambda _, tokens: next_token_loss(student, tokens))
+    else:
+        kl_grad = nn.value_and_grad(student.model, lambda _, t_lp, tokens: teacher_kl_loss(student, t_lp, tokens, hp.top,
+                                                                                 hp.loss == "ce+kd"))
+
+        def loss_grad(model, tokens):
+            with mlx_kernel():
+                t_lp = mx.stop_gradient(logprobs(tutor, tokens[:, :-1]))
+            return kl_grad(model, t_lp, tokens)
     order = np.random.default_rng(hp.seed).permutation(len(pool))
     bar = progress_bar(world, hp.steps, state["step"], f"lora K={hp.top_k}", progress)
     t0 = time.perf_counter() - state["train_s"]
@@ -180,6 +211,12 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
                         "(default 2K: the default over resident experts)")
     p.add_argument("--teacher", metavar="DIR",
                    help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
+    p.add_argument("--loss", choices=LOSSES, default=h.loss,
+                   help="ce: next-token cross-entropy on the windows (default); kd: the teacher scores every window "
+                        "and the loss is KL(teacher || student) over its --top tokens and a tail bucket; ce+kd: the "
+                        "sum of both")
+    p.add_argument("--top", type=int, default=h.top, help=f"--loss kd: teacher tokens of the KL besides the tail "
+                                                          f"(default {h.top})")
     p.add_argument("--data", metavar="FILE_OR_DIR",
                    help="text of one's own (.py files, .npy ids, or `stdlib`: the whole stdlib train split): the "
                         "prompts come from it, and it is trained on besides the teacher's text (default: prompts from "
@@ -205,7 +242,7 @@ def check_flags(args) -> None:
     from ..errors import Edge0Error
 
     for flag, value, lo in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2), ("--rank", args.rank, 1),
-                            ("--samples", args.samples, 0),
+                            ("--samples", args.samples, 0), ("--top", args.top, 1),
                             ("--eval-every", args.eval_every, 1), ("--eval-windows", args.eval_windows, 1)):
         if value < lo:
             raise Edge0Error(f"{flag} {value}: must be at least {lo}")
@@ -217,7 +254,7 @@ def check_flags(args) -> None:
 def train_lora_cli(args) -> int:
     check_flags(args)
     r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
-                   top_k=args.k, candidates=args.candidates, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
+                   top_k=args.k, candidates=args.candidates, loss=args.loss, top=args.top, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
                    alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
                    eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
     if World.init().rank:  # rank 0 reports

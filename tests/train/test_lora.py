@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
 from edge0.model.heads import HeadSet
 from edge0.model.lora import Adapter
-from edge0.train.distill import reverse_kl, train_distill
+from edge0.train.distill import forward_kl, reverse_kl, train_distill
 from edge0.train.lora import train_lora
 
 SMALL = dict(steps=4, batch=2, seq_len=32, samples=4, eval_every=2, eval_windows=1, progress=False)
@@ -98,6 +99,59 @@ def test_reverse_kl_over_top_k_and_tail():
     part = np.array(reverse_kl(s_lp, t_lp, 8))
     assert np.all(part >= -1e-6) and np.all(part <= full + 1e-5)  # a coarser partition: a lower bound
     assert np.allclose(np.array(reverse_kl(t_lp, t_lp, 8)), 0, atol=1e-6)
+
+
+def test_forward_kl_over_top_k_and_tail():
+    rng = np.random.default_rng(1)
+    s = mx.array(rng.normal(size=(3, 50)) * 2)
+    t = mx.array(rng.normal(size=(3, 50)) * 2)
+    s_lp, t_lp = s - mx.logsumexp(s, -1, keepdims=True), t - mx.logsumexp(t, -1, keepdims=True)
+    full = np.array((mx.exp(t_lp) * (t_lp - s_lp)).sum(-1))  # KL(teacher || student): the teacher's weights
+    assert np.allclose(np.array(forward_kl(s_lp, t_lp, 50)), full, atol=1e-5)
+    assert np.allclose(np.array(forward_kl(s_lp, t_lp, 500)), full, atol=1e-5)  # top beyond V: every token
+    part = np.array(forward_kl(s_lp, t_lp, 8))
+    assert np.all(part >= -1e-6) and np.all(part <= full + 1e-5)
+    assert not np.allclose(part, np.array(reverse_kl(s_lp, t_lp, 8)), atol=1e-3)  # not the reverse direction
+
+
+def test_phase2_distills_the_teacher_with_loss_kd(phase, tmp_path):
+    """--loss kd: the teacher scores each window and the adapter descends KL(teacher || student): the loss is that KL
+    of the student's logits, and a small step along its gradient lowers it. Through train_lora, the run records it."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from edge0.model.arch import vocab_size
+    from edge0.train.lora import teacher_kl_loss
+    from edge0.train.student import load_student, new_adapter
+    from edge0.train.teacher import load_teacher, logprobs
+
+    store, teacher, text = phase
+    student = load_student(store)
+    try:
+        student.adapter(new_adapter(student, rank=4, alpha=8.0, seed=0))
+        with student.kernel.active():
+            tutor = load_teacher(teacher, vocab_size(read_config(store)))
+            with open_engine(EngineConfig(model=str(store), lora="none")) as e:  # the store's own tokenizer
+                ids = e.encode_text(text.read_text())[:33]
+            tokens = mx.array([ids])
+            t_lp = logprobs(tutor, tokens[:, :-1])
+            loss_grad = nn.value_and_grad(student.model, lambda _: teacher_kl_loss(student, t_lp, tokens, 8))
+            l0, grads = loss_grad(student.model)
+            s_lp = student.logits(tokens[:, :-1])
+            s_lp = s_lp - mx.logsumexp(s_lp, -1, keepdims=True)
+            assert np.isclose(l0.item(), forward_kl(s_lp, t_lp, 8).mean().item(), rtol=1e-5) and l0.item() > 0
+            norm = sum((g * g).sum() for _, g in tree_flatten(grads)).item() ** 0.5
+            assert norm > 0
+            params = student.model.trainable_parameters()
+            student.model.update(tree_map(lambda p, g: p - (1e-2 / norm) * g, params, grads))
+            l1, _ = loss_grad(student.model)
+        assert l1.item() < l0.item()
+    finally:
+        student.close()
+    r = lora(phase, tmp_path / "kd.safetensors", loss="kd", top=8)
+    assert r["loss"] == "kd" and r["top"] == 8 and all(x >= 0 for x in r["losses"])
+    assert json.loads(Adapter.read(tmp_path / "kd.safetensors").meta["report"])["loss"] == "kd"
+    ce = lora(phase, tmp_path / "ce.safetensors")
+    assert ce["loss"] == "ce" and not np.allclose(ce["losses"], r["losses"])
 
 
 def test_phase3_starts_from_the_phase2_adapter(phase, tmp_path):
