@@ -52,26 +52,26 @@ class Hyper:
     candidates: int = 0  # experts each head names, its layer's router choosing K (set from the student)
 
 
+def _kl_top_tail(p_lp: mx.array, q_lp: mx.array, teacher_lp: mx.array, top: int) -> mx.array:
+    """KL(p || q) over the teacher's `top` tokens plus one bucket holding the rest of each distribution's mass."""
+    top = min(top, teacher_lp.shape[-1])
+    idx = mx.stop_gradient(mx.argpartition(-teacher_lp, kth=top - 1, axis=-1)[..., :top])
+    p, q = mx.take_along_axis(p_lp, idx, axis=-1), mx.take_along_axis(q_lp, idx, axis=-1)
+    pp = mx.exp(p)
+    p_tail = mx.maximum(1 - pp.sum(-1), 1e-6)
+    q_tail = mx.maximum(1 - mx.exp(q).sum(-1), 1e-6)
+    return (pp * (p - q)).sum(-1) + p_tail * (mx.log(p_tail) - mx.log(q_tail))
+
+
 def reverse_kl(s_lp: mx.array, t_lp: mx.array, top: int) -> mx.array:
     """KL(student || teacher) over the teacher's `top` tokens plus one bucket for all others; (..., V) -> (...)."""
-    idx = mx.stop_gradient(mx.argpartition(-t_lp, kth=top - 1, axis=-1)[..., :top])
-    t, s = mx.take_along_axis(t_lp, idx, axis=-1), mx.take_along_axis(s_lp, idx, axis=-1)
-    ps = mx.exp(s)
-    s_tail = mx.maximum(1 - ps.sum(-1), 1e-6)
-    t_tail = mx.maximum(1 - mx.exp(t).sum(-1), 1e-6)
-    return (ps * (s - t)).sum(-1) + s_tail * (mx.log(s_tail) - mx.log(t_tail))
+    return _kl_top_tail(s_lp, t_lp, t_lp, top)
 
 
 def forward_kl(s_lp: mx.array, t_lp: mx.array, top: int) -> mx.array:
     """KL(teacher || student) over the teacher's `top` tokens plus one bucket for all others; (..., V) -> (...).
     Mean-seeking (the student spreads over what the teacher finds likely): Phase 2's distillation loss."""
-    top = min(top, t_lp.shape[-1])
-    idx = mx.stop_gradient(mx.argpartition(-t_lp, kth=top - 1, axis=-1)[..., :top])
-    t, s = mx.take_along_axis(t_lp, idx, axis=-1), mx.take_along_axis(s_lp, idx, axis=-1)
-    pt = mx.exp(t)
-    t_tail = mx.maximum(1 - pt.sum(-1), 1e-6)
-    s_tail = mx.maximum(1 - mx.exp(s).sum(-1), 1e-6)
-    return (pt * (t - s)).sum(-1) + t_tail * (mx.log(t_tail) - mx.log(s_tail))
+    return _kl_top_tail(t_lp, s_lp, t_lp, top)
 
 
 def log_softmax(logits: mx.array) -> mx.array:
