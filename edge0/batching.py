@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .generation import Figures, GenRequest, TextOut, _counters
@@ -175,6 +175,7 @@ class BatchDecoder:
 
     def _build(self, inputs: mx.array) -> mx.array:
         """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
+        _share_offsets(self.cache)
         logits = self.engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(s.req.temp == 0 for s in self.seqs):
@@ -256,6 +257,15 @@ class BatchDecoder:
         seqs, self.seqs, self.cache, self.ahead = self.seqs, [], None, None
         self.engine.store.runtime.recover()
         return seqs
+
+
+def _share_offsets(cache: list) -> None:
+    """Every layer's positions array the first batched layer's: equal in value (the same sequences, the same tokens:
+    merged, filtered or grown each on its own, they are distinct arrays), one array lets a decode step advance them
+    once for all layers (compute/dense.py _advanced)."""
+    batched = [c for c in cache if type(c) is BatchKVCache]
+    for c in batched[1:]:
+        c.offset = batched[0].offset
 
 
 def _charge(seqs: list[Sequence], before: tuple, after: tuple) -> None:

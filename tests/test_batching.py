@@ -217,3 +217,33 @@ def test_a_batchs_step_graph_is_as_small_as_one_sequences():
         one, four = (tool.measure(engine, ids, size, args) for size in (1, 4))
     assert one["nodes"] == four["nodes"]
     assert four["step_ms"] > 0 and any(k.startswith("Edge0DecodeAttention") for k in four["kernel_ms"]) and "Edge0KVWrite" in four["kernel_ms"]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="edge0 kernels not built")
+def test_a_batched_step_advances_the_positions_once_for_every_layer():
+    """The layers' caches share one positions array, so a decode step adds 1 to it once (an Add and its
+    broadcast, evaluated with the next step's graph), not once per layer: also after sequences join and leave
+    (each layer's cache selects its own rows). The answers stay each sequence's alone (the tests above)."""
+    import mlx.core as mx
+
+    from edge0.bench_kernels import node_counts
+
+    with open_engine(EngineConfig(kernel="edge0", max_batch=4, prompt_cache_gib=0)) as engine:
+        layers = len(engine.store.model.layers)
+        batch = BatchDecoder(engine, 4)
+        lengths = {p: n for p, n in zip(PROMPTS[:3], (6, 20, 20))}  # the first leaves after 6 tokens
+        for p, n in lengths.items():
+            batch.admit(GenRequest(prompt=engine.encode_text(p), max_tokens=n), lambda t: None, lambda: False)
+        for step in range(6):
+            batch.step()
+            batch.settle()
+            inputs = mx.array([[s.next_input] for s in batch.seqs], dtype=mx.uint32)
+            state = [c.state for c in batch.cache]
+            routing = engine.store.runtime.snapshot()
+            with engine.kernel.active():
+                nodes = node_counts(batch._build(inputs))
+            for c, st in zip(batch.cache, state):
+                c.state = st
+            engine.store.runtime.join([(routing, len(batch.seqs))])
+            assert nodes.get("Add", 0) == 1 < layers, (step, nodes)  # the last step's advance, computed with this one
+        assert len(batch.seqs) == 2  # one left on the way

@@ -122,9 +122,24 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
     if positions is None:
         cache.offset += 1
     else:  # as BatchKVCache.update_and_fetch advances it
-        cache.offset = cache.offset + 1
+        cache.offset = _advanced(cache.offset)
         cache._idx += 1
     return attn.o_proj(out)
+
+
+_ADVANCE: tuple = (None, None)  # (a batch's offsets, the same + 1): the step's last advance
+
+
+def _advanced(offset: mx.array) -> mx.array:
+    """offset + 1, shared by every layer of one batched step: their caches then hold one offsets array, and the
+    step adds once (two nodes, with the 1's broadcast) where each layer added its own. Nothing updates an offsets
+    array in place (mlx-lm's BatchKVCache rebinds it), so sharing it is safe."""
+    global _ADVANCE
+    old, new = _ADVANCE  # one tuple, read and written whole: safe across threads
+    if old is not offset:
+        new = offset + 1
+        _ADVANCE = (offset, new)
+    return new
 
 
 class KernelQwen3Attention(qwen3_moe.Attention):
