@@ -461,6 +461,20 @@ class RMSNormOp : public DenseOp {
   float eps_;
 };
 
+class LogSoftmaxOp : public DenseOp {
+ public:
+  using DenseOp::DenseOp;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [](const std::vector<mx::array>& in, mx::array& o) {
+      std::vector<float> xt;
+      const int64_t D = in[0].shape(-1);
+      log_softmax(dense_data<float>(in[0], xt), in[0].size() / D, D, o.data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0LogSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 class RoPEOp : public DenseOp {
  public:
   RoPEOp(mx::Stream s, int dims, bool traditional, float base, float scale, int64_t offset)
@@ -959,6 +973,13 @@ static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) 
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
 }
 
+static mx::array log_softmax_op(const mx::array& x) {
+  need_f32(x, "log_softmax", "x");
+  if (x.ndim() < 1 || x.shape(-1) < 1) throw std::invalid_argument("edge0 log_softmax: x (..., D), D >= 1");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<LogSoftmaxOp>(s), {x});
+}
+
 static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::array& r, const mx::array& w, float eps) {
   need_f32(x, "add_rms_norm", "x");
   need_f32(r, "add_rms_norm", "r");
@@ -1149,6 +1170,60 @@ static mx::array decode_attention_op(const mx::array& q, const std::optional<mx:
                    std::make_shared<DecodeAttentionOp>(s, offset, r, (bool)starts, scale, p), in);
 }
 
+// One projection of an attention block: (w, scales, biases) plain, or with an unmerged adapter's (lora_a, lora_b).
+static mx::array projection(const mx::array& x, const std::vector<mx::array>& p, float lora_scale, int group_size) {
+  if (p.size() == 5) return qmv_lora_op(x, p[0], p[1], p[2], p[3], p[4], lora_scale, group_size);
+  if (p.size() != 3) fail("attention_block: a projection is (w, scales, biases) or (w, scales, biases, lora_a, lora_b)");
+  std::vector<int> shape(x.shape().begin(), x.shape().end());
+  shape.back() = p[0].shape(0);
+  return qmv_op(x, p[0], p[1], p[2], std::nullopt, group_size, shape);
+}
+
+// One new token's whole attention block for one sequence: its k, v and q projections, the two KV writes, the
+// attention, the output projection and the residual add with the RMS norm after it -- the nodes that
+// decode_attention and add_norm of compute/dense.py build, in that order and with the same inputs, so the same bits,
+// from one call instead of seven (each call from Python costs microseconds). Returns (h + attention, its norm, the
+// keys buffer, the values buffer).
+static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::array& h,
+                                                 const std::vector<mx::array>& q, const std::vector<mx::array>& k,
+                                                 const std::vector<mx::array>& v, const std::vector<mx::array>& o,
+                                                 float lora_scale, int group_size, const mx::array& q_norm,
+                                                 float q_eps, const mx::array& k_norm, float k_eps,
+                                                 const mx::array& keys, const mx::array& values, int64_t offset,
+                                                 int dims, bool traditional, float base, float rope_scale, float scale,
+                                                 const mx::array& post_norm, float post_eps) {
+  auto new_keys = kv_write_op(projection(x, k, lora_scale, group_size), k_norm, keys, offset, k_eps, dims, traditional,
+                              base, rope_scale, std::nullopt);
+  auto new_values = kv_write_op(projection(x, v, lora_scale, group_size), std::nullopt, values, offset, 0.0f, 0, false,
+                                10000.0f, 1.0f, std::nullopt);
+  auto out = decode_attention_op(projection(x, q, lora_scale, group_size), q_norm, new_keys, new_values, offset, q_eps,
+                                 dims, traditional, base, rope_scale, scale, std::nullopt, std::nullopt);
+  auto hx = add_rms_norm_op(h, projection(out, o, lora_scale, group_size), post_norm, post_eps);
+  return {hx[0], hx[1], new_keys, new_values};
+}
+
+// One new token's MoE block for one sequence with every expert resident: the router's product, its softmax top-k
+// (chosen among `among`, predicted routing's candidates, when given), the routed experts' SwiGLU, their weighted
+// sum and the residual add with the RMS norm after it -- the nodes SoftmaxMoeBlock, compute/qmm.py gather_glu,
+// compute/routing.py and add_norm build, in that order and with the same inputs, so the same bits, from one call.
+// Returns (h + the experts' sum, its norm, the routed ids).
+static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& h, const std::vector<mx::array>& router,
+                                           int router_group_size, int k, bool norm_topk,
+                                           const std::optional<mx::array>& among, const std::vector<mx::array>& gate,
+                                           const std::vector<mx::array>& up, const std::vector<mx::array>& down,
+                                           int group_size, const mx::array& norm, float eps) {
+  if (router.size() != 3) fail("moe_block: the router is (w, scales, biases)");
+  std::vector<int> shape(x.shape().begin(), x.shape().end());
+  shape.back() = router[0].shape(0);
+  auto routed = softmax_topk_op(qmv_op(x, router[0], router[1], router[2], std::nullopt, router_group_size, shape), k,
+                                norm_topk, among);
+  std::vector<int> out(routed[0].shape().begin(), routed[0].shape().end());
+  out.push_back(down[0].shape(-2));
+  auto y = combine_op(glu_op(x, routed[0], gate, up, down, group_size, out), routed[1]);
+  auto hx = add_rms_norm_op(h, y, norm, eps);
+  return {hx[0], hx[1], routed[0]};
+}
+
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
 static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what) {
   if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
@@ -1237,6 +1312,20 @@ NB_MODULE(_kernels, m) {
         "One new token's attention of each of B sequences as one node: q's heads RMS-normed (norm or None) and rotated "
         "at offset (or positions[b]), then attending to rows starts[b] (or 0) .. offset of the (B, Hkv, C, Dh) "
         "buffers; (B, 1, heads*Dh).");
+  m.def("attention_block", &edge0::attention_block_op, "x"_a, "h"_a, "q"_a, "k"_a, "v"_a, "o"_a, "lora_scale"_a,
+        "group_size"_a, "q_norm"_a, "q_eps"_a, "k_norm"_a, "k_eps"_a, "keys"_a, "values"_a, "offset"_a, "dims"_a,
+        "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "post_norm"_a, "post_eps"_a,
+        "One sequence's new token through an attention block: the k, v, q projections (w, scales, biases[, lora_a, "
+        "lora_b]), kv_write of k and v, decode_attention, the o projection, add_rms_norm with h; the nodes those "
+        "calls build, from one call. Returns [h + attention, its norm, keys, values].");
+  m.def("moe_block", &edge0::moe_block_op, "x"_a, "h"_a, "router"_a, "router_group_size"_a, "k"_a, "norm_topk"_a,
+        "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a,
+        "One sequence's new token through an MoE block of resident experts: qmv of the router, softmax_topk (among "
+        "the candidates when given), glu, combine, add_rms_norm with h; the nodes those calls build, from one call. "
+        "Returns [h + the experts' sum, its norm, the routed ids].");
+  m.def("log_softmax", &edge0::log_softmax_op, "x"_a,
+        "x - logsumexp(x) over the last axis as one node, the bits of MLX's x - mx.logsumexp(x, axis=-1, keepdims=True) "
+        "(float32).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },

@@ -411,6 +411,21 @@ void embed(const int64_t* ids, int64_t n, const uint32_t* w, const float* scales
   }
 }
 
+void log_softmax(const float* x, int64_t rows, int64_t D, float* out) {
+  std::vector<float> e(D);
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * D;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < D; i++) m = std::max(m, xr[i]);
+    for (int64_t i = 0; i < D; i++) e[i] = xr[i] - m;
+    exp_mlx(e.data(), e.data(), D);
+    float sum = 0.f;  // in order, one at a time: MLX's sum over Simd<float, 1>
+    for (int64_t i = 0; i < D; i++) sum += e[i];
+    const float lse = std::isinf(m) ? m : std::log(sum) + m;
+    for (int64_t i = 0; i < D; i++) out[r * D + i] = xr[i] - lse;
+  }
+}
+
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out) {
   for (int64_t t = 0; t < T; t++) {
     float* o = out + t * D;

@@ -9,6 +9,9 @@ namespace edge0 {
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, for rows r of D contiguous floats.
 void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* out);
+// out = x - logsumexp(x) over each row of D: MLX's `x - mx.logsumexp(x, axis=-1, keepdims=True)` on the CPU, bit for bit
+// (its maximum, its exp of x - max summed in order, log(sum) + max, then the subtraction), the exps 16 or 8 at a time.
+void log_softmax(const float* x, int64_t rows, int64_t D, float* out);
 
 // A (B, H, L, Dh) view: element (b, h, l, d) at data[b*s[0] + h*s[1] + l*s[2] + d*s[3]].
 struct View4 {

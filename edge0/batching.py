@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from .compute.dense import log_softmax
 from .generation import Figures, GenRequest, TextOut, _counters
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -114,7 +115,7 @@ class BatchDecoder:
         """The sequence's last prompt token through the model alone; its first token."""
         rt = self.engine.store.runtime
         logits = self.engine.store.model(mx.array([[seq.next_input]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        token = seq.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        token = seq.sample(log_softmax(logits))
         mx.eval(token)
         rt.fence.sync()
         seq.fed.append(seq.next_input)
@@ -177,7 +178,7 @@ class BatchDecoder:
         """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
         _share_offsets(self.cache)
         logits = self.engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = log_softmax(logits)
         if all(s.req.temp == 0 for s in self.seqs):
             return mx.argmax(logprobs, axis=-1)
         return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)

@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from edge0.compute.dense import log_softmax
 from edge0.errors import Edge0Error
 
 MAX_TOKENS = 4096  # scored tokens by default: a few seconds for the demo model on CPU
@@ -91,7 +92,7 @@ def windows_of(stream: np.ndarray, seq_len: int, max_tokens: int) -> list[np.nda
 
 def _logprobs(model, window: np.ndarray) -> mx.array:
     logits = model(mx.array(window[None, :-1])).astype(mx.float32)[0]  # (L, V)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return log_softmax(logits)
 
 
 def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None, *,

@@ -18,8 +18,8 @@ import mlx.nn as nn
 from mlx_lm.models import base, qwen3_moe
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .kernel import current
-from .qmm import swap_classes
+from .kernel import current, remembered
+from .qmm import KernelQuantizedLinear, _fits, swap_classes
 
 _mlx_attention = base.scaled_dot_product_attention  # mlx-lm's own, for everything else
 
@@ -29,6 +29,16 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if ext is not None and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 1:
         return ext.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """logits - logsumexp(logits) over the last axis: the log-probabilities a step samples from and returns. One node
+    on the edge0 kernel with MLX's bits, where MLX runs a LogSumExp (its exp one float at a time on Linux) and a
+    Subtract; not differentiable there (training builds its own)."""
+    ext = current().ext
+    if ext is not None and logits.dtype == mx.float32:
+        return ext.log_softmax(logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def linear(x: mx.array, layer: nn.Linear) -> mx.array:
@@ -98,10 +108,12 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
     do not apply (another kernel, a prompt, another cache type, a cache that must grow first): the caller runs
     mlx-lm's code."""
     ext = current().ext
-    rope, qn, kn = attn.rope, attn.q_norm, attn.k_norm
-    if (ext is None or x.shape[1] != 1 or x.dtype != mx.float32 or type(rope) not in (nn.RoPE, KernelRoPE)
-            or rope.base is None or qn["weight"].dtype != mx.float32 or kn["weight"].dtype != mx.float32
-            or cache is None or cache.keys is None or cache.keys.dtype != mx.float32):
+    if ext is None or cache is None or cache.keys is None or x.shape[1] != 1 or x.dtype != mx.float32:
+        return None
+    rope, qn, kn = attn["rope"], attn["q_norm"], attn["k_norm"]
+    qw, kw = qn["weight"], kn["weight"]
+    turn = remembered(attn, "_edge0_turn", (rope, qw, kw), (ext,), lambda: _turn(rope, qw, kw))
+    if turn is None or cache.keys.dtype != mx.float32:
         return None
     if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
         at, positions, starts = cache.offset, None, None
@@ -114,17 +126,89 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
         return None
     if at >= cache.keys.shape[2]:
         return None
-    turn = (rope.dims, rope.traditional, float(rope.base), float(rope.scale))
-    cache.keys = ext.kv_write(attn.k_proj(x), kn["weight"], cache.keys, at, kn.eps, *turn, positions)
-    cache.values = ext.kv_write(attn.v_proj(x), None, cache.values, at)
-    out = ext.decode_attention(attn.q_proj(x), qn["weight"], cache.keys, cache.values, at, qn.eps, *turn,
+    cache.keys = ext.kv_write(attn["k_proj"](x), kw, cache.keys, at, kn.eps, *turn, positions)
+    cache.values = ext.kv_write(attn["v_proj"](x), None, cache.values, at)
+    out = ext.decode_attention(attn["q_proj"](x), qw, cache.keys, cache.values, at, qn.eps, *turn,
                                float(attn.scale), positions, starts)
     if positions is None:
         cache.offset += 1
     else:  # as BatchKVCache.update_and_fetch advances it
         cache.offset = _advanced(cache.offset)
         cache._idx += 1
-    return attn.o_proj(out)
+    return attn["o_proj"](out)
+
+
+def _turn(rope, q_weight, k_weight) -> tuple | None:
+    """The rotation's arguments of the decode nodes (dims, traditional, base, scale), or None where they do not
+    apply (another RoPE, float weights other than float32)."""
+    if (type(rope) not in (nn.RoPE, KernelRoPE) or rope.base is None or q_weight.dtype != mx.float32
+            or k_weight.dtype != mx.float32):
+        return None
+    return rope.dims, rope.traditional, float(rope.base), float(rope.scale)
+
+
+def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> tuple | None:
+    """(h + the attention of x, the post-attention norm of that) for one sequence's new token on the edge0 kernel:
+    the nodes decode_attention and add_norm build (projections with their adapters, the KV writes, the attention,
+    the output projection, the add-norm), made by one call into the extension instead of about a dozen Python
+    calls, the same graph and so the same bits; None where it does not apply (the caller builds them one by one)."""
+    ext = current().ext
+    attn = layer["self_attn"]
+    if (ext is None or mask is not None or type(cache) is not KVCache or type(attn) is not KernelQwen3Attention
+            or cache.keys is None or x.shape[:2] != (1, 1) or x.dtype != mx.float32
+            or cache.keys.dtype != mx.float32 or cache.offset >= cache.keys.shape[2]):
+        return None
+    post = layer["post_attention_layernorm"]
+    rope, qn, kn = attn["rope"], attn["q_norm"], attn["k_norm"]
+    projs = [_projection_arrays(attn[name]) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if any(p is None for p in projs):
+        return None
+    arrays = (*(a for p in projs for a in p), rope, qn["weight"], kn["weight"], post.get("weight"))
+    args = remembered(attn, "_edge0_block", arrays, (ext, x.shape[-1]), lambda: _block_args(ext, attn, post, x))
+    if args is None:
+        return None
+    q, k, v, o, lora_scale, gs, qw, qeps, kw, keps, turn, scale, pw, peps = args
+    at = cache.offset
+    h, x, cache.keys, cache.values = ext.attention_block(x, h, q, k, v, o, lora_scale, gs, qw, qeps, kw, keps,
+                                                         cache.keys, cache.values, at, *turn, scale, pw, peps)
+    cache.offset += 1
+    return h, x
+
+
+def _projection_arrays(m: nn.Module) -> tuple | None:
+    """A projection's arrays as attention_block takes them: (w, scales, biases) of a quantized linear without bias,
+    with (lora_a, lora_b) when it carries an unmerged adapter (model/lora.py LoRALinear); None for anything else."""
+    base = m.get("base") if "lora_a" in m else m
+    if type(base) is not KernelQuantizedLinear or "bias" in base:
+        return None
+    q = (base["weight"], base["scales"], base.get("biases"))
+    return (*q, m["lora_a"], m["lora_b"]) if base is not m else q
+
+
+def _block_args(ext, attn, post, x) -> tuple | None:
+    """attention_block's arguments for this attention module and norm, or None where the edge0 kernel does not
+    cover one of its parts (the checks of decode_attention, lora_linear and add_norm, made once)."""
+    rope, qn, kn = attn["rope"], attn["q_norm"], attn["k_norm"]
+    turn = _turn(rope, qn["weight"], kn["weight"])
+    pw = post.get("weight") if isinstance(post, nn.RMSNorm) else None
+    if turn is None or pw is None or pw.dtype != mx.float32 or pw.ndim != 1:
+        return None
+    mods = [attn[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    bases = [m["base"] if "lora_a" in m else m for m in mods]
+    gs = bases[0].group_size
+    scales = {float(m.scale) for m in mods if "lora_a" in m}
+    widths = (x.shape[-1], x.shape[-1], x.shape[-1], bases[0]["weight"].shape[0])  # o_proj reads q's heads
+    for m, b, d in zip(mods, bases, widths):
+        if b.group_size != gs or not _fits(ext, d, mx.float32, b["weight"], b["scales"], b.get("biases"), gs, b.bits,
+                                           b.mode) or b["weight"].ndim != 2:
+            return None
+        if "lora_a" in m and not (m["lora_a"].dtype == m["lora_b"].dtype == mx.float32):
+            return None
+    if len(scales) > 1:
+        return None
+    q, k, v, o = (list(_projection_arrays(m)) for m in mods)
+    return (q, k, v, o, scales.pop() if scales else 0.0, gs, qn["weight"], qn.eps, kn["weight"], kn.eps, turn,
+            float(attn.scale), pw, post.eps)
 
 
 _ADVANCE: tuple = (None, None)  # (a batch's offsets, the same + 1): the step's last advance
@@ -172,13 +256,16 @@ class KernelQwen3MoeModel(qwen3_moe.Qwen3MoeModel):
                 or any(type(layer) is not qwen3_moe.Qwen3MoeDecoderLayer for layer in layers)):
             return super().__call__(inputs, cache, input_embeddings)
         cache = cache if cache is not None else [None] * len(layers)
-        h = self.embed_tokens(inputs)
+        h = self["embed_tokens"](inputs)
         mask = qwen3_moe.create_attention_mask(h, cache[0])
-        x = layers[0].input_layernorm(h)
-        for i, (layer, c) in enumerate(zip(layers, cache)):
-            h, x = add_norm(h, layer.self_attn(x, mask, c), layer.post_attention_layernorm)
-            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, x = add_norm(h, layer.mlp(x), after)
+        x = layers[0]["input_layernorm"](h)
+        afters = [layer["input_layernorm"] for layer in layers[1:]] + [self["norm"]]
+        for layer, c, after in zip(layers, cache, afters):  # modules by item: Module.__getattr__ costs ~0.5 us
+            block = attention_block(layer, h, x, mask, c)
+            h, x = block or add_norm(h, layer["self_attn"](x, mask, c), layer["post_attention_layernorm"])
+            mlp = layer["mlp"]
+            fused = getattr(mlp, "add_norm", None)  # an MoE block's whole decode step in one call, where it can
+            h, x = (fused is not None and fused(h, x, after)) or add_norm(h, mlp(x), after)
         return x
 
 

@@ -117,6 +117,14 @@ class ResidentExperts:
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         return switch_glu(x, inds, self.bank, self.quant)
 
+    @property
+    def resident(self) -> "ResidentExperts":
+        """The experts a block may run its whole decode step over in one call (model/blocks.py add_norm): these."""
+        return self
+
+    def routed(self, x: mx.array, inds: mx.array) -> None:
+        """A token's experts were chosen outside __call__ (a fused block step): nothing to record here."""
+
 
 def bank_of(switch_mlp) -> dict[str, mx.array]:
     """The stacked (E, ...) pieces of an mlx-lm QuantizedSwitchLinear-based SwitchGLU, by piece name."""

@@ -75,3 +75,17 @@ def current() -> Kernel:
     if choice not in _from_env:
         _from_env[choice] = Kernel.choose(choice)
     return _from_env[choice]
+
+
+def remembered(owner, slot: str, arrays: tuple, extra: tuple, make):
+    """make() kept on `owner` (a module) while `arrays` (by identity) and `extra` (the kernel's ext, an input's
+    width and dtype) stay what they were: a module's kernel checks run once, not at every token, and a module whose
+    arrays are replaced (an adapter's training step, load_weights) is checked again. The memo holds the arrays, so
+    their ids cannot pass to new arrays while it stands."""
+    key = (*map(id, arrays), *extra)
+    memo = owner.__dict__.get(slot)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    value = make()
+    owner.__dict__[slot] = (key, value, arrays)
+    return value

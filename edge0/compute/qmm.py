@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernel import current
+from .kernel import current, remembered
 
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens each where it uses it, exactly
@@ -92,17 +92,43 @@ def lora_linear(x: mx.array, linear: nn.Module, lora_a: mx.array, lora_b: mx.arr
     ext = current().ext
     if ext is None or not isinstance(linear, KernelQuantizedLinear) or "bias" in linear:
         return None
+    run = remembered(linear, "_edge0_lora", (linear["weight"], linear["scales"], linear.get("biases"), lora_a, lora_b),
+                     (ext, x.shape[-1], x.dtype, scale), lambda: _lora_product(ext, linear, x, lora_a, lora_b, scale))
+    return run(x) if run is not None else None
+
+
+def _lora_product(ext, linear, x, lora_a, lora_b, scale):
+    """x -> the adapted product's node, for inputs like x, or None where the edge0 kernel does not cover it."""
     w, s, b = linear["weight"], linear["scales"], linear.get("biases")
     if not (w.ndim == 2 and lora_a.dtype == lora_b.dtype == mx.float32
             and _fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
-    return ext.qmv_lora(x, w, s, b, lora_a, lora_b, float(scale), linear.group_size)
+    gs, scale = linear.group_size, float(scale)
+    return lambda x: ext.qmv_lora(x, w, s, b, lora_a, lora_b, scale, gs)
+
+
+def _product(ext, linear, x):
+    """x -> the quantized linear's node (bias included), for inputs like x, or None where the edge0 kernel does not
+    cover it."""
+    w, s, b = linear["weight"], linear["scales"], linear.get("biases")
+    if not (w.ndim == 2 and _fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
+        return None
+    gs, n, bias = linear.group_size, w.shape[0], linear.get("bias")
+    if bias is not None:
+        return lambda x: ext.qmv(x, w, s, b, None, gs, (*x.shape[:-1], n)) + bias
+    return lambda x: ext.qmv(x, w, s, b, None, gs, (*x.shape[:-1], n))
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product goes through quantized_matmul (same parameters and math)."""
 
     def __call__(self, x):
+        ext = current().ext
+        if ext is not None:  # the checks of quantized_matmul, made once for these arrays and inputs like x
+            run = remembered(self, "_edge0_qmv", (self["weight"], self["scales"], self.get("biases"), self.get("bias")),
+                             (ext, x.shape[-1], x.dtype), lambda: _product(ext, self, x))
+            if run is not None:
+                return run(x)
         y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
                              bits=self.bits, mode=self.mode)
         return y + self["bias"] if "bias" in self else y

@@ -9,6 +9,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compute import expert_math
+from ..compute.kernel import current, remembered
+from ..compute.qmm import KernelQuantizedLinear, _fits
 from ..compute.routing import choose_among, combine, combine_compiled, sigmoid_group_topk, softmax_topk
 
 
@@ -30,7 +33,7 @@ class SoftmaxMoeBlock(nn.Module):
         self.candidates = None  # predicted routing: how many of its head's likeliest experts it chooses among (None: K)
 
     def logits(self, x: mx.array) -> mx.array:
-        return self.gate(x)  # (T, E)
+        return self["gate"](x)  # (T, E)
 
     def select(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return softmax_topk(logits, self.top_k, self.norm_topk_prob)  # (T, K), (T, K)
@@ -54,6 +57,31 @@ class SoftmaxMoeBlock(nn.Module):
         if self.shared:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
+
+    def add_norm(self, h: mx.array, x: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array] | None:
+        """(h + self(x), norm(h + self(x))) for one sequence's new token with every expert resident, on the edge0
+        kernel: the router, its top-k (among the candidates decided ahead, under predicted routing), the experts'
+        SwiGLU, their weighted sum and the add-norm from one call into the extension, the nodes those build one by
+        one and so the same bits; None where that does not apply (the caller runs self(x) and add_norm)."""
+        ext = current().ext
+        resident = getattr(self.executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
+        if (ext is None or resident is None or self.shared or x.shape[:2] != (1, 1) or x.dtype != mx.float32
+                or expert_math.current() is not None):
+            return None
+        gate, bank, w = self["gate"], resident.bank, norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
+        arrays = (gate["weight"], gate["scales"], gate.get("biases"), gate.get("bias"), w, *bank.values())
+        args = remembered(self, "_edge0_moe", arrays, (ext, x.shape[-1]), lambda: _moe_args(ext, self, resident, w, x))
+        if args is None:
+            return None
+        planned = self.planned() if self.planned is not None else None
+        among = planned[0] if planned is not None else None
+        if among is not None and among.dtype != mx.uint32:
+            return None
+        router, router_gs, parts, gs = args
+        h, x_out, inds = ext.moe_block(x, h, router, router_gs, self.top_k, self.norm_topk_prob, among, *parts, gs, w,
+                                       norm.eps)
+        self.executor.routed(x, inds)
+        return h, x_out
 
 
 class SigmoidGroupMoeBlock(nn.Module):
@@ -93,6 +121,26 @@ class SigmoidGroupMoeBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def _moe_args(ext, block: SoftmaxMoeBlock, resident, norm_weight, x: mx.array) -> tuple | None:
+    """moe_block's fixed arguments (router, its group size, the experts' (gate, up, down), their group size), or
+    None where the edge0 kernel does not cover a part (the checks of quantized_matmul, gather_glu and add_norm)."""
+    gate, bank, q = block["gate"], resident.bank, resident.quant
+    d = x.shape[-1]
+    if (not isinstance(gate, KernelQuantizedLinear) or "bias" in gate or gate["weight"].ndim != 2
+            or not _fits(ext, d, x.dtype, gate["weight"], gate["scales"], gate.get("biases"), gate.group_size,
+                         gate.bits, gate.mode)
+            or norm_weight is None or norm_weight.dtype != mx.float32 or norm_weight.ndim != 1):
+        return None
+    names = ("gate_proj", "up_proj", "down_proj")
+    parts = [[bank.get(f"{n}.{kind}") for kind in ("weight", "scales", "biases")] for n in names]
+    h = parts[0][0].shape[-2] if parts[0][0] is not None else 0
+    if not all(w is not None and w.ndim == 3 and _fits(ext, width, x.dtype, w, s, b, q.group_size, q.bits, q.mode)
+               for (w, s, b), width in zip(parts, (d, d, h))):
+        return None
+    router = [gate["weight"], gate["scales"], gate.get("biases")]
+    return router, gate.group_size, parts, q.group_size
 
 
 def _routing(block, x: mx.array) -> tuple[mx.array, mx.array]:

@@ -48,11 +48,12 @@ class Head(nn.Module):
         """self(features(h, inds, prev_inds), router_logits) as served: on the edge0 kernel one node (the same
         products; MLX builds the features and the head as about 18 nodes), rows independent as in __call__."""
         ext = current().ext
-        params = (self.delta["weight"], self.fc1["weight"], self.fc1["bias"], self.fc2["weight"], self.fc2["bias"])
+        fc1, fc2 = self["fc1"], self["fc2"]
+        params = (self["delta"]["weight"], fc1["weight"], fc1["bias"], fc2["weight"], fc2["bias"])
         if (ext is not None and h.dtype == router_logits.dtype == mx.float32 and inds.dtype == mx.uint32
                 and (prev_inds is None or prev_inds.dtype == mx.uint32) and all(p.dtype == mx.float32 for p in params)):
             return ext.head(h, inds, prev_inds, router_logits, *params)
-        experts = (self.fc1["weight"].shape[1] - h.shape[-1]) // 2
+        experts = (fc1["weight"].shape[1] - h.shape[-1]) // 2
         return self(features(h, inds, prev_inds, experts), router_logits)
 
 

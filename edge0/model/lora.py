@@ -45,10 +45,11 @@ class LoRALinear(nn.Module):
         self.scale = scale
 
     def __call__(self, x: mx.array) -> mx.array:
-        fused = lora_linear(x, self.base, self.lora_a, self.lora_b, self.scale)  # one node (edge0 kernel)
+        base, a, b = self["base"], self["lora_a"], self["lora_b"]
+        fused = lora_linear(x, base, a, b, self.scale)  # one node (edge0 kernel)
         if fused is not None:
             return fused
-        return mx.addmm(self.base(x), x @ self.lora_a, self.lora_b, alpha=self.scale)  # MLX: two more nodes
+        return mx.addmm(base(x), x @ a, b, alpha=self.scale)  # MLX: two more nodes
 
 
 def kind_of(rel: str) -> str | None:

@@ -45,14 +45,19 @@ class PredictedResident:
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         y = self.resident(x, inds)
+        self.routed(x, inds)
+        return y
+
+    def routed(self, x: mx.array, inds: mx.array) -> None:
+        """This layer's experts `inds` for input x are chosen: its heads decide their consumers' next routing, and
+        inds become the previous token's (also called by a fused block step, model/blocks.py add_norm)."""
         if inds.shape[-2] == 1:  # one token a row: decide the consumers' routing for the next step
             for head, consumer in self.heads:
                 blk = consumer.block
                 scores = head_per_row(head, x, inds, self.prev_inds, blk.logits(x))
                 p_inds, plan = (getattr(blk, "decide", None) or blk.select)(scores)
                 consumer.ahead[self.rt.step + 1] = (p_inds, plan)
-        self.prev_inds = inds[..., -1:, :]
-        return y
+        self.prev_inds = inds if inds.shape[-2] == 1 else inds[..., -1:, :]  # no slice node for one token
 
 
 class PredictedResidentRuntime(Runtime):

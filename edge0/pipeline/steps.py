@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..compute.dense import log_softmax
 from ..sched.trace import NULL, now_us
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -81,7 +82,7 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
 
     def step(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
         logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, V)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logprobs = log_softmax(logits)
         sampled = sampler(logprobs)
         if forced is not None:
             sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)

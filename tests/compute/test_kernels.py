@@ -157,6 +157,28 @@ def test_exp_and_erf_are_mlx_bitwise(fn):
 
 
 @needs_ext
+def test_log_softmax_is_mlx_bitwise():
+    """A step's log-probabilities as one node: the bits of MLX's x - logsumexp(x) (its exp one float at a time, its
+    sum in order), for a vocabulary's width and widths no multiple of the vector width, logits far apart, rows
+    with infinities and NaN, a strided view; the rows of a batch each as alone. A sum in another order fails it."""
+    from edge0.compute.dense import log_softmax
+
+    mx.random.seed(3)
+    cases = [mx.random.normal((1, 4096)) * 5, mx.random.normal((6, 4099)) * 40, mx.random.normal((2, 33)) * 300,
+             mx.random.normal((3, 5, 64))[:, -1, :],
+             mx.array([[-np.inf] * 7, [1.0, np.inf, 0, 0, 0, 0, 0], [0, np.nan, 1, 2, 3, 4, 5]])]
+    use_kernel("edge0")
+    for x in cases:
+        want = np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
+        got = np.array(log_softmax(x))
+        assert got.shape == want.shape and np.array_equal(got, want, equal_nan=True)
+    rows = cases[1]
+    assert np.array_equal(np.array(log_softmax(rows))[2], np.array(log_softmax(rows[2:3]))[0])
+    with pytest.raises(ValueError, match="log_softmax"):
+        EXT.log_softmax(mx.zeros((2, 3), dtype=mx.float16))
+
+
+@needs_ext
 def test_dense_ops_match_mlx():
     """RMS norm, RoPE and attention (one query, and causal prompts) against MLX's fast ops, views as inputs."""
     from edge0.compute import dense

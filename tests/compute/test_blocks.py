@@ -1,0 +1,103 @@
+"""A decode step's blocks from one call each on the edge0 kernel (compute/dense.py attention_block, model/blocks.py
+SoftmaxMoeBlock.add_norm): the nodes the step builds one call at a time, so the same bits, in every routing the
+built-in model serves resident; their remembered arguments follow weights that are replaced."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_sampler
+
+from edge0.compute import dense, kernels
+from edge0.model import blocks
+from tests.helpers import use_kernel
+
+EXT = kernels.load()
+pytestmark = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()}")
+
+TEXT = Path(json.__file__).parent / "decoder.py"  # real text: varied routing, unlike a greedy loop
+
+
+def _run(engine, ids: list[int], fused: bool, monkeypatch) -> tuple[np.ndarray, dict]:
+    """Log-probabilities of 48 decode steps forced along `ids`, with the one-call blocks or without them; and how
+    often each one-call block ran."""
+    from edge0.pipeline.steps import generate_steps
+
+    ran = {"attention": 0, "moe": 0}
+    attention_block, add_norm = dense.attention_block, blocks.SoftmaxMoeBlock.add_norm
+
+    def counted(name, fn):
+        def call(*a):
+            out = fn(*a) if fused else None
+            ran[name] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(dense, "attention_block", counted("attention", attention_block))
+    monkeypatch.setattr(blocks.SoftmaxMoeBlock, "add_norm", counted("moe", add_norm))
+    with engine.kernel.active():
+        steps = generate_steps(engine.store.model, ids[:40], max_tokens=48, sampler=make_sampler(0.0),
+                               runtime=engine.store.runtime, forced=ids[40:88])
+        out = np.stack([np.array(lp) for _, lp in steps])
+    monkeypatch.undo()
+    return out, ran
+
+
+@pytest.mark.parametrize("config", [{}, {"lora": "none"}, {"routing": "native"}])
+def test_a_step_of_one_call_blocks_is_the_bits_of_the_step_built_call_by_call(config, monkeypatch):
+    """The default (predicted routing, the heads deciding in the graph, the adapter), predicted without the adapter,
+    and native routing: every decode step's log-probabilities equal the step built one call at a time, bit for bit,
+    and every decode step of every layer took both one-call blocks."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0, **config)) as engine:
+        ids = engine.encode_text(TEXT.read_text()[:2000])
+        got, ran = _run(engine, ids, True, monkeypatch)
+        want, apart = _run(engine, ids, False, monkeypatch)
+    layers = 6
+    assert ran == {"attention": 48 * layers, "moe": 48 * layers}  # the prompt's chunks (40 ids) take neither
+    assert apart == {"attention": 0, "moe": 0}
+    assert got.shape == (48, 4096) and np.array_equal(got, want)
+
+
+def _layer_step(model, cache, tok: int, fused: bool, monkeypatch) -> np.ndarray:
+    """Logits of one decode step from a copy of `cache`, with or without the one-call blocks."""
+    if not fused:
+        monkeypatch.setattr(dense, "attention_block", lambda *a: None)
+        monkeypatch.setattr(blocks.SoftmaxMoeBlock, "add_norm", lambda *a: None)
+    copy = []
+    for c in cache:
+        k = KVCache()
+        k.keys, k.values, k.offset = mx.array(c.keys), mx.array(c.values), c.offset
+        copy.append(k)
+    out = np.array(model(mx.array([[tok]], dtype=mx.uint32), cache=copy))
+    monkeypatch.undo()
+    return out
+
+
+def test_the_blocks_arguments_follow_replaced_weights(monkeypatch):
+    """The one-call blocks remember their checked arguments per module; an adapter's weights or a norm's weight
+    replaced (a training step, load_weights) are taken at the next step, as the step built call by call takes
+    them."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    use_kernel("edge0")
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
+                                  prompt_cache_gib=0)) as engine, engine.kernel.active():
+        model = engine.store.model
+        cache = [KVCache() for _ in model.layers]
+        mx.eval(model(mx.array([engine.encode_text("def f(x):\n    return")], dtype=mx.uint32), cache=cache))
+        before = _layer_step(model, cache, 7, True, monkeypatch)
+        layer = model.model.layers[2]
+        layer.self_attn.q_proj.scales = layer.self_attn.q_proj.scales * 1.5
+        layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight * 0.5
+        model.model.layers[4].input_layernorm.weight = model.model.layers[4].input_layernorm.weight * 2.0
+        after = _layer_step(model, cache, 7, True, monkeypatch)
+        want = _layer_step(model, cache, 7, False, monkeypatch)
+    assert not np.array_equal(before, after)
+    assert np.array_equal(after, want)
