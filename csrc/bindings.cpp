@@ -1179,7 +1179,8 @@ static mx::array projection(const mx::array& x, const std::vector<mx::array>& p,
   return qmv_op(x, p[0], p[1], p[2], std::nullopt, group_size, shape);
 }
 
-// One new token's whole attention block for one sequence: its k, v and q projections, the two KV writes, the
+// One new token's whole attention block for one sequence (or a left-padded batch: positions, each sequence's
+// rotation offset, and starts, its first key, as decode_attention takes them): its k, v and q projections, the two KV writes, the
 // attention, the output projection and the residual add with the RMS norm after it -- the nodes that
 // decode_attention and add_norm of compute/dense.py build, in that order and with the same inputs, so the same bits,
 // from one call instead of seven (each call from Python costs microseconds). Returns (h + attention, its norm, the
@@ -1191,13 +1192,15 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
                                                  float q_eps, const mx::array& k_norm, float k_eps,
                                                  const mx::array& keys, const mx::array& values, int64_t offset,
                                                  int dims, bool traditional, float base, float rope_scale, float scale,
-                                                 const mx::array& post_norm, float post_eps) {
+                                                 const mx::array& post_norm, float post_eps,
+                                                 const std::optional<mx::array>& positions,
+                                                 const std::optional<mx::array>& starts) {
   auto new_keys = kv_write_op(projection(x, k, lora_scale, group_size), k_norm, keys, offset, k_eps, dims, traditional,
-                              base, rope_scale, std::nullopt);
+                              base, rope_scale, positions);
   auto new_values = kv_write_op(projection(x, v, lora_scale, group_size), std::nullopt, values, offset, 0.0f, 0, false,
                                 10000.0f, 1.0f, std::nullopt);
   auto out = decode_attention_op(projection(x, q, lora_scale, group_size), q_norm, new_keys, new_values, offset, q_eps,
-                                 dims, traditional, base, rope_scale, scale, std::nullopt, std::nullopt);
+                                 dims, traditional, base, rope_scale, scale, positions, starts);
   auto hx = add_rms_norm_op(h, projection(out, o, lora_scale, group_size), post_norm, post_eps);
   return {hx[0], hx[1], new_keys, new_values};
 }
@@ -1315,6 +1318,7 @@ NB_MODULE(_kernels, m) {
   m.def("attention_block", &edge0::attention_block_op, "x"_a, "h"_a, "q"_a, "k"_a, "v"_a, "o"_a, "lora_scale"_a,
         "group_size"_a, "q_norm"_a, "q_eps"_a, "k_norm"_a, "k_eps"_a, "keys"_a, "values"_a, "offset"_a, "dims"_a,
         "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "post_norm"_a, "post_eps"_a,
+        "positions"_a = nb::none(), "starts"_a = nb::none(),
         "One sequence's new token through an attention block: the k, v, q projections (w, scales, biases[, lora_a, "
         "lora_b]), kv_write of k and v, decode_attention, the o projection, add_rms_norm with h; the nodes those "
         "calls build, from one call. Returns [h + attention, its norm, keys, values].");

@@ -148,15 +148,26 @@ def _turn(rope, q_weight, k_weight) -> tuple | None:
 
 
 def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> tuple | None:
-    """(h + the attention of x, the post-attention norm of that) for one sequence's new token on the edge0 kernel:
-    the nodes decode_attention and add_norm build (projections with their adapters, the KV writes, the attention,
-    the output projection, the add-norm), made by one call into the extension instead of about a dozen Python
-    calls, the same graph and so the same bits; None where it does not apply (the caller builds them one by one)."""
+    """(h + the attention of x, the post-attention norm of that) for one new token a sequence on the edge0 kernel,
+    one sequence or a served batch: the nodes decode_attention and add_norm build (projections with their adapters,
+    the KV writes, the attention, the output projection, the add-norm), made by one call into the extension instead
+    of about a dozen Python calls, the same graph and so the same bits; None where it does not apply (the caller
+    builds them one by one)."""
     ext = current().ext
     attn = layer["self_attn"]
-    if (ext is None or mask is not None or type(cache) is not KVCache or type(attn) is not KernelQwen3Attention
-            or cache.keys is None or x.shape[:2] != (1, 1) or x.dtype != mx.float32
-            or cache.keys.dtype != mx.float32 or cache.offset >= cache.keys.shape[2]):
+    if (ext is None or type(attn) is not KernelQwen3Attention or cache is None or cache.keys is None
+            or x.shape[1] != 1 or x.dtype != mx.float32 or cache.keys.dtype != mx.float32):
+        return None
+    if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
+        at, positions, starts = cache.offset, None, None
+    elif (type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None  # as decode_attention
+            and isinstance(getattr(cache, "_idx", None), int) and cache.offset.dtype == mx.int32
+            and cache.left_padding.dtype == mx.int32 and cache.offset.shape == (x.shape[0],)):
+        at, positions = cache._idx, cache.offset
+        starts = cache.left_padding if mask is not None and not isinstance(mask, str) else None
+    else:
+        return None
+    if at >= cache.keys.shape[2]:
         return None
     post = layer["post_attention_layernorm"]
     rope, qn, kn = attn["rope"], attn["q_norm"], attn["k_norm"]
@@ -168,10 +179,14 @@ def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> 
     if args is None:
         return None
     q, k, v, o, lora_scale, gs, qw, qeps, kw, keps, turn, scale, pw, peps = args
-    at = cache.offset
     h, x, cache.keys, cache.values = ext.attention_block(x, h, q, k, v, o, lora_scale, gs, qw, qeps, kw, keps,
-                                                         cache.keys, cache.values, at, *turn, scale, pw, peps)
-    cache.offset += 1
+                                                         cache.keys, cache.values, at, *turn, scale, pw, peps,
+                                                         positions, starts)
+    if positions is None:
+        cache.offset += 1
+    else:  # as BatchKVCache.update_and_fetch advances it (decode_attention)
+        cache.offset = _advanced(cache.offset)
+        cache._idx += 1
     return h, x
 
 
