@@ -115,6 +115,22 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
     turn = remembered(attn, "_edge0_turn", (rope, qw, kw), (ext,), lambda: _turn(rope, qw, kw))
     if turn is None or cache.keys.dtype != mx.float32:
         return None
+    where = _decode_position(cache, x, mask)
+    if where is None:
+        return None
+    at, positions, starts = where
+    cache.keys = ext.kv_write(attn["k_proj"](x), kw, cache.keys, at, kn.eps, *turn, positions)
+    cache.values = ext.kv_write(attn["v_proj"](x), None, cache.values, at)
+    out = ext.decode_attention(attn["q_proj"](x), qw, cache.keys, cache.values, at, qn.eps, *turn,
+                               float(attn.scale), positions, starts)
+    _advance(cache, positions)
+    return attn["o_proj"](out)
+
+
+def _decode_position(cache, x: mx.array, mask) -> tuple | None:
+    """(the cache row the new token goes to, each sequence's position (B,) or None, each sequence's first key (B,)
+    or None) for one new token a sequence: mlx-lm's KVCache with one sequence, or its left-padded BatchKVCache; None
+    for anything else, or where the cache must grow first (mlx-lm's code does that)."""
     if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
         at, positions, starts = cache.offset, None, None
     elif (type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None
@@ -124,18 +140,16 @@ def decode_attention(attn: nn.Module, x: mx.array, mask, cache):
         starts = cache.left_padding if mask is not None and not isinstance(mask, str) else None
     else:
         return None
-    if at >= cache.keys.shape[2]:
-        return None
-    cache.keys = ext.kv_write(attn["k_proj"](x), kw, cache.keys, at, kn.eps, *turn, positions)
-    cache.values = ext.kv_write(attn["v_proj"](x), None, cache.values, at)
-    out = ext.decode_attention(attn["q_proj"](x), qw, cache.keys, cache.values, at, qn.eps, *turn,
-                               float(attn.scale), positions, starts)
+    return (at, positions, starts) if at < cache.keys.shape[2] else None
+
+
+def _advance(cache, positions) -> None:
+    """The cache past the token just written, as update_and_fetch advances it (one offsets array per batched step)."""
     if positions is None:
         cache.offset += 1
-    else:  # as BatchKVCache.update_and_fetch advances it
+    else:
         cache.offset = _advanced(cache.offset)
         cache._idx += 1
-    return attn["o_proj"](out)
 
 
 def _turn(rope, q_weight, k_weight) -> tuple | None:
@@ -158,17 +172,10 @@ def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> 
     if (ext is None or type(attn) is not KernelQwen3Attention or cache is None or cache.keys is None
             or x.shape[1] != 1 or x.dtype != mx.float32 or cache.keys.dtype != mx.float32):
         return None
-    if type(cache) is KVCache and x.shape[0] == 1 and mask is None:
-        at, positions, starts = cache.offset, None, None
-    elif (type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None  # as decode_attention
-            and isinstance(getattr(cache, "_idx", None), int) and cache.offset.dtype == mx.int32
-            and cache.left_padding.dtype == mx.int32 and cache.offset.shape == (x.shape[0],)):
-        at, positions = cache._idx, cache.offset
-        starts = cache.left_padding if mask is not None and not isinstance(mask, str) else None
-    else:
+    where = _decode_position(cache, x, mask)
+    if where is None:
         return None
-    if at >= cache.keys.shape[2]:
-        return None
+    at, positions, starts = where
     post = layer["post_attention_layernorm"]
     rope, qn, kn = attn["rope"], attn["q_norm"], attn["k_norm"]
     projs = [_projection_arrays(attn[name]) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -182,11 +189,7 @@ def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> 
     h, x, cache.keys, cache.values = ext.attention_block(x, h, q, k, v, o, lora_scale, gs, qw, qeps, kw, keps,
                                                          cache.keys, cache.values, at, *turn, scale, pw, peps,
                                                          positions, starts)
-    if positions is None:
-        cache.offset += 1
-    else:  # as BatchKVCache.update_and_fetch advances it (decode_attention)
-        cache.offset = _advanced(cache.offset)
-        cache._idx += 1
+    _advance(cache, positions)
     return h, x
 
 
