@@ -19,7 +19,7 @@ from mlx_lm.models import base, qwen3_moe
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .kernel import current, remembered
-from .qmm import KernelQuantizedLinear, _fits, swap_classes
+from .qmm import KernelQuantizedLinear, fits, swap_classes
 
 _mlx_attention = base.scaled_dot_product_attention  # mlx-lm's own, for everything else
 
@@ -217,8 +217,8 @@ def _block_args(ext, attn, post, x) -> tuple | None:
     scales = {float(m.scale) for m in mods if "lora_a" in m}
     widths = (x.shape[-1], x.shape[-1], x.shape[-1], bases[0]["weight"].shape[0])  # o_proj reads q's heads
     for m, b, d in zip(mods, bases, widths):
-        if b.group_size != gs or not _fits(ext, d, mx.float32, b["weight"], b["scales"], b.get("biases"), gs, b.bits,
-                                           b.mode) or b["weight"].ndim != 2:
+        if b.group_size != gs or not fits(ext, d, mx.float32, b["weight"], b["scales"], b.get("biases"), gs, b.bits,
+                                          b.mode) or b["weight"].ndim != 2:
             return None
         if "lora_a" in m and not (m["lora_a"].dtype == m["lora_b"].dtype == mx.float32):
             return None

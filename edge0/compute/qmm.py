@@ -18,8 +18,8 @@ GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens each where it uses it, exactly
 
 
-def _fits(ext, d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-          bits: int, mode: str) -> bool:
+def fits(ext, d: int, x_dtype, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+         bits: int, mode: str) -> bool:
     """Whether the edge0 kernel covers x (..., d) of x_dtype times this packed W."""
     return (bits in (4, 8) and mode == "affine" and biases is not None and group_size in GROUP_SIZES
             and x_dtype == mx.float32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype
@@ -35,7 +35,7 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     """
     ext = current().ext
     if (ext is not None and x.ndim >= 2 and x.shape[-2] == 1 and w.ndim == 3
-            and _fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode)):
+            and fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode)):
         return _edge0_gather(ext, x, w, scales, biases, indices, group_size)
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                          bits=bits, mode=mode, sorted_indices=sorted_indices)
@@ -68,9 +68,9 @@ def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, gro
     names = ("gate_proj", "up_proj", "down_proj")
     parts = [(bank[f"{n}.weight"], bank[f"{n}.scales"], bank.get(f"{n}.biases")) for n in names]
     d, h = x.shape[-1], parts[0][0].shape[-2]
-    if not (all(w.ndim == 3 for w, _, _ in parts) and _fits(ext, d, x.dtype, *parts[0], group_size, bits, mode)
-            and _fits(ext, d, x.dtype, *parts[1], group_size, bits, mode)
-            and _fits(ext, h, x.dtype, *parts[2], group_size, bits, mode)):
+    if not (all(w.ndim == 3 for w, _, _ in parts) and fits(ext, d, x.dtype, *parts[0], group_size, bits, mode)
+            and fits(ext, d, x.dtype, *parts[1], group_size, bits, mode)
+            and fits(ext, h, x.dtype, *parts[2], group_size, bits, mode)):
         return None
     return ext.glu(x, indices, list(parts[0]), list(parts[1]), list(parts[2]), group_size,
                     (*indices.shape, parts[2][0].shape[-2]))
@@ -80,7 +80,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      bits: int, mode: str) -> mx.array:
     """x @ W.T for packed W (N, D*bits/32); x (..., D) -> (..., N). As nn.QuantizedLinear computes it."""
     ext = current().ext
-    if ext is not None and w.ndim == 2 and _fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode):
+    if ext is not None and w.ndim == 2 and fits(ext, x.shape[-1], x.dtype, w, scales, biases, group_size, bits, mode):
         return ext.qmv(x, w, scales, biases, None, group_size, (*x.shape[:-1], w.shape[0]))
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=bits, mode=mode)
@@ -101,7 +101,7 @@ def _lora_product(ext, linear, x, lora_a, lora_b, scale):
     """x -> the adapted product's node, for inputs like x, or None where the edge0 kernel does not cover it."""
     w, s, b = linear["weight"], linear["scales"], linear.get("biases")
     if not (w.ndim == 2 and lora_a.dtype == lora_b.dtype == mx.float32
-            and _fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
+            and fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
     gs, scale = linear.group_size, float(scale)
     return lambda x: ext.qmv_lora(x, w, s, b, lora_a, lora_b, scale, gs)
@@ -111,7 +111,7 @@ def _product(ext, linear, x):
     """x -> the quantized linear's node (bias included), for inputs like x, or None where the edge0 kernel does not
     cover it."""
     w, s, b = linear["weight"], linear["scales"], linear.get("biases")
-    if not (w.ndim == 2 and _fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
+    if not (w.ndim == 2 and fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
     gs, n, bias = linear.group_size, w.shape[0], linear.get("bias")
     if bias is not None:

@@ -224,7 +224,7 @@ def test_bf16_scales_give_the_bits_of_their_float32_widening(impl, bits, d, gs):
     s16, b16 = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
     s32, b32 = s16.astype(mx.float32), b16.astype(mx.float32)  # exactly the bf16 values
     x = mx.array(rng.standard_normal((3, d)).astype(np.float32))
-    assert qmm._fits(EXT, d, x.dtype, w, s16, b16, gs, bits, "affine")
+    assert qmm.fits(EXT, d, x.dtype, w, s16, b16, gs, bits, "affine")
     dense = [qmm.quantized_matmul(x, w[2], sc[2], bi[2], group_size=gs, bits=bits, mode="affine")
              for sc, bi in ((s16, b16), (s32, b32))]
     assert np.array_equal(np.array(dense[0]), np.array(dense[1]))
