@@ -742,12 +742,16 @@ class AddRMSNormOp : public MultiOp {
       std::vector<float> xt, rt, wt;
       const int64_t n = out[0].size(), D = out[0].shape(-1);
       const size_t at = rn.from ? rn.inputs : 0;  // x, then r unless run here, then w
-      const float* r = rn.values(in, 1, n, rt);
-      const float* x = dense_data<float>(in[at], xt);
-      float* h = out[0].data<float>();
-      for (int64_t i = 0; i < n; i++) h[i] = x[i] + r[i];
-      rms_norm(h, dense_data<float>(in[rn.from ? at + 1 : 2], wt), eps, n / D, D, out[1].data<float>());
+      add_norm(dense_data<float>(in[at], xt), rn.values(in, 1, n, rt), dense_data<float>(in[rn.from ? at + 1 : 2], wt),
+               eps, n, D, out[0].data<float>(), out[1].data<float>());
     });
+  }
+
+  // h = x + r element by element, then out = rms_norm(h): n values in rows of D
+  static void add_norm(const float* x, const float* r, const float* w, float eps, int64_t n, int64_t D, float* h,
+                       float* out) {
+    for (int64_t i = 0; i < n; i++) h[i] = x[i] + r[i];
+    rms_norm(h, w, eps, n / D, D, out);
   }
   const char* name() const override { return name_; }  // Edge0GLU+AddRMSNorm running a GLU
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -759,6 +763,46 @@ class AddRMSNormOp : public MultiOp {
   float eps_;
   Absorbed r_;  // r's node, run here
   const char* name_;
+};
+
+// An MoE block of resident experts for the new token of each of T rows, as one node: the router's product, its
+// softmax top-k (among the candidates, a last input, when given), the routed experts' SwiGLU, their weighted sum and
+// the residual add with the RMS norm after it. Each part runs the function its own node runs (QMV, SoftmaxTopK,
+// GLU+Combine, AddRMSNorm), in that order on the same values, so the bits of those four nodes, from one.
+// Inputs: x, router (w, scales, biases), gate, up, down (w, scales, biases each), h, norm weight[, among];
+// outputs: h + the experts' sum, its norm, the routed ids (T.., k) and their weights.
+class MoeBlockOp : public MultiOp {
+ public:
+  MoeBlockOp(mx::Stream s, int router_gs, int k, bool norm_topk, bool among, int gs, float eps)
+      : MultiOp(s), router_gs_(router_gs), k_(k), norm_topk_(norm_topk), among_(among), gs_(gs), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(inputs, outputs, [rgs = router_gs_, k = k_, norm = norm_topk_, among = among_, gs = gs_, eps = eps_](
+                                  const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      const int64_t D = in[0].shape(-1), T = in[0].size() / D, E = in[1].shape(-2), N = in[10].shape(-2);
+      std::vector<float> logits(T * E), y(T * N), ht, wt;
+      QMV::run({in[0], in[1], in[2], in[3]}, logits.data(), T * E, rgs, 1, false, false, false);
+      std::vector<uint32_t> ct;
+      softmax_topk(logits.data(), T, E, k, norm, out[2].data<uint32_t>(), out[3].data<float>(),
+                   among ? dense_data<uint32_t>(in.back(), ct) : nullptr, among ? in.back().shape(-1) : 0);
+      std::vector<mx::array> glu{in[0], in[4], in[5], in[6], in[7], in[8], in[9], in[10], in[11], in[12], out[2],
+                                 out[3]};
+      QMV::run(glu, y.data(), T * N, gs, k, true, true, true);
+      AddRMSNormOp::add_norm(dense_data<float>(in[13], ht), y.data(), dense_data<float>(in[14], wt), eps, T * N, N,
+                             out[0].data<float>(), out[1].data<float>());
+    });
+  }
+  const char* name() const override { return "Edge0MoeBlock"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const MoeBlockOp&>(other);
+    return router_gs_ == o.router_gs_ && k_ == o.k_ && norm_topk_ == o.norm_topk_ && among_ == o.among_ &&
+           gs_ == o.gs_ && eps_ == o.eps_;
+  }
+
+ private:
+  int router_gs_, k_;
+  bool norm_topk_, among_;
+  int gs_;
+  float eps_;
 };
 
 // One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
@@ -833,37 +877,48 @@ static const float* rows_input(const std::vector<mx::array>& in, const Projectio
 
 // Inputs: x (B*Hkv*Dh values)[, norm (Dh,)][, positions (B,)], buffer (B, Hkv, C, Dh); output: the buffer with
 // row offset of every sequence written.
+// Writes the new rows of a KV write (inputs: the rows, or the projection making them[, norm][, positions], buffer)
+// into dst, the buffer's storage or a fresh one (copy: the buffer's values copied into it first).
+static void write_rows(const std::vector<mx::array>& in, bool copy, float* dst, int64_t offset, const Rotation& r,
+                       const Projection& p) {
+  const auto& buf = in.back();
+  const int64_t B = buf.shape(0), H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
+  if (copy) {
+    std::vector<float> t;
+    const float* src = dense_data<float>(buf, t);
+    std::copy(src, src + buf.size(), dst);
+  }
+  std::vector<float> xt, wt, row(B * H * Dh);
+  std::vector<int32_t> pt;
+  size_t at;  // in[at]: the first input after the rows
+  const float* x = rows_input(in, p, B * H * Dh, xt, at);
+  norm_rotate(x, r.norm ? dense_data<float>(in[at], wt) : nullptr, r.eps, B, H, Dh, r.dims, r.traditional, r.base,
+              r.scale, offset, r.positions ? dense_data<int32_t>(in[at + r.norm], pt) : nullptr, row.data());
+  for (int64_t bh = 0; bh < B * H; bh++)
+    std::copy(row.data() + bh * Dh, row.data() + (bh + 1) * Dh, dst + (bh * C + offset) * Dh);
+}
+
+// out takes buf's storage where buf can pass it on, else fresh storage; whether buf must be copied into it.
+static bool take_buffer(const mx::array& buf, mx::array& out, mx::Stream s) {
+  if (buf.flags().row_contiguous && buf.data_size() == buf.size() && donatable(buf, s)) {
+    out.copy_shared_buffer(buf);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  kv_copies.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// Inputs: x (B*Hkv*Dh values)[, norm (Dh,)][, positions (B,)], buffer (B, Hkv, C, Dh); output: the buffer with
+// row offset of every sequence written.
 class KVWriteOp : public DenseOp {
  public:
   KVWriteOp(mx::Stream s, int64_t offset, Rotation r, Projection p) : DenseOp(s), offset_(offset), r_(r), p_(p) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const auto& buf = inputs.back();
-    const bool copy = !(buf.flags().row_contiguous && buf.data_size() == buf.size() && donatable(buf, stream()));
-    if (copy) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      kv_copies.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      out.copy_shared_buffer(buf);
-    }
+    const bool copy = take_buffer(inputs.back(), out, stream());
     run(inputs, out, [copy, offset = offset_, r = r_, p = p_](const std::vector<mx::array>& in, mx::array& o) {
-      const auto& buf = in.back();
-      const int64_t B = buf.shape(0), H = buf.shape(1), C = buf.shape(2), Dh = buf.shape(3);
-      float* dst = o.data<float>();
-      if (copy) {
-        std::vector<float> t;
-        const float* src = dense_data<float>(buf, t);
-        std::copy(src, src + buf.size(), dst);
-      }
-      std::vector<float> xt, wt, row(B * H * Dh);
-      std::vector<int32_t> pt;
-      size_t at;  // in[at]: the first input after the rows
-      const float* x = rows_input(in, p, B * H * Dh, xt, at);
-      norm_rotate(x, r.norm ? dense_data<float>(in[at], wt) : nullptr, r.eps, B, H, Dh, r.dims,
-                  r.traditional, r.base, r.scale, offset,
-                  r.positions ? dense_data<int32_t>(in[at + r.norm], pt) : nullptr, row.data());
-      for (int64_t bh = 0; bh < B * H; bh++)
-        std::copy(row.data() + bh * Dh, row.data() + (bh + 1) * Dh, dst + (bh * C + offset) * Dh);
+      write_rows(in, copy, o.data<float>(), offset, r, p);
     });
   }
   const char* name() const override { return "Edge0KVWrite"; }
@@ -871,11 +926,49 @@ class KVWriteOp : public DenseOp {
     auto& o = static_cast<const KVWriteOp&>(other);
     return offset_ == o.offset_ && r_ == o.r_ && p_ == o.p_;
   }
+  const Rotation& rotation() const { return r_; }
+  const Projection& projection() const { return p_; }
 
  private:
   int64_t offset_;
   Rotation r_;
   Projection p_;
+};
+
+// A layer's two KV writes as one node, the keys' write then the values' (each the function of its Edge0KVWrite):
+// inputs the keys write's (its last the keys buffer, `nk` in all), then the values write's; outputs the two buffers.
+class KVPairWriteOp : public MultiOp {
+ public:
+  KVPairWriteOp(mx::Stream s, int64_t offset, size_t nk, Rotation rk, Projection pk, Projection pv)
+      : MultiOp(s), offset_(offset), nk_(nk), rk_(rk), pk_(pk), pv_(pv) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    // Each output of a node keeps its own list of the node's inputs (mx::array::make_arrays), so a buffer is held
+    // twice and never donatable: the other output's list goes now (MLX clears both once the node is evaluated).
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    const bool ck = take_buffer(inputs[nk_ - 1], outputs[0], stream());
+    const bool cv = take_buffer(inputs.back(), outputs[1], stream());
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    enc.dispatch([inputs, outputs, ck, cv, offset = offset_, nk = nk_, rk = rk_, pk = pk_, pv = pv_]() mutable {
+      ProfileScope scope([] { return std::string("Edge0KVPairWrite"); });
+      write_rows({inputs.begin(), inputs.begin() + nk}, ck, outputs[0].data<float>(), offset, rk, pk);
+      write_rows({inputs.begin() + nk, inputs.end()}, cv, outputs[1].data<float>(), offset, Rotation{}, pv);
+    });
+  }
+  const char* name() const override { return "Edge0KVPairWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const KVPairWriteOp&>(other);
+    return offset_ == o.offset_ && nk_ == o.nk_ && rk_ == o.rk_ && pk_ == o.pk_ && pv_ == o.pv_;
+  }
+
+ private:
+  int64_t offset_;
+  size_t nk_;
+  Rotation rk_;
+  Projection pk_, pv_;
 };
 
 // Inputs: q (B*heads*Dh values)[, norm (Dh,)][, positions (B,)][, starts (B,)], keys, values (B, Hkv, C, Dh);
@@ -1195,20 +1288,30 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
                                                  const mx::array& post_norm, float post_eps,
                                                  const std::optional<mx::array>& positions,
                                                  const std::optional<mx::array>& starts) {
-  auto new_keys = kv_write_op(projection(x, k, lora_scale, group_size), k_norm, keys, offset, k_eps, dims, traditional,
-                              base, rope_scale, positions);
-  auto new_values = kv_write_op(projection(x, v, lora_scale, group_size), std::nullopt, values, offset, 0.0f, 0, false,
-                                10000.0f, 1.0f, std::nullopt);
+  // the two KV writes kv_write_op builds, as one node
+  auto wk = kv_write_op(projection(x, k, lora_scale, group_size), k_norm, keys, offset, k_eps, dims, traditional, base,
+                        rope_scale, positions);
+  auto wv = kv_write_op(projection(x, v, lora_scale, group_size), std::nullopt, values, offset, 0.0f, 0, false,
+                        10000.0f, 1.0f, std::nullopt);
+  auto& pk = static_cast<KVWriteOp&>(wk.primitive());
+  auto& pv = static_cast<KVWriteOp&>(wv.primitive());
+  std::vector<mx::array> in = wk.inputs();
+  in.insert(in.end(), wv.inputs().begin(), wv.inputs().end());
+  auto kv = mx::array::make_arrays({keys.shape(), values.shape()}, {mx::float32, mx::float32},
+                                   std::make_shared<KVPairWriteOp>(wk.primitive().stream(), offset, wk.inputs().size(),
+                                                                   pk.rotation(), pk.projection(), pv.projection()),
+                                   std::move(in));
+  auto new_keys = kv[0], new_values = kv[1];
   auto out = decode_attention_op(projection(x, q, lora_scale, group_size), q_norm, new_keys, new_values, offset, q_eps,
                                  dims, traditional, base, rope_scale, scale, positions, starts);
   auto hx = add_rms_norm_op(h, projection(out, o, lora_scale, group_size), post_norm, post_eps);
   return {hx[0], hx[1], new_keys, new_values};
 }
 
-// One new token's MoE block for one sequence with every expert resident: the router's product, its softmax top-k
-// (chosen among `among`, predicted routing's candidates, when given), the routed experts' SwiGLU, their weighted
-// sum and the residual add with the RMS norm after it -- the nodes SoftmaxMoeBlock, compute/qmm.py gather_glu,
-// compute/routing.py and add_norm build, in that order and with the same inputs, so the same bits, from one call.
+// One new token's MoE block for each of its rows (one sequence, or a served batch) with every expert resident: the
+// router's product, its softmax top-k (chosen among `among`, predicted routing's candidates, when given), the routed
+// experts' SwiGLU, their weighted sum and the residual add with the RMS norm after it, as one node (MoeBlockOp) with
+// the bits of the nodes SoftmaxMoeBlock, compute/qmm.py gather_glu, compute/routing.py and add_norm build one by one.
 // Returns (h + the experts' sum, its norm, the routed ids).
 static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& h, const std::vector<mx::array>& router,
                                            int router_group_size, int k, bool norm_topk,
@@ -1216,15 +1319,36 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
                                            const std::vector<mx::array>& up, const std::vector<mx::array>& down,
                                            int group_size, const mx::array& norm, float eps) {
   if (router.size() != 3) fail("moe_block: the router is (w, scales, biases)");
-  std::vector<int> shape(x.shape().begin(), x.shape().end());
-  shape.back() = router[0].shape(0);
-  auto routed = softmax_topk_op(qmv_op(x, router[0], router[1], router[2], std::nullopt, router_group_size, shape), k,
-                                norm_topk, among);
-  std::vector<int> out(routed[0].shape().begin(), routed[0].shape().end());
-  out.push_back(down[0].shape(-2));
-  auto y = combine_op(glu_op(x, routed[0], gate, up, down, group_size, out), routed[1]);
-  auto hx = add_rms_norm_op(h, y, norm, eps);
-  return {hx[0], hx[1], routed[0]};
+  if (gate.size() != 3 || up.size() != 3 || down.size() != 3) fail("moe_block: gate, up, down are (w, scales, biases)");
+  const int64_t T = check_x(x, router_group_size), D = x.shape(-1);
+  check_x(x, group_size);
+  const int64_t E = check_weights(router[0], router[1], router[2], D, router_group_size);
+  const int64_t H = check_weights(gate[0], gate[1], gate[2], D, group_size);
+  if (router[0].ndim() != 2 || k < 1 || k > E) fail("moe_block: the router must be (E, D*bits/32) and 1 <= k <= E");
+  if (check_weights(up[0], up[1], up[2], D, group_size) != H || check_weights(down[0], down[1], down[2], H, group_size) != D)
+    fail("moe_block: gate and up must be (E, H, D*bits/32), down (E, D, H*bits/32)");
+  if (gate[0].ndim() != 3 || up[0].shape() != gate[0].shape() || down[0].shape(0) != gate[0].shape(0) ||
+      gate[0].shape(0) != E)
+    fail("moe_block: gate, up, down must hold the router's experts (E, ., .)");
+  need_f32(h, "moe_block", "h");
+  need_f32(norm, "moe_block", "the norm weight");
+  if (h.shape() != x.shape() || norm.ndim() != 1 || norm.shape(0) != D)
+    fail("moe_block: h must be x's shape and the norm weight (D,)");
+  if (among && (among->dtype() != mx::uint32 || among->shape(-1) < k || among->size() / among->shape(-1) != T))
+    fail("moe_block: among must be uint32 (..., M), M >= k, a row per token");
+  std::vector<mx::array> in{x, router[0], router[1], router[2]};
+  for (auto* part : {&gate, &up, &down}) in.insert(in.end(), part->begin(), part->end());
+  in.push_back(h);
+  in.push_back(norm);
+  if (among) in.push_back(*among);
+  mx::Shape ids(x.shape().begin(), x.shape().end());
+  ids.back() = k;
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto out = mx::array::make_arrays({x.shape(), x.shape(), ids, ids}, {mx::float32, mx::float32, mx::uint32, mx::float32},
+                                    std::make_shared<MoeBlockOp>(s, router_group_size, k, norm_topk, (bool)among,
+                                                                 group_size, eps),
+                                    std::move(in));
+  return {out[0], out[1], out[2]};
 }
 
 // A (B,) int32 array of per-sequence values (rope's offsets, attention's first keys), checked.
@@ -1324,9 +1448,9 @@ NB_MODULE(_kernels, m) {
         "calls build, from one call. Returns [h + attention, its norm, keys, values].");
   m.def("moe_block", &edge0::moe_block_op, "x"_a, "h"_a, "router"_a, "router_group_size"_a, "k"_a, "norm_topk"_a,
         "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a,
-        "One sequence's new token through an MoE block of resident experts: qmv of the router, softmax_topk (among "
-        "the candidates when given), glu, combine, add_rms_norm with h; the nodes those calls build, from one call. "
-        "Returns [h + the experts' sum, its norm, the routed ids].");
+        "A new token (one a row) through an MoE block of resident experts: qmv of the router, softmax_topk (among "
+        "the candidates when given), glu, combine, add_rms_norm with h, as one node with the bits of the nodes those "
+        "calls build. Returns [h + the experts' sum, its norm, the routed ids].");
   m.def("log_softmax", &edge0::log_softmax_op, "x"_a,
         "x - logsumexp(x) over the last axis as one node, the bits of MLX's x - mx.logsumexp(x, axis=-1, keepdims=True) "
         "(float32).");

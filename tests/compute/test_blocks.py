@@ -101,3 +101,42 @@ def test_the_blocks_arguments_follow_replaced_weights(monkeypatch):
         want = _layer_step(model, cache, 7, False, monkeypatch)
     assert not np.array_equal(before, after)
     assert np.array_equal(after, want)
+
+
+def test_a_decode_step_is_one_node_for_each_layers_kv_writes_and_one_for_its_moe_block():
+    """The default step's graph: per layer one Edge0KVPairWrite (both cache writes), one attention node and one
+    Edge0MoeBlock (router, top-k, experts, add-norm); no separate top-k, GLU or KV write node is left."""
+    from edge0.bench_kernels import node_counts
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine, \
+            engine.kernel.active():
+        model, cache = engine.store.model, None
+        cache = [KVCache() for _ in model.layers]
+        mx.eval(model(mx.array([engine.encode_text("def f(x):\n    return")], dtype=mx.uint32), cache=cache))
+        nodes = node_counts(model(mx.array([[7]], dtype=mx.uint32), cache=cache))
+    layers = 6
+    assert nodes["Edge0KVPairWrite"] == nodes["Edge0MoeBlock"] == nodes["Edge0DecodeAttention+AddRMSNorm"] == layers
+    assert not {"Edge0KVWrite", "Edge0QMV+SoftmaxTopK", "Edge0GLU+AddRMSNorm"} & set(nodes)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(among=mx.zeros((1, 1, 8), dtype=mx.int32)), "among must be uint32"),
+    (dict(k=33), "1 <= k <= E"),
+    (dict(h=mx.zeros((1, 1, 128))), "h must be x's shape"),
+])
+def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
+    """ext.moe_block names what is wrong (the extension's message), never a crash in the kernel."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine:
+        block = engine.store.model.model.layers[0].mlp
+        args = blocks._moe_args(EXT, block, block.executor.resident, mx.ones((256,)), mx.zeros((1, 1, 256)))
+        router, router_gs, parts, gs = args
+        call = dict(x=mx.zeros((1, 1, 256)), h=mx.zeros((1, 1, 256)), k=4, among=None)
+        call.update(bad)
+        with pytest.raises(ValueError, match=f"moe_block: .*{match}"):
+            EXT.moe_block(call["x"], call["h"], router, router_gs, call["k"], True, call["among"], *parts, gs,
+                          mx.ones((256,)), 1e-6)

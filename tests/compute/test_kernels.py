@@ -880,7 +880,8 @@ def test_edge0_decode_graph_has_fewer_nodes(models):
     from edge0.bench_kernels import graph_nodes
 
     mlx_nodes, edge0_nodes = (graph_nodes(str(models("qwen3_moe")), k) for k in ("mlx", "edge0"))
-    assert any(name.startswith("Edge0GLU") for name in edge0_nodes) and "Edge0GLU" not in mlx_nodes
+    assert any(name.startswith("Edge0GLU") or name == "Edge0MoeBlock" for name in edge0_nodes)
+    assert "Edge0GLU" not in mlx_nodes and "Edge0MoeBlock" not in mlx_nodes
     assert sum(edge0_nodes.values()) < 0.4 * sum(mlx_nodes.values())
 
 
@@ -928,8 +929,8 @@ def test_decoder_stack_fuses_each_residual_add_with_the_next_norm(models):
     assert mx.array_equal(runs[True][0], runs[False][0]) and mx.array_equal(runs[True][1], runs[False][1])
     layers = len(inner.layers)
     nodes = runs[True][2]  # a decode step: each add-norm runs the node of its residual (attention, experts)
-    assert nodes["Edge0DecodeAttention+AddRMSNorm"] == nodes["Edge0GLU+AddRMSNorm"] == layers and "Add" not in nodes
-    assert "Edge0DecodeAttention" not in nodes and "Edge0GLU" not in nodes
+    assert nodes["Edge0DecodeAttention+AddRMSNorm"] == nodes["Edge0MoeBlock"] == layers and "Add" not in nodes
+    assert "Edge0DecodeAttention" not in nodes and "Edge0GLU" not in nodes and "Edge0SoftmaxTopK" not in nodes
     assert runs[False][2]["Add"] >= 2 * layers and "Edge0AddRMSNorm" not in runs[False][2]
     use_kernel("mlx")
     assert "Edge0AddRMSNorm" not in node_counts(store.model(mx.array([[7]]), cache=make_prompt_cache(store.model)))
