@@ -739,13 +739,20 @@ class AddRMSNormOp : public MultiOp {
       : MultiOp(s), eps_(eps), r_(std::move(r)), name_(r_.name("Edge0AddRMSNorm")) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     dispatch(inputs, outputs, [eps = eps_, rn = r_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-      std::vector<float> xt, rt, wt;
-      const int64_t n = out[0].size(), D = out[0].shape(-1);
-      const size_t at = rn.from ? rn.inputs : 0;  // x, then r unless run here, then w
-      add_norm(dense_data<float>(in[at], xt), rn.values(in, 1, n, rt), dense_data<float>(in[rn.from ? at + 1 : 2], wt),
-               eps, n, D, out[0].data<float>(), out[1].data<float>());
+      run(in, out[0].data<float>(), out[1].data<float>(), out[0].size(), out[0].shape(-1), eps, rn);
     });
   }
+
+  // the node's work on its inputs, into h and out (n values in rows of D)
+  static void run(const std::vector<mx::array>& in, float* h, float* out, int64_t n, int64_t D, float eps,
+                  const Absorbed& rn) {
+    std::vector<float> xt, rt, wt;
+    const size_t at = rn.from ? rn.inputs : 0;  // x, then r unless run here, then w
+    add_norm(dense_data<float>(in[at], xt), rn.values(in, 1, n, rt), dense_data<float>(in[rn.from ? at + 1 : 2], wt),
+             eps, n, D, h, out);
+  }
+  float eps() const { return eps_; }
+  const Absorbed& absorbed() const { return r_; }
 
   // h = x + r element by element, then out = rms_norm(h): n values in rows of D
   static void add_norm(const float* x, const float* r, const float* w, float eps, int64_t n, int64_t D, float* h,
@@ -942,6 +949,16 @@ class KVPairWriteOp : public MultiOp {
   KVPairWriteOp(mx::Stream s, int64_t offset, size_t nk, Rotation rk, Projection pk, Projection pv)
       : MultiOp(s), offset_(offset), nk_(nk), rk_(rk), pk_(pk), pv_(pv) {}
 
+  // the node's work on its inputs: the keys' rows into keys, the values' into values (each buffer copied in first
+  // where it could not pass its storage on)
+  auto writer() const {
+    return [offset = offset_, nk = nk_, rk = rk_, pk = pk_, pv = pv_](const std::vector<mx::array>& in, bool ck,
+                                                                       bool cv, float* keys, float* values) {
+      write_rows({in.begin(), in.begin() + nk}, ck, keys, offset, rk, pk);
+      write_rows({in.begin() + nk, in.end()}, cv, values, offset, Rotation{}, pv);
+    };
+  }
+
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     // Each output of a node keeps its own list of the node's inputs (mx::array::make_arrays), so a buffer is held
     // twice and never donatable: the other output's list goes now (MLX clears both once the node is evaluated).
@@ -952,12 +969,12 @@ class KVPairWriteOp : public MultiOp {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, ck, cv, offset = offset_, nk = nk_, rk = rk_, pk = pk_, pv = pv_]() mutable {
+    enc.dispatch([inputs, outputs, ck, cv, w = writer()]() mutable {
       ProfileScope scope([] { return std::string("Edge0KVPairWrite"); });
-      write_rows({inputs.begin(), inputs.begin() + nk}, ck, outputs[0].data<float>(), offset, rk, pk);
-      write_rows({inputs.begin() + nk, inputs.end()}, cv, outputs[1].data<float>(), offset, Rotation{}, pv);
+      w(inputs, ck, cv, outputs[0].data<float>(), outputs[1].data<float>());
     });
   }
+  size_t keys_at() const { return nk_ - 1; }
   const char* name() const override { return "Edge0KVPairWrite"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const KVPairWriteOp&>(other);
@@ -969,6 +986,48 @@ class KVPairWriteOp : public MultiOp {
   size_t nk_;
   Rotation rk_;
   Projection pk_, pv_;
+};
+
+// A layer's attention block for a new token, as one node: the KV pair write (KVPairWriteOp's work), then the
+// add-norm that runs the attention and its output projection (AddRMSNormOp's work, on the buffers just written), so
+// the bits of those two nodes. Inputs: the pair's (`np`), then the add-norm's without the two buffers it reads
+// (which stood at `at` and `at + 1`); outputs: h + attention, its norm, the keys and values buffers.
+class AttentionBlockOp : public MultiOp {
+ public:
+  AttentionBlockOp(mx::Stream s, std::shared_ptr<KVPairWriteOp> pair, size_t np, std::shared_ptr<AddRMSNormOp> norm,
+                   size_t at)
+      : MultiOp(s), pair_(std::move(pair)), np_(np), norm_(std::move(norm)), at_(at) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs)  // (see KVPairWriteOp) the buffers' other holders go, so that they can pass on
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    const bool ck = take_buffer(inputs[pair_->keys_at()], outputs[2], stream());
+    const bool cv = take_buffer(inputs[np_ - 1], outputs[3], stream());
+    for (size_t i : {size_t(0), size_t(1)}) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    enc.dispatch([inputs, outputs, ck, cv, write = pair_->writer(), np = np_, eps = norm_->eps(),
+                  rn = norm_->absorbed(), at = at_]() mutable {
+      ProfileScope scope([] { return std::string("Edge0AttentionBlock"); });
+      write({inputs.begin(), inputs.begin() + np}, ck, cv, outputs[2].data<float>(), outputs[3].data<float>());
+      std::vector<mx::array> in(inputs.begin() + np, inputs.end());
+      in.insert(in.begin() + at, {outputs[2], outputs[3]});
+      AddRMSNormOp::run(in, outputs[0].data<float>(), outputs[1].data<float>(), outputs[0].size(),
+                        outputs[0].shape(-1), eps, rn);
+    });
+  }
+  const char* name() const override { return "Edge0AttentionBlock"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const AttentionBlockOp&>(other);
+    return np_ == o.np_ && at_ == o.at_ && pair_->is_equivalent(*o.pair_) && norm_->is_equivalent(*o.norm_);
+  }
+
+ private:
+  std::shared_ptr<KVPairWriteOp> pair_;
+  size_t np_;
+  std::shared_ptr<AddRMSNormOp> norm_;
+  size_t at_;
 };
 
 // Inputs: q (B*heads*Dh values)[, norm (Dh,)][, positions (B,)][, starts (B,)], keys, values (B, Hkv, C, Dh);
@@ -1305,7 +1364,22 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
   auto out = decode_attention_op(projection(x, q, lora_scale, group_size), q_norm, new_keys, new_values, offset, q_eps,
                                  dims, traditional, base, rope_scale, scale, positions, starts);
   auto hx = add_rms_norm_op(h, projection(out, o, lora_scale, group_size), post_norm, post_eps);
-  return {hx[0], hx[1], new_keys, new_values};
+  // the pair and the add-norm (running the attention) as one node, the add-norm reading the buffers it writes
+  auto norm = std::dynamic_pointer_cast<AddRMSNormOp>(hx[0].primitive_ptr());
+  const auto& nin = hx[0].inputs();
+  size_t at = 0;
+  while (at + 1 < nin.size() && !(nin[at].id() == new_keys.id() && nin[at + 1].id() == new_values.id())) at++;
+  if (!norm || !norm->absorbed().from || at + 1 >= nin.size()) return {hx[0], hx[1], new_keys, new_values};
+  std::vector<mx::array> block = kv[0].inputs();
+  const size_t np = block.size();
+  block.insert(block.end(), nin.begin(), nin.begin() + at);
+  block.insert(block.end(), nin.begin() + at + 2, nin.end());
+  auto res = mx::array::make_arrays(
+      {h.shape(), h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32, mx::float32},
+      std::make_shared<AttentionBlockOp>(hx[0].primitive().stream(),
+                                         std::static_pointer_cast<KVPairWriteOp>(kv[0].primitive_ptr()), np, norm, at),
+      std::move(block));
+  return res;
 }
 
 // One new token's MoE block for each of its rows (one sequence, or a served batch) with every expert resident: the

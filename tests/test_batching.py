@@ -216,7 +216,7 @@ def test_a_batchs_step_graph_is_as_small_as_one_sequences():
         ids = engine.encode_text(" ".join(PROMPTS) * 4)
         one, four = (tool.measure(engine, ids, size, args) for size in (1, 4))
     assert one["nodes"] == four["nodes"]
-    assert four["step_ms"] > 0 and any(k.startswith("Edge0DecodeAttention") for k in four["kernel_ms"]) and "Edge0KVPairWrite" in four["kernel_ms"]
+    assert four["step_ms"] > 0 and "Edge0AttentionBlock" in four["kernel_ms"]
 
 
 @pytest.mark.skipif(not kernels.available(), reason="edge0 kernels not built")

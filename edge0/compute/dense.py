@@ -163,10 +163,10 @@ def _turn(rope, q_weight, k_weight) -> tuple | None:
 
 def attention_block(layer: nn.Module, h: mx.array, x: mx.array, mask, cache) -> tuple | None:
     """(h + the attention of x, the post-attention norm of that) for one new token a sequence on the edge0 kernel,
-    one sequence or a served batch: the nodes decode_attention and add_norm build (projections with their adapters,
-    the KV writes, the attention, the output projection, the add-norm), made by one call into the extension instead
-    of about a dozen Python calls, the same graph and so the same bits; None where it does not apply (the caller
-    builds them one by one)."""
+    one sequence or a served batch: what the nodes decode_attention and add_norm build compute (projections with
+    their adapters, the KV writes, the attention, the output projection, the add-norm), as one node
+    (Edge0AttentionBlock) made by one call into the extension instead of about a dozen Python calls, with those
+    nodes' bits; None where it does not apply (the caller builds them one by one)."""
     ext = current().ext
     attn = layer["self_attn"]
     if (ext is None or type(attn) is not KernelQwen3Attention or cache is None or cache.keys is None

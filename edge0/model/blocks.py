@@ -61,9 +61,9 @@ class SoftmaxMoeBlock(nn.Module):
     def add_norm(self, h: mx.array, x: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array] | None:
         """(h + self(x), norm(h + self(x))) for one new token a sequence (one sequence or a served batch) with every
         expert resident, on the edge0 kernel: the router, its top-k (among the candidates decided ahead, under
-        predicted routing), the experts' SwiGLU, their weighted sum and the add-norm from one call into the
-        extension, the nodes those build one by one and so the same bits; None where that does not apply (the
-        caller runs self(x) and add_norm)."""
+        predicted routing), the experts' SwiGLU, their weighted sum and the add-norm as one node (Edge0MoeBlock)
+        from one call into the extension, with the bits of the nodes those build one by one; None where that does
+        not apply (the caller runs self(x) and add_norm)."""
         ext = current().ext
         resident = getattr(self.executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
         if (ext is None or resident is None or self.shared or x.ndim != 3 or x.shape[1] != 1 or x.dtype != mx.float32
