@@ -729,6 +729,31 @@ class RouterOp : public MultiOp {
   const char* name_;
 };
 
+// A decode step's log-probabilities as one node: log_softmax (LogSoftmaxOp's function) of each row of x (B, 1, V),
+// the step's logits, computed here where they are the LM head's product not yet evaluated (Absorbed); outputs (B, V)
+// and the first row again as (V,) (what one sequence's step returns): no slice or squeeze node beside it.
+class StepLogSoftmaxOp : public MultiOp {
+ public:
+  StepLogSoftmaxOp(mx::Stream s, Absorbed x) : MultiOp(s), x_(std::move(x)), name_(x_.name("Edge0LogSoftmax")) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(inputs, outputs, [xn = x_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      const int64_t V = out[0].shape(-1), B = out[0].size() / V;
+      std::vector<float> t;
+      float* lp = out[0].data<float>();
+      log_softmax(xn.values(in, 0, B * V, t), B, V, lp);
+      std::copy(lp, lp + V, out[1].data<float>());
+    });
+  }
+  const char* name() const override { return name_; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return x_ == static_cast<const StepLogSoftmaxOp&>(other).x_;
+  }
+
+ private:
+  Absorbed x_;  // the LM head's product, run here
+  const char* name_;
+};
+
 // A decoder layer's residual add and the RMS norm after it as one node: h = x + r (MLX's Add, element by element)
 // and rms_norm(h) (Edge0RMSNorm's bits). Inputs x, r (same shape), w (D,); outputs h, n. Where r is a node not yet
 // evaluated that Computes (the attention block's output, the MoE block's combined experts), this node runs r's node
@@ -1132,6 +1157,16 @@ static mx::array log_softmax_op(const mx::array& x) {
   return mx::array(x.shape(), mx::float32, std::make_shared<LogSoftmaxOp>(s), {x});
 }
 
+static std::vector<mx::array> step_log_softmax_op(const mx::array& x) {
+  need_f32(x, "step_log_softmax", "x");
+  if (x.ndim() != 3 || x.shape(1) != 1 || x.shape(0) < 1 || x.shape(2) < 1)
+    throw std::invalid_argument("edge0 step_log_softmax: x (B, 1, V), a step's logits");
+  auto s = mx::default_stream(mx::Device::cpu);
+  const Absorbed from = absorbable_node(x);  // the LM head's product runs inside this node
+  return mx::array::make_arrays({{x.shape(0), x.shape(2)}, {x.shape(2)}}, {mx::float32, mx::float32},
+                                std::make_shared<StepLogSoftmaxOp>(s, from), leading(x, from));
+}
+
 static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::array& r, const mx::array& w, float eps) {
   need_f32(x, "add_rms_norm", "x");
   need_f32(r, "add_rms_norm", "r");
@@ -1528,6 +1563,9 @@ NB_MODULE(_kernels, m) {
   m.def("log_softmax", &edge0::log_softmax_op, "x"_a,
         "x - logsumexp(x) over the last axis as one node, the bits of MLX's x - mx.logsumexp(x, axis=-1, keepdims=True) "
         "(float32).");
+  m.def("step_log_softmax", &edge0::step_log_softmax_op, "x"_a,
+        "A decode step's log-probabilities from its logits x (B, 1, V): [(B, V), the first row as (V,)], one node "
+        "with log_softmax's bits (running the LM head's product when x is that node, not yet evaluated).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from .compute.dense import log_softmax
+from .compute.dense import step_log_softmax
 from .generation import Figures, GenRequest, TextOut, _counters
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -114,8 +114,8 @@ class BatchDecoder:
     def _first_step(self, seq: Sequence, cache: list) -> int:
         """The sequence's last prompt token through the model alone; its first token."""
         rt = self.engine.store.runtime
-        logits = self.engine.store.model(mx.array([[seq.next_input]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        token = seq.sample(log_softmax(logits))
+        logits = self.engine.store.model(mx.array([[seq.next_input]], dtype=mx.uint32), cache=cache)
+        token = seq.sample(step_log_softmax(logits)[0])
         mx.eval(token)
         rt.fence.sync()
         seq.fed.append(seq.next_input)
@@ -177,8 +177,7 @@ class BatchDecoder:
     def _build(self, inputs: mx.array) -> mx.array:
         """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
         _share_offsets(self.cache)
-        logits = self.engine.store.model(inputs, cache=self.cache)[:, -1, :]  # (B, V)
-        logprobs = log_softmax(logits)
+        logprobs = step_log_softmax(self.engine.store.model(inputs, cache=self.cache))[0]  # (B, V)
         if all(s.req.temp == 0 for s in self.seqs):
             return mx.argmax(logprobs, axis=-1)
         return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)

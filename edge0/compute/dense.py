@@ -41,6 +41,18 @@ def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def step_log_softmax(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """A decode step's log-probabilities from its logits (B, L, V): those of the last position (B, V), and of the
+    first row's as (V,). One node on the edge0 kernel for one new token a row (it runs the LM head's product too,
+    where MLX adds a slice, a squeeze and the product's node), log_softmax's bits."""
+    ext = current().ext
+    if ext is not None and logits.dtype == mx.float32 and logits.ndim == 3 and logits.shape[1] == 1:
+        lp, first = ext.step_log_softmax(logits)
+        return lp, first
+    lp = log_softmax(logits[:, -1, :])
+    return lp, lp[0]
+
+
 def linear(x: mx.array, layer: nn.Linear) -> mx.array:
     """layer(x) for a float nn.Linear; on the edge0 kernel one node whose every output is one fixed-order sum, so
     a batch's rows equal the same rows run alone (MLX's matmul may round a batch otherwise, per BLAS)."""

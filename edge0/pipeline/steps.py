@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from ..compute.dense import log_softmax
+from ..compute.dense import step_log_softmax
 from ..sched.trace import NULL, now_us
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -81,12 +81,11 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     y = _prefill(model, mx.array(prompt, dtype=mx.uint32), cache, sync, runtime)
 
     def step(tokens: mx.array, n: int) -> tuple[mx.array, mx.array]:
-        logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, V)
-        logprobs = log_softmax(logits)
+        logprobs, first = step_log_softmax(model(tokens[None], cache=cache))  # (1, V), (V,)
         sampled = sampler(logprobs)
         if forced is not None:
             sampled = mx.array(forced[n: n + 1], dtype=sampled.dtype)
-        return sampled, logprobs.squeeze(0)
+        return sampled, first
 
     flush = getattr(runtime, "flush", None)  # scheduled routing: the last layers' predictions, planned on the
     settle = getattr(runtime, "settle", lambda: None)  # planner thread as the step evaluates, settled before the fence

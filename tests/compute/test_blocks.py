@@ -141,3 +141,28 @@ def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
         with pytest.raises(ValueError, match=f"moe_block: .*{match}"):
             EXT.moe_block(call["x"], call["h"], router, router_gs, call["k"], True, call["among"], *parts, gs,
                           mx.ones((256,)), 1e-6)
+
+
+def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
+    """step_log_softmax: the LM head's product and the log-softmax of the step's one position in one node, with the
+    bits of the product, the slice and log_softmax run apart, for one sequence and a batch; (V,) the first row."""
+    from edge0.bench_kernels import node_counts
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    use_kernel("edge0")
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
+                                  prompt_cache_gib=0)) as engine:
+        head = engine.store.model["lm_head"]
+        for rows in (1, 3):
+            x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+            mx.eval(x)
+            lp, first = dense.step_log_softmax(head(x))
+            assert node_counts(lp) == {"Edge0QMV+LogSoftmax": 1}
+            want = head(x)
+            mx.eval(want)
+            want = dense.log_softmax(want[:, -1, :])
+            assert lp.shape == (rows, 4096) and first.shape == (4096,)
+            assert mx.array_equal(lp, want) and mx.array_equal(first, want[0])
+    with pytest.raises(ValueError, match="edge0 step_log_softmax: x \\(B, 1, V\\)"):
+        EXT.step_log_softmax(mx.zeros((1, 2, 8)))
