@@ -1367,11 +1367,11 @@ static mx::array projection(const mx::array& x, const std::vector<mx::array>& p,
 }
 
 // One new token's whole attention block for one sequence (or a left-padded batch: positions, each sequence's
-// rotation offset, and starts, its first key, as decode_attention takes them): its k, v and q projections, the two KV writes, the
-// attention, the output projection and the residual add with the RMS norm after it -- the nodes that
-// decode_attention and add_norm of compute/dense.py build, in that order and with the same inputs, so the same bits,
-// from one call instead of seven (each call from Python costs microseconds). Returns (h + attention, its norm, the
-// keys buffer, the values buffer).
+// rotation offset, and starts, its first key, as decode_attention takes them): its k, v and q projections, the two
+// KV writes, the attention, the output projection and the residual add with the RMS norm after it, as one node
+// (AttentionBlockOp) with the bits of the nodes decode_attention and add_norm of compute/dense.py build, from one
+// call instead of seven (each call from Python costs microseconds). Returns (h + attention, its norm, the keys
+// buffer, the values buffer).
 static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::array& h,
                                                  const std::vector<mx::array>& q, const std::vector<mx::array>& k,
                                                  const std::vector<mx::array>& v, const std::vector<mx::array>& o,
@@ -1382,39 +1382,71 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
                                                  const mx::array& post_norm, float post_eps,
                                                  const std::optional<mx::array>& positions,
                                                  const std::optional<mx::array>& starts) {
-  // the two KV writes kv_write_op builds, as one node
-  auto wk = kv_write_op(projection(x, k, lora_scale, group_size), k_norm, keys, offset, k_eps, dims, traditional, base,
-                        rope_scale, positions);
-  auto wv = kv_write_op(projection(x, v, lora_scale, group_size), std::nullopt, values, offset, 0.0f, 0, false,
-                        10000.0f, 1.0f, std::nullopt);
-  auto& pk = static_cast<KVWriteOp&>(wk.primitive());
-  auto& pv = static_cast<KVWriteOp&>(wv.primitive());
-  std::vector<mx::array> in = wk.inputs();
-  in.insert(in.end(), wv.inputs().begin(), wv.inputs().end());
-  auto kv = mx::array::make_arrays({keys.shape(), values.shape()}, {mx::float32, mx::float32},
-                                   std::make_shared<KVPairWriteOp>(wk.primitive().stream(), offset, wk.inputs().size(),
-                                                                   pk.rotation(), pk.projection(), pv.projection()),
-                                   std::move(in));
-  auto new_keys = kv[0], new_values = kv[1];
-  auto out = decode_attention_op(projection(x, q, lora_scale, group_size), q_norm, new_keys, new_values, offset, q_eps,
-                                 dims, traditional, base, rope_scale, scale, positions, starts);
-  auto hx = add_rms_norm_op(h, projection(out, o, lora_scale, group_size), post_norm, post_eps);
-  // the pair and the add-norm (running the attention) as one node, the add-norm reading the buffers it writes
-  auto norm = std::dynamic_pointer_cast<AddRMSNormOp>(hx[0].primitive_ptr());
-  const auto& nin = hx[0].inputs();
-  size_t at = 0;
-  while (at + 1 < nin.size() && !(nin[at].id() == new_keys.id() && nin[at + 1].id() == new_values.id())) at++;
-  if (!norm || !norm->absorbed().from || at + 1 >= nin.size()) return {hx[0], hx[1], new_keys, new_values};
-  std::vector<mx::array> block = kv[0].inputs();
-  const size_t np = block.size();
-  block.insert(block.end(), nin.begin(), nin.begin() + at);
-  block.insert(block.end(), nin.begin() + at + 2, nin.end());
-  auto res = mx::array::make_arrays(
+  // The node's inputs are laid out as the nodes kv_write_op, decode_attention_op, the output projection and
+  // add_rms_norm_op would build them (their projections absorbed), checked as they check them.
+  auto bad = [](const std::string& what) { throw std::invalid_argument("edge0 attention_block: " + what); };
+  const int64_t rows = check_x(x, group_size), D = x.shape(-1);
+  auto proj = [&](const std::vector<mx::array>& p, int64_t width, const char* name) {
+    if (p.size() != 3 && p.size() != 5) bad(std::string(name) + " is (w, scales, biases[, lora_a, lora_b])");
+    const int64_t N = check_weights(p[0], p[1], p[2], width, group_size);
+    if (p[0].ndim() != 2) bad(std::string(name) + ": w must be (N, D*bits/32)");
+    if (p.size() == 5 && (p[3].dtype() != mx::float32 || p[4].dtype() != mx::float32 || p[3].ndim() != 2 ||
+                          p[4].ndim() != 2 || p[3].shape(0) != width || p[4].shape(1) != N ||
+                          p[3].shape(1) != p[4].shape(0) || p[3].shape(1) < 1))
+      bad(std::string(name) + ": lora_a must be (D, r) and lora_b (r, N), float32");
+    return std::make_pair(Projection{(int)p.size() + 1, group_size, p.size() == 5 ? lora_scale : 0.f}, N);
+  };
+  const auto [pq, Nq] = proj(q, D, "q");
+  const auto [pk, Nk] = proj(k, D, "k");
+  const auto [pv, Nv] = proj(v, D, "v");
+  const auto [po, No] = proj(o, Nq, "o");
+  if (!is_cache_buffer(keys) || keys.shape() != values.shape() || values.dtype() != mx::float32 || offset < 0 ||
+      offset >= keys.shape(2))
+    bad("keys and values (B, Hkv, C, Dh) float32, 0 <= offset < C");
+  const int64_t B = keys.shape(0), Hkv = keys.shape(1), Dh = keys.shape(3);
+  if (rows != B || Nk != Hkv * Dh || Nv != Hkv * Dh || Nq % (Hkv * Dh) != 0)
+    bad("x a row per sequence, k and v projections to Hkv heads of Dh, q to a multiple of them");
+  if (dims < 0 || dims % 2 || dims > Dh) bad("rope dims even, at most Dh (0: none)");
+  for (auto* n : {&q_norm, &k_norm})
+    if (n->dtype() != mx::float32 || n->ndim() != 1 || n->shape(0) != Dh) bad("q and k norm weights (Dh,) float32");
+  need_rows(positions, B, "attention_block", "positions");
+  need_rows(starts, B, "attention_block", "starts");
+  need_f32(h, "attention_block", "h");
+  need_f32(post_norm, "attention_block", "the norm weight");
+  if (h.shape() != mx::Shape{(int)B, 1, (int)No} || post_norm.ndim() != 1 || post_norm.shape(0) != No)
+    bad("h (B, 1, N) of the o projection's width N, the norm weight (N,)");
+  auto s = mx::default_stream(mx::Device::cpu);
+  // the KV pair: the keys' write (x, k..., k_norm[, positions], keys), then the values' (x, v..., values)
+  std::vector<mx::array> in{x};
+  in.insert(in.end(), k.begin(), k.end());
+  in.push_back(k_norm);
+  if (positions) in.push_back(*positions);
+  in.push_back(keys);
+  const size_t nk = in.size();
+  in.push_back(x);
+  in.insert(in.end(), v.begin(), v.end());
+  in.push_back(values);
+  const size_t np = in.size();
+  // the add-norm running the attention: (x, q..., q_norm[, positions][, starts], <keys, values>, o...), h, post_norm
+  const size_t first = in.size();
+  in.push_back(x);
+  in.insert(in.end(), q.begin(), q.end());
+  in.push_back(q_norm);
+  if (positions) in.push_back(*positions);
+  if (starts) in.push_back(*starts);
+  const size_t at = in.size() - first;
+  in.insert(in.end(), o.begin(), o.end());
+  const int attention_inputs = (int)(in.size() - first + 2);
+  in.push_back(h);
+  in.push_back(post_norm);
+  const Rotation rk{true, (bool)positions, k_eps, dims, traditional, base, rope_scale};
+  const Rotation rq{true, (bool)positions, q_eps, dims, traditional, base, rope_scale};
+  auto attention = std::make_shared<DecodeAttentionOp>(s, offset, rq, (bool)starts, scale, pq, po);
+  auto pair = std::make_shared<KVPairWriteOp>(s, offset, nk, rk, pk, pv);
+  auto norm = std::make_shared<AddRMSNormOp>(s, post_eps, Absorbed{attention, attention_inputs});
+  return mx::array::make_arrays(
       {h.shape(), h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32, mx::float32},
-      std::make_shared<AttentionBlockOp>(hx[0].primitive().stream(),
-                                         std::static_pointer_cast<KVPairWriteOp>(kv[0].primitive_ptr()), np, norm, at),
-      std::move(block));
-  return res;
+      std::make_shared<AttentionBlockOp>(s, pair, np, norm, at), std::move(in));
 }
 
 // One new token's MoE block for each of its rows (one sequence, or a served batch) with every expert resident: the
