@@ -967,72 +967,50 @@ class KVWriteOp : public DenseOp {
   Projection p_;
 };
 
-// A layer's two KV writes as one node, the keys' write then the values' (each the function of its Edge0KVWrite):
-// inputs the keys write's (its last the keys buffer, `nk` in all), then the values write's; outputs the two buffers.
-class KVPairWriteOp : public MultiOp {
- public:
-  KVPairWriteOp(mx::Stream s, int64_t offset, size_t nk, Rotation rk, Projection pk, Projection pv)
-      : MultiOp(s), offset_(offset), nk_(nk), rk_(rk), pk_(pk), pv_(pv) {}
+// A layer's two KV writes, the keys' then the values' (each the function of its Edge0KVWrite), for a node that runs
+// them: its inputs start with the keys write's (the last of them the keys buffer, `nk` in all), then the values'.
+struct KVPair {
+  int64_t offset;
+  size_t nk;
+  Rotation rk;
+  Projection pk, pv;
 
-  // the node's work on its inputs: the keys' rows into keys, the values' into values (each buffer copied in first
-  // where it could not pass its storage on)
+  // the keys' rows into keys, the values' into values (each buffer copied in first where it could not pass its
+  // storage on)
   auto writer() const {
-    return [offset = offset_, nk = nk_, rk = rk_, pk = pk_, pv = pv_](const std::vector<mx::array>& in, bool ck,
-                                                                       bool cv, float* keys, float* values) {
+    return [offset = offset, nk = nk, rk = rk, pk = pk, pv = pv](const std::vector<mx::array>& in, bool ck, bool cv,
+                                                                 float* keys, float* values) {
       write_rows({in.begin(), in.begin() + nk}, ck, keys, offset, rk, pk);
       write_rows({in.begin() + nk, in.end()}, cv, values, offset, Rotation{}, pv);
     };
   }
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    // Each output of a node keeps its own list of the node's inputs (mx::array::make_arrays), so a buffer is held
-    // twice and never donatable: the other output's list goes now (MLX clears both once the node is evaluated).
-    for (auto& o : outputs)
-      if (&o.inputs() != &inputs) o.inputs().clear();
-    const bool ck = take_buffer(inputs[nk_ - 1], outputs[0], stream());
-    const bool cv = take_buffer(inputs.back(), outputs[1], stream());
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, ck, cv, w = writer()]() mutable {
-      ProfileScope scope([] { return std::string("Edge0KVPairWrite"); });
-      w(inputs, ck, cv, outputs[0].data<float>(), outputs[1].data<float>());
-    });
+  bool operator==(const KVPair& o) const {
+    return offset == o.offset && nk == o.nk && rk == o.rk && pk == o.pk && pv == o.pv;
   }
-  size_t keys_at() const { return nk_ - 1; }
-  const char* name() const override { return "Edge0KVPairWrite"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const KVPairWriteOp&>(other);
-    return offset_ == o.offset_ && nk_ == o.nk_ && rk_ == o.rk_ && pk_ == o.pk_ && pv_ == o.pv_;
-  }
-
- private:
-  int64_t offset_;
-  size_t nk_;
-  Rotation rk_;
-  Projection pk_, pv_;
 };
 
-// A layer's attention block for a new token, as one node: the KV pair write (KVPairWriteOp's work), then the
+// A layer's attention block for a new token, as one node: the two KV writes (KVPair), then the
 // add-norm that runs the attention and its output projection (AddRMSNormOp's work, on the buffers just written), so
 // the bits of those two nodes. Inputs: the pair's (`np`), then the add-norm's without the two buffers it reads
 // (which stood at `at` and `at + 1`); outputs: h + attention, its norm, the keys and values buffers.
 class AttentionBlockOp : public MultiOp {
  public:
-  AttentionBlockOp(mx::Stream s, std::shared_ptr<KVPairWriteOp> pair, size_t np, std::shared_ptr<AddRMSNormOp> norm,
-                   size_t at)
-      : MultiOp(s), pair_(std::move(pair)), np_(np), norm_(std::move(norm)), at_(at) {}
+  AttentionBlockOp(mx::Stream s, KVPair pair, size_t np, std::shared_ptr<AddRMSNormOp> norm, size_t at)
+      : MultiOp(s), pair_(pair), np_(np), norm_(std::move(norm)), at_(at) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs)  // (see KVPairWriteOp) the buffers' other holders go, so that they can pass on
+    // Each output of a node keeps its own list of the node's inputs (mx::array::make_arrays), so a buffer is held
+    // once a list and never donatable: the other outputs' lists go now (MLX clears them all once the node is
+    // evaluated), so that the cache's buffers can pass on.
+    for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
-    const bool ck = take_buffer(inputs[pair_->keys_at()], outputs[2], stream());
+    const bool ck = take_buffer(inputs[pair_.nk - 1], outputs[2], stream());
     const bool cv = take_buffer(inputs[np_ - 1], outputs[3], stream());
     for (size_t i : {size_t(0), size_t(1)}) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, ck, cv, write = pair_->writer(), np = np_, eps = norm_->eps(),
+    enc.dispatch([inputs, outputs, ck, cv, write = pair_.writer(), np = np_, eps = norm_->eps(),
                   rn = norm_->absorbed(), at = at_]() mutable {
       ProfileScope scope([] { return std::string("Edge0AttentionBlock"); });
       write({inputs.begin(), inputs.begin() + np}, ck, cv, outputs[2].data<float>(), outputs[3].data<float>());
@@ -1045,11 +1023,11 @@ class AttentionBlockOp : public MultiOp {
   const char* name() const override { return "Edge0AttentionBlock"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttentionBlockOp&>(other);
-    return np_ == o.np_ && at_ == o.at_ && pair_->is_equivalent(*o.pair_) && norm_->is_equivalent(*o.norm_);
+    return np_ == o.np_ && at_ == o.at_ && pair_ == o.pair_ && norm_->is_equivalent(*o.norm_);
   }
 
  private:
-  std::shared_ptr<KVPairWriteOp> pair_;
+  KVPair pair_;
   size_t np_;
   std::shared_ptr<AddRMSNormOp> norm_;
   size_t at_;
@@ -1442,7 +1420,7 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
   const Rotation rk{true, (bool)positions, k_eps, dims, traditional, base, rope_scale};
   const Rotation rq{true, (bool)positions, q_eps, dims, traditional, base, rope_scale};
   auto attention = std::make_shared<DecodeAttentionOp>(s, offset, rq, (bool)starts, scale, pq, po);
-  auto pair = std::make_shared<KVPairWriteOp>(s, offset, nk, rk, pk, pv);
+  const KVPair pair{offset, nk, rk, pk, pv};
   auto norm = std::make_shared<AddRMSNormOp>(s, post_eps, Absorbed{attention, attention_inputs});
   return mx::array::make_arrays(
       {h.shape(), h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32, mx::float32},
