@@ -166,3 +166,31 @@ def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
             assert mx.array_equal(lp, want) and mx.array_equal(first, want[0])
     with pytest.raises(ValueError, match="edge0 step_log_softmax: x \\(B, 1, V\\)"):
         EXT.step_log_softmax(mx.zeros((1, 2, 8)))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(h=mx.zeros((1, 1, 128))), "h \\(B, 1, N\\)"),
+    (dict(offset=64), "0 <= offset < C"),
+    (dict(keys=mx.zeros((2, 2, 64, 64))), "keys and values"),
+    (dict(x=mx.zeros((2, 1, 256))), "a row per sequence"),
+    (dict(dims=63), "rope dims even"),
+    (dict(positions=mx.zeros((1,), dtype=mx.uint32)), "positions must be int32"),
+])
+def test_attention_block_refuses_bad_arguments_with_one_clear_error(bad, match):
+    """ext.attention_block checks what the nodes it stands for would check, each with one message."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
+                                  prompt_cache_gib=0)) as engine:
+        layer = engine.store.model.model.layers[0]
+        attn, post = layer["self_attn"], layer["post_attention_layernorm"]
+        x = mx.zeros((1, 1, 256))
+        q, k, v, o, lora_scale, gs, qw, qeps, kw, keps, turn, scale, pw, peps = dense._block_args(EXT, attn, post, x)
+        call = dict(x=x, h=mx.zeros((1, 1, 256)), keys=mx.zeros((1, 2, 64, 64)), values=mx.zeros((1, 2, 64, 64)),
+                    offset=3, dims=turn[0], positions=None)
+        call.update(bad)
+        with pytest.raises(ValueError, match=f"edge0 attention_block: .*{match}"):
+            EXT.attention_block(call["x"], call["h"], q, k, v, o, lora_scale, gs, qw, qeps, kw, keps, call["keys"],
+                                call["values"], call["offset"], call["dims"], *turn[1:], scale, pw, peps,
+                                call["positions"], None)
