@@ -507,9 +507,14 @@ class LinearOp : public DenseOp {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch(inputs, out, [bias = bias_](const std::vector<mx::array>& in, mx::array& o) {
       std::vector<float> xt, wt, bt;
+      std::vector<uint16_t> w16;
       const int64_t D = in[0].shape(-1), N = in[1].shape(0);
-      linear(dense_data<float>(in[0], xt), in[0].size() / D, dense_data<float>(in[1], wt),
-             bias ? dense_data<float>(in[2], bt) : nullptr, N, D, o.data<float>());
+      const float* x = dense_data<float>(in[0], xt);
+      const float* b = bias ? dense_data<float>(in[2], bt) : nullptr;
+      if (in[1].dtype() == mx::bfloat16)
+        linear(x, in[0].size() / D, dense_data<uint16_t>(in[1], w16), b, N, D, o.data<float>());
+      else
+        linear(x, in[0].size() / D, dense_data<float>(in[1], wt), b, N, D, o.data<float>());
     });
   }
   const char* name() const override { return "Edge0Linear"; }
@@ -576,13 +581,22 @@ class HeadOp : public DenseOp, public Computes {
       // where that product runs here
       const size_t b = rn.from ? rn.inputs : 0, p = prev ? 1 : 0, at = b + 2 + p, w = at + (rn.from ? 0 : 1);
       std::vector<float> xt, rt, dt, w1t, b1t, w2t, b2t;
+      std::vector<uint16_t> d16, w116, w216;
       std::vector<uint32_t> nt, pt;
       const int64_t D = in[b].shape(-1), k = in[b + 1].shape(-1), H = in[w + 1].shape(0);
       const int64_t E = (in[w].shape(1) - D) / 2, T = in[b].size() / D;
-      head(dense_data<float>(in[b], xt), dense_data<uint32_t>(in[b + 1], nt),
-           prev ? dense_data<uint32_t>(in[b + 2], pt) : nullptr, T, (int)k, D, E, rn.values(in, at, T * N, rt),
-           dense_data<float>(in[w], dt), dense_data<float>(in[w + 1], w1t), dense_data<float>(in[w + 2], b1t), H,
-           dense_data<float>(in[w + 3], w2t), dense_data<float>(in[w + 4], b2t), N, o);
+      const float* x = dense_data<float>(in[b], xt);
+      const uint32_t* now = dense_data<uint32_t>(in[b + 1], nt);
+      const uint32_t* before = prev ? dense_data<uint32_t>(in[b + 2], pt) : nullptr;
+      const float* router = rn.values(in, at, T * N, rt);
+      const float* b1 = dense_data<float>(in[w + 2], b1t);
+      const float* b2 = dense_data<float>(in[w + 4], b2t);
+      if (in[w].dtype() == mx::bfloat16)  // all three weight matrices (head_op checks)
+        head(x, now, before, T, (int)k, D, E, router, dense_data<uint16_t>(in[w], d16),
+             dense_data<uint16_t>(in[w + 1], w116), b1, H, dense_data<uint16_t>(in[w + 3], w216), b2, N, o);
+      else
+        head(x, now, before, T, (int)k, D, E, router, dense_data<float>(in[w], dt), dense_data<float>(in[w + 1], w1t),
+             b1, H, dense_data<float>(in[w + 3], w2t), b2, N, o);
     };
   }
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
@@ -1162,7 +1176,7 @@ static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::arra
 
 static mx::array linear_op(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
   need_f32(x, "linear", "x");
-  need_f32(w, "linear", "weight");
+  if (w.dtype() != mx::bfloat16) need_f32(w, "linear", "weight (or bfloat16)");
   if (bias) need_f32(*bias, "linear", "bias");
   if (x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1) ||
       (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))))
@@ -1178,7 +1192,10 @@ static mx::array linear_op(const mx::array& x, const mx::array& w, const std::op
 static mx::array head_op(const mx::array& x, const mx::array& now, const std::optional<mx::array>& prev,
                          const mx::array& router, const mx::array& delta, const mx::array& w1, const mx::array& b1,
                          const mx::array& w2, const mx::array& b2) {
-  for (auto* a : {&x, &router, &delta, &w1, &b1, &w2, &b2}) need_f32(*a, "head", "x, router and the weights");
+  for (auto* a : {&x, &router, &b1, &b2}) need_f32(*a, "head", "x, router and the biases");
+  for (auto* a : {&delta, &w2})
+    if (a->dtype() != w1.dtype() || (w1.dtype() != mx::float32 && w1.dtype() != mx::bfloat16))
+      throw std::invalid_argument("edge0 head: delta, w1 and w2 must be all float32 or all bfloat16");
   const bool ok_ids = now.dtype() == mx::uint32 && (!prev || (prev->dtype() == mx::uint32 && prev->shape() == now.shape()));
   const int64_t D = x.ndim() ? x.shape(-1) : 0, N = router.ndim() ? router.shape(-1) : 0;
   const int64_t rows = D ? x.size() / D : 0;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -438,16 +439,26 @@ void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, f
   }
 }
 
+// A weight as float: float32 as it is, bfloat16 bits widened exactly (the high half of the word).
+static inline float wval(const float* p, int64_t i) { return p[i]; }
+static inline float wval(const uint16_t* p, int64_t i) {
+  const uint32_t u = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // The sum of a[i] * b[i], i < D, in 16 lanes (i mod 16) added in order, then the lanes in a fixed tree: the same
-// bits for a row whatever else is computed beside it.
-static float dot16(const float* a, const float* b, int64_t D) {
+// bits for a row whatever else is computed beside it (and, for bfloat16 weights, the bits of their float32 values).
+template <typename W>
+static float dot16(const float* a, const W* b, int64_t D) {
   float lane[16] = {0.f};
   int64_t i = 0;
   for (; i + 16 <= D; i += 16) {
 #pragma omp simd
-    for (int j = 0; j < 16; j++) lane[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 16; j++) lane[j] += a[i + j] * wval(b, i + j);
   }
-  for (int j = 0; i + j < D; j++) lane[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < D; j++) lane[j] += a[i + j] * wval(b, i + j);
   for (int w = 8; w >= 1; w /= 2)
     for (int j = 0; j < w; j++) lane[j] += lane[j + w];
   return lane[0];
@@ -455,7 +466,8 @@ static float dot16(const float* a, const float* b, int64_t D) {
 
 // dot16 of a against 4 rows of b (b, b + D, ...) at once: 4 independent sums (a single one waits on its own
 // additions), each with exactly dot16's operations in dot16's order, so each result has dot16's bits.
-static void dot16x4(const float* a, const float* b, int64_t D, float* out) {
+template <typename W>
+static void dot16x4(const float* a, const W* b, int64_t D, float* out) {
   float lane[4][16] = {};
   int64_t i = 0;
   for (; i + 16 <= D; i += 16) {
@@ -464,18 +476,46 @@ static void dot16x4(const float* a, const float* b, int64_t D, float* out) {
     for (int o = 0; o < 4; o++) __builtin_prefetch(b + (4 + o) * D + i);
     for (int o = 0; o < 4; o++) {
 #pragma omp simd
-      for (int j = 0; j < 16; j++) lane[o][j] += a[i + j] * b[o * D + i + j];
+      for (int j = 0; j < 16; j++) lane[o][j] += a[i + j] * wval(b, o * D + i + j);
     }
   }
   for (int o = 0; o < 4; o++) {
-    for (int j = 0; i + j < D; j++) lane[o][j] += a[i + j] * b[o * D + i + j];
+    for (int j = 0; i + j < D; j++) lane[o][j] += a[i + j] * wval(b, o * D + i + j);
     for (int w = 8; w >= 1; w /= 2)
       for (int j = 0; j < w; j++) lane[o][j] += lane[o][j + w];
     out[o] = lane[o][0];
   }
 }
 
-void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out) {
+#if defined(__AVX512F__) && defined(__FMA__)
+// dot16x4 for bfloat16 weights with AVX-512: 16 weights widened in a register (zero-extend, shift into the high
+// half) and one FMA a lane, as the float32 loop compiles (-march: contracted to FMA), so the float32 loop's bits
+// for the widened values (tested).
+template <>
+void dot16x4<uint16_t>(const float* a, const uint16_t* b, int64_t D, float* out) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    for (int o = 0; o < 4; o++) __builtin_prefetch(b + (4 + o) * D + i);
+    const __m512 av = _mm512_loadu_ps(a + i);
+    for (int o = 0; o < 4; o++) {
+      const __m256i w16 = _mm256_loadu_si256((const __m256i*)(b + o * D + i));
+      acc[o] = _mm512_fmadd_ps(av, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16)), acc[o]);
+    }
+  }
+  for (int o = 0; o < 4; o++) {
+    float lane[16];
+    _mm512_storeu_ps(lane, acc[o]);
+    for (int j = 0; i + j < D; j++) lane[j] += a[i + j] * wval(b, o * D + i + j);
+    for (int w = 8; w >= 1; w /= 2)
+      for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+    out[o] = lane[0];
+  }
+}
+#endif
+
+template <typename W>
+static void linear_rows(const float* x, int64_t rows, const W* w, const float* bias, int64_t N, int64_t D, float* out) {
   const int64_t NB = 16;  // outputs per task
   parallel_for((N + NB - 1) / NB, [&](int64_t t) {
     const int64_t n1 = std::min(N, (t + 1) * NB);
@@ -490,9 +530,17 @@ void linear(const float* x, int64_t rows, const float* w, const float* bias, int
   }, spread(rows));
 }
 
-void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
-          const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
-          const float* b2, int64_t N, float* out) {
+void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out) {
+  linear_rows(x, rows, w, bias, N, D, out);
+}
+void linear(const float* x, int64_t rows, const uint16_t* w, const float* bias, int64_t N, int64_t D, float* out) {
+  linear_rows(x, rows, w, bias, N, D, out);
+}
+
+template <typename W>
+static void head_rows(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D,
+                      int64_t E, const float* router, const W* delta, const W* w1, const float* b1, int64_t H,
+                      const W* w2, const float* b2, int64_t N, float* out) {
   const int64_t F = D + 2 * E;
   std::vector<float> f(rows * F, 0.f), g(rows * H), d(rows * N), o2(rows * N);
   for (int64_t r = 0; r < rows; r++) {
@@ -503,15 +551,27 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
       if (prev && prev[r * k + j] < E) fr[D + E + prev[r * k + j]] = 1.f;
     }
   }
-  linear(f.data(), rows, w1, b1, H, F, g.data());
+  linear_rows(f.data(), rows, w1, b1, H, F, g.data());
   float* gv = g.data();
   std::vector<float> e(rows * H);  // mlx.nn.gelu: x * (1 + erf(x / sqrt(2))) / 2
   for (int64_t i = 0; i < rows * H; i++) e[i] = gv[i] / 1.41421356f;
   erf_mlx(e.data(), e.data(), rows * H);
   for (int64_t i = 0; i < rows * H; i++) gv[i] = gv[i] * (1.f + e[i]) / 2.f;
-  linear(f.data(), rows, delta, nullptr, N, F, d.data());
-  linear(g.data(), rows, w2, b2, N, H, o2.data());
+  linear_rows(f.data(), rows, delta, nullptr, N, F, d.data());
+  linear_rows(g.data(), rows, w2, b2, N, H, o2.data());
   for (int64_t i = 0; i < rows * N; i++) out[i] = router[i] + d[i] + o2[i];
+}
+
+
+void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
+          const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
+          const float* b2, int64_t N, float* out) {
+  head_rows(x, now, prev, rows, k, D, E, router, delta, w1, b1, H, w2, b2, N, out);
+}
+void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
+          const float* router, const uint16_t* delta, const uint16_t* w1, const float* b1, int64_t H,
+          const uint16_t* w2, const float* b2, int64_t N, float* out) {
+  head_rows(x, now, prev, rows, k, D, E, router, delta, w1, b1, H, w2, b2, N, out);
 }
 
 }  // namespace edge0

@@ -43,7 +43,9 @@ void softmax_topk(const float* logits, int64_t T, int64_t E, int k, bool norm, u
 
 // out[r, n] = x[r] . w[n] (+ bias[n]) for x (rows, D), w (N, D), float32: a float linear whose every output is
 // one fixed-order sum, so a row's result does not depend on the other rows (a batch equals its rows run alone).
+// w may be bfloat16 (its bits as uint16), widened exactly: the bits of float32 weights of the same values.
 void linear(const float* x, int64_t rows, const float* w, const float* bias, int64_t N, int64_t D, float* out);
+void linear(const float* x, int64_t rows, const uint16_t* w, const float* bias, int64_t N, int64_t D, float* out);
 
 // A prerouter head (edge0/model/heads.py) on rows of token state: features f = [x, multi-hot(now), multi-hot(prev)]
 // (D + 2E; ids >= E name no expert, prev null: zeros), out = (router + delta f) + fc2 gelu(fc1 f + b1) + b2, each
@@ -52,6 +54,10 @@ void linear(const float* x, int64_t rows, const float* w, const float* bias, int
 void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
           const float* router, const float* delta, const float* w1, const float* b1, int64_t H, const float* w2,
           const float* b2, int64_t N, float* out);
+// the same with delta, w1 and w2 bfloat16, widened exactly (half the bytes a step reads)
+void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t rows, int k, int64_t D, int64_t E,
+          const float* router, const uint16_t* delta, const uint16_t* w1, const float* b1, int64_t H,
+          const uint16_t* w2, const float* b2, int64_t N, float* out);
 
 // y[i] = exp(x[i]) and erf(x[i]) for i < n as MLX's CPU backend computes them (mx.exp, mx.erf), bit for bit,
 // vectorized (x == y allowed).

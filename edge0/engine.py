@@ -266,7 +266,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
     def build(reader, cdtype):
         heads = None
         if c.predictor == "heads":
-            heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k)
+            heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k).served()
         resident = c.routing == "predicted" and _resident(c, reader.manifest, cdtype)
         candidates = _candidates(c, reader.manifest, resident) if c.routing == "predicted" else None
         if resident:

@@ -58,8 +58,9 @@ def linear(x: mx.array, layer: nn.Linear) -> mx.array:
     a batch's rows equal the same rows run alone (MLX's matmul may round a batch otherwise, per BLAS)."""
     ext = current().ext
     w, b = layer["weight"], layer.get("bias")
-    if ext is not None and x.dtype == w.dtype == mx.float32 and (b is None or b.dtype == mx.float32):
-        return ext.linear(x, w, b)
+    if (ext is not None and x.dtype == mx.float32 and w.dtype in (mx.float32, mx.bfloat16)
+            and (b is None or b.dtype == mx.float32)):
+        return ext.linear(x, w, b)  # bfloat16 weights (a served head's) widened exactly
     return layer(x)
 
 

@@ -195,7 +195,7 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
     if not heads_file.exists():
         raise Edge0Error(f"{heads_file}: no prerouter heads for K={k}; the adapter trains on predicted routing, so "
                          f"train the heads first: edge0 train heads --model {store_dir} --out {heads_file} --k {k}")
-    heads = HeadSet.load(heads_file, manifest, config, top_k=top_k)
+    heads = HeadSet.load(heads_file, manifest, config, top_k=top_k).served()  # routing exactly as served
     m = candidates if candidates is not None else min(2 * heads.top_k, manifest.num_experts)
     if not heads.top_k <= m <= manifest.num_experts:
         raise Edge0Error(f"--candidates {m}: must be between K = {heads.top_k} and the model's "

@@ -622,15 +622,25 @@ def test_routing_runs_the_router_and_head_nodes_it_decides_from(prev):
 
 
 @needs_ext
-@pytest.mark.parametrize("rows,prev", [(1, True), (1, False), (6, True)])
-def test_a_served_head_is_one_node_with_the_bits_of_features_then_the_head(rows, prev):
+@pytest.mark.parametrize("rows,prev,served", [(1, True, False), (1, False, False), (6, True, False), (1, True, True),
+                                              (6, False, True)])
+def test_a_served_head_is_one_node_with_the_bits_of_features_then_the_head(rows, prev, served):
     """Head.predict on the edge0 kernel (one Edge0Head node: the multi-hot features built inside, the same products
     and MLX's gelu) gives bit for bit what features() then the head's linears give, ids >= E naming no expert
-    (a batch row that joined without a previous token); under MLX's kernel it is that composition itself."""
-    from edge0.model.heads import features
+    (a batch row that joined without a previous token); under MLX's kernel it is that composition itself. Served
+    (HeadSet.served: the weight matrices bfloat16) it is bit for bit the float32 head of the widened weights."""
+    from edge0.model.heads import HeadSet, features
 
     rng = np.random.default_rng(rows)
     head = random_head(rng)
+    if served:
+        HeadSet({2: head}, {2: 1}, 4, 512, "").served()
+        assert head.fc1.weight.dtype == head.fc2.weight.dtype == head.delta.weight.dtype == mx.bfloat16
+        widened = random_head(rng)
+        for lin, src in ((widened.fc1, head.fc1), (widened.fc2, head.fc2), (widened.delta, head.delta)):
+            lin.weight = src.weight.astype(mx.float32)
+            if "bias" in src:
+                lin.bias = src.bias
     x = mx.array(rng.standard_normal((rows, 1, 256)).astype(np.float32))
     router = mx.array(rng.standard_normal((rows, 1, 32)).astype(np.float32))
     now = mx.array(rng.choice(32, size=(rows, 1, 4)).astype(np.uint32))
@@ -647,6 +657,8 @@ def test_a_served_head_is_one_node_with_the_bits_of_features_then_the_head(rows,
     assert nodes["Edge0Head"][0] == 1 and "Edge0Linear" not in nodes
     want = head(features(x, now, before, 32), router)  # the composition, on Edge0Linear nodes
     assert np.array_equal(np.array(got), np.array(want))
+    if served:
+        assert np.array_equal(np.array(got), np.array(widened.predict(x, now, before, router)))
     use_kernel("mlx")
     plain = head.predict(x, now, before, router)
     assert rel(plain, np.array(want).astype(np.float64)) < 1e-5
