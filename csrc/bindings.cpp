@@ -379,14 +379,18 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
                    with_idx({x, w, scales, biases}, idx, s));
 }
 
+// Whether an adapter's lora_a and lora_b are (D, r) and (r, N), r >= 1, float32: a projection from D to N.
+static bool lora_fits(const mx::array& a, const mx::array& b, int64_t D, int64_t N) {
+  return a.dtype() == mx::float32 && b.dtype() == mx::float32 && a.ndim() == 2 && b.ndim() == 2 && a.shape(0) == D &&
+         b.shape(1) == N && a.shape(1) == b.shape(0) && a.shape(1) >= 1;
+}
+
 static mx::array qmv_lora_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                              const mx::array& a, const mx::array& b, float scale, int group_size) {
   const int64_t rx = check_x(x, group_size);
   const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
   if (w.ndim() != 2) fail("qmv_lora: w must be (N, D*bits/32)");
-  if (a.dtype() != mx::float32 || b.dtype() != mx::float32 || a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != D ||
-      b.shape(1) != N || a.shape(1) != b.shape(0) || a.shape(1) < 1)
-    fail("qmv_lora: lora_a must be (D, r) and lora_b (r, N), float32");
+  if (!lora_fits(a, b, D, N)) fail("qmv_lora: lora_a must be (D, r) and lora_b (r, N), float32");
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape(x.shape().begin(), x.shape().end());
   shape.back() = (int)N;
@@ -396,16 +400,24 @@ static mx::array qmv_lora_op(const mx::array& x, const mx::array& w, const mx::a
 }
 
 // Routed experts' whole products, one node: row o = down(swiglu(gate(x), up(x))) of expert idx[o].
-static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vector<mx::array>& gate,
-                        const std::vector<mx::array>& up, const std::vector<mx::array>& down, int group_size,
-                        std::optional<std::vector<int>> shape) {
-  const int64_t rx = check_x(x, group_size);
+// Routed experts' gate, up, down (w, scales, biases each) for inputs of width D, checked: the down projection's
+// width N.
+static int64_t check_glu(const std::vector<mx::array>& gate, const std::vector<mx::array>& up,
+                         const std::vector<mx::array>& down, int64_t D, int group_size) {
   if (gate.size() != 3 || up.size() != 3 || down.size() != 3) fail("gate, up, down are (w, scales, biases)");
-  const int64_t D = x.shape(-1), H = check_weights(gate[0], gate[1], gate[2], D, group_size);
+  const int64_t H = check_weights(gate[0], gate[1], gate[2], D, group_size);
   if (check_weights(up[0], up[1], up[2], D, group_size) != H) fail("gate and up differ in width");
   const int64_t N = check_weights(down[0], down[1], down[2], H, group_size);
   if (gate[0].ndim() != 3 || up[0].shape() != gate[0].shape() || down[0].shape(0) != gate[0].shape(0))
     fail("gate, up, down must hold the same experts (E, ., .)");
+  return N;
+}
+
+static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vector<mx::array>& gate,
+                        const std::vector<mx::array>& up, const std::vector<mx::array>& down, int group_size,
+                        std::optional<std::vector<int>> shape) {
+  const int64_t rx = check_x(x, group_size);
+  const int64_t N = check_glu(gate, up, down, x.shape(-1), group_size);
   const int64_t R = idx.size();
   if (R % rx != 0) fail("index rows must be a multiple of x rows");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -790,8 +802,6 @@ class AddRMSNormOp : public MultiOp {
     add_norm(dense_data<float>(in[at], xt), rn.values(in, 1, n, rt), dense_data<float>(in[rn.from ? at + 1 : 2], wt),
              eps, n, D, h, out);
   }
-  float eps() const { return eps_; }
-  const Absorbed& absorbed() const { return r_; }
 
   // h = x + r element by element, then out = rms_norm(h): n values in rows of D
   static void add_norm(const float* x, const float* r, const float* w, float eps, int64_t n, int64_t D, float* h,
@@ -921,8 +931,6 @@ static const float* rows_input(const std::vector<mx::array>& in, const Projectio
   return t.data();
 }
 
-// Inputs: x (B*Hkv*Dh values)[, norm (Dh,)][, positions (B,)], buffer (B, Hkv, C, Dh); output: the buffer with
-// row offset of every sequence written.
 // Writes the new rows of a KV write (inputs: the rows, or the projection making them[, norm][, positions], buffer)
 // into dst, the buffer's storage or a fresh one (copy: the buffer's values copied into it first).
 static void write_rows(const std::vector<mx::array>& in, bool copy, float* dst, int64_t offset, const Rotation& r,
@@ -972,8 +980,6 @@ class KVWriteOp : public DenseOp {
     auto& o = static_cast<const KVWriteOp&>(other);
     return offset_ == o.offset_ && r_ == o.r_ && p_ == o.p_;
   }
-  const Rotation& rotation() const { return r_; }
-  const Projection& projection() const { return p_; }
 
  private:
   int64_t offset_;
@@ -1009,8 +1015,8 @@ struct KVPair {
 // (which stood at `at` and `at + 1`); outputs: h + attention, its norm, the keys and values buffers.
 class AttentionBlockOp : public MultiOp {
  public:
-  AttentionBlockOp(mx::Stream s, KVPair pair, size_t np, std::shared_ptr<AddRMSNormOp> norm, size_t at)
-      : MultiOp(s), pair_(pair), np_(np), norm_(std::move(norm)), at_(at) {}
+  AttentionBlockOp(mx::Stream s, KVPair pair, size_t np, float eps, Absorbed attention, size_t at)
+      : MultiOp(s), pair_(pair), np_(np), eps_(eps), attention_(std::move(attention)), at_(at) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     // Each output of a node keeps its own list of the node's inputs (mx::array::make_arrays), so a buffer is held
@@ -1024,8 +1030,8 @@ class AttentionBlockOp : public MultiOp {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, ck, cv, write = pair_.writer(), np = np_, eps = norm_->eps(),
-                  rn = norm_->absorbed(), at = at_]() mutable {
+    enc.dispatch([inputs, outputs, ck, cv, write = pair_.writer(), np = np_, eps = eps_, rn = attention_,
+                  at = at_]() mutable {
       ProfileScope scope([] { return std::string("Edge0AttentionBlock"); });
       write({inputs.begin(), inputs.begin() + np}, ck, cv, outputs[2].data<float>(), outputs[3].data<float>());
       std::vector<mx::array> in(inputs.begin() + np, inputs.end());
@@ -1037,13 +1043,14 @@ class AttentionBlockOp : public MultiOp {
   const char* name() const override { return "Edge0AttentionBlock"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttentionBlockOp&>(other);
-    return np_ == o.np_ && at_ == o.at_ && pair_ == o.pair_ && norm_->is_equivalent(*o.norm_);
+    return np_ == o.np_ && at_ == o.at_ && pair_ == o.pair_ && eps_ == o.eps_ && attention_ == o.attention_;
   }
 
  private:
   KVPair pair_;
   size_t np_;
-  std::shared_ptr<AddRMSNormOp> norm_;
+  float eps_;  // the add-norm's
+  Absorbed attention_;  // the attention with its output projection, which the add-norm runs
   size_t at_;
 };
 
@@ -1352,15 +1359,6 @@ static mx::array decode_attention_op(const mx::array& q, const std::optional<mx:
                    std::make_shared<DecodeAttentionOp>(s, offset, r, (bool)starts, scale, p), in);
 }
 
-// One projection of an attention block: (w, scales, biases) plain, or with an unmerged adapter's (lora_a, lora_b).
-static mx::array projection(const mx::array& x, const std::vector<mx::array>& p, float lora_scale, int group_size) {
-  if (p.size() == 5) return qmv_lora_op(x, p[0], p[1], p[2], p[3], p[4], lora_scale, group_size);
-  if (p.size() != 3) fail("attention_block: a projection is (w, scales, biases) or (w, scales, biases, lora_a, lora_b)");
-  std::vector<int> shape(x.shape().begin(), x.shape().end());
-  shape.back() = p[0].shape(0);
-  return qmv_op(x, p[0], p[1], p[2], std::nullopt, group_size, shape);
-}
-
 // One new token's whole attention block for one sequence (or a left-padded batch: positions, each sequence's
 // rotation offset, and starts, its first key, as decode_attention takes them): its k, v and q projections, the two
 // KV writes, the attention, the output projection and the residual add with the RMS norm after it, as one node
@@ -1385,9 +1383,7 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
     if (p.size() != 3 && p.size() != 5) bad(std::string(name) + " is (w, scales, biases[, lora_a, lora_b])");
     const int64_t N = check_weights(p[0], p[1], p[2], width, group_size);
     if (p[0].ndim() != 2) bad(std::string(name) + ": w must be (N, D*bits/32)");
-    if (p.size() == 5 && (p[3].dtype() != mx::float32 || p[4].dtype() != mx::float32 || p[3].ndim() != 2 ||
-                          p[4].ndim() != 2 || p[3].shape(0) != width || p[4].shape(1) != N ||
-                          p[3].shape(1) != p[4].shape(0) || p[3].shape(1) < 1))
+    if (p.size() == 5 && !lora_fits(p[3], p[4], width, N))
       bad(std::string(name) + ": lora_a must be (D, r) and lora_b (r, N), float32");
     return std::make_pair(Projection{(int)p.size() + 1, group_size, p.size() == 5 ? lora_scale : 0.f}, N);
   };
@@ -1438,10 +1434,10 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
   const Rotation rq{true, (bool)positions, q_eps, dims, traditional, base, rope_scale};
   auto attention = std::make_shared<DecodeAttentionOp>(s, offset, rq, (bool)starts, scale, pq, po);
   const KVPair pair{offset, nk, rk, pk, pv};
-  auto norm = std::make_shared<AddRMSNormOp>(s, post_eps, Absorbed{attention, attention_inputs});
   return mx::array::make_arrays(
       {h.shape(), h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32, mx::float32},
-      std::make_shared<AttentionBlockOp>(s, pair, np, norm, at), std::move(in));
+      std::make_shared<AttentionBlockOp>(s, pair, np, post_eps, Absorbed{attention, attention_inputs}, at),
+      std::move(in));
 }
 
 // One new token's MoE block for each of its rows (one sequence, or a served batch) with every expert resident: the
@@ -1455,17 +1451,12 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
                                            const std::vector<mx::array>& up, const std::vector<mx::array>& down,
                                            int group_size, const mx::array& norm, float eps) {
   if (router.size() != 3) fail("moe_block: the router is (w, scales, biases)");
-  if (gate.size() != 3 || up.size() != 3 || down.size() != 3) fail("moe_block: gate, up, down are (w, scales, biases)");
   const int64_t T = check_x(x, router_group_size), D = x.shape(-1);
   check_x(x, group_size);
   const int64_t E = check_weights(router[0], router[1], router[2], D, router_group_size);
-  const int64_t H = check_weights(gate[0], gate[1], gate[2], D, group_size);
   if (router[0].ndim() != 2 || k < 1 || k > E) fail("moe_block: the router must be (E, D*bits/32) and 1 <= k <= E");
-  if (check_weights(up[0], up[1], up[2], D, group_size) != H || check_weights(down[0], down[1], down[2], H, group_size) != D)
-    fail("moe_block: gate and up must be (E, H, D*bits/32), down (E, D, H*bits/32)");
-  if (gate[0].ndim() != 3 || up[0].shape() != gate[0].shape() || down[0].shape(0) != gate[0].shape(0) ||
-      gate[0].shape(0) != E)
-    fail("moe_block: gate, up, down must hold the router's experts (E, ., .)");
+  if (check_glu(gate, up, down, D, group_size) != D || gate[0].shape(0) != E)
+    fail("moe_block: the experts must be the router's E, their down projection back to D");
   need_f32(h, "moe_block", "h");
   need_f32(norm, "moe_block", "the norm weight");
   if (h.shape() != x.shape() || norm.ndim() != 1 || norm.shape(0) != D)
@@ -1579,9 +1570,9 @@ NB_MODULE(_kernels, m) {
         "group_size"_a, "q_norm"_a, "q_eps"_a, "k_norm"_a, "k_eps"_a, "keys"_a, "values"_a, "offset"_a, "dims"_a,
         "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "post_norm"_a, "post_eps"_a,
         "positions"_a = nb::none(), "starts"_a = nb::none(),
-        "One sequence's new token through an attention block: the k, v, q projections (w, scales, biases[, lora_a, "
-        "lora_b]), kv_write of k and v, decode_attention, the o projection, add_rms_norm with h; the nodes those "
-        "calls build, from one call. Returns [h + attention, its norm, keys, values].");
+        "A new token (one a sequence) through an attention block: the k, v, q projections (w, scales, biases[, "
+        "lora_a, lora_b]), kv_write of k and v, decode_attention, the o projection, add_rms_norm with h, as one node "
+        "with the bits of the nodes those calls build. Returns [h + attention, its norm, keys, values].");
   m.def("moe_block", &edge0::moe_block_op, "x"_a, "h"_a, "router"_a, "router_group_size"_a, "k"_a, "norm_topk"_a,
         "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a,
         "A new token (one a row) through an MoE block of resident experts: qmv of the router, softmax_topk (among "
