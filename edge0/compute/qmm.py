@@ -65,15 +65,23 @@ def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, gro
     ext = current().ext
     if ext is None or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
         return None
-    names = ("gate_proj", "up_proj", "down_proj")
-    parts = [(bank[f"{n}.weight"], bank[f"{n}.scales"], bank.get(f"{n}.biases")) for n in names]
-    d, h = x.shape[-1], parts[0][0].shape[-2]
-    if not (all(w.ndim == 3 for w, _, _ in parts) and fits(ext, d, x.dtype, *parts[0], group_size, bits, mode)
-            and fits(ext, d, x.dtype, *parts[1], group_size, bits, mode)
-            and fits(ext, h, x.dtype, *parts[2], group_size, bits, mode)):
+    parts = glu_parts(ext, bank, x, group_size, bits, mode)
+    if parts is None:
         return None
-    return ext.glu(x, indices, list(parts[0]), list(parts[1]), list(parts[2]), group_size,
-                    (*indices.shape, parts[2][0].shape[-2]))
+    return ext.glu(x, indices, *parts, group_size, (*indices.shape, parts[2][0].shape[-2]))
+
+
+def glu_parts(ext, bank: dict[str, mx.array], x: mx.array, group_size: int, bits: int, mode: str) -> list | None:
+    """The experts' [gate, up, down], each [w, scales, biases] as the extension's glu takes them, where the edge0
+    kernel covers inputs like x; None otherwise."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    parts = [[bank.get(f"{n}.{kind}") for kind in ("weight", "scales", "biases")] for n in names]
+    if any(w is None or w.ndim != 3 for w, _, _ in parts):
+        return None
+    d, h = x.shape[-1], parts[0][0].shape[-2]
+    if not all(fits(ext, width, x.dtype, *part, group_size, bits, mode) for part, width in zip(parts, (d, d, h))):
+        return None
+    return parts
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,

@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from ..compute import expert_math
 from ..compute.kernel import current, remembered
-from ..compute.qmm import KernelQuantizedLinear, fits
+from ..compute.qmm import KernelQuantizedLinear, fits, glu_parts
 from ..compute.routing import choose_among, combine, combine_compiled, sigmoid_group_topk, softmax_topk
 
 
@@ -134,11 +134,8 @@ def _moe_args(ext, block: SoftmaxMoeBlock, resident, norm_weight, x: mx.array) -
                         gate.bits, gate.mode)
             or norm_weight is None or norm_weight.dtype != mx.float32 or norm_weight.ndim != 1):
         return None
-    names = ("gate_proj", "up_proj", "down_proj")
-    parts = [[bank.get(f"{n}.{kind}") for kind in ("weight", "scales", "biases")] for n in names]
-    h = parts[0][0].shape[-2] if parts[0][0] is not None else 0
-    if not all(w is not None and w.ndim == 3 and fits(ext, width, x.dtype, w, s, b, q.group_size, q.bits, q.mode)
-               for (w, s, b), width in zip(parts, (d, d, h))):
+    parts = glu_parts(ext, bank, x, q.group_size, q.bits, q.mode)
+    if parts is None:
         return None
     router = [gate["weight"], gate["scales"], gate.get("biases")]
     return router, gate.group_size, parts, q.group_size
