@@ -1,0 +1,31 @@
+"""tools/node_cost.py runs against the extension as it is and prints each of its figures."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge0.compute import kernels
+
+spec = importlib.util.spec_from_file_location("node_cost", Path(__file__).parents[1] / "tools" / "node_cost.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"edge0 CPU kernels {kernels.reason()}")
+def test_node_cost_prints_every_figure(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["node_cost.py", "--rounds", "1"])
+    assert tool.main() == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"chain of \d+ nodes: [\d.]+ us a node", out)) == 3
+    assert len(re.findall(r"head, (float32|bfloat16) weights, (hot|from L3): [\d.]+ us a node", out)) == 4
+    assert re.search(r"plain [\d.]+ us a node, with a rank-16 adapter [\d.]+", out)
+
+
+def test_node_cost_refuses_zero_rounds(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["node_cost.py", "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert "--rounds 0: must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""What single edge0 nodes cost, for docs/results/cpu-kernels.md (issue #19): the figures behind a decode step's
+node count, the heads' weight dtype and the adapter's cost.
+
+    python tools/node_cost.py [--rounds 300]
+
+Three measurements, each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
+  * chain: N RMS-norm nodes of one 256-wide row, each on the last; microseconds a node at N = 10, 40, 100 (what a
+    node costs beyond its arithmetic: MLX's scheduling on the stream thread);
+  * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
+    bfloat16 weight matrices, its weights hot (one set) or from L3 (12 sets in turn, 8.6 MB);
+  * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 float32 adapter, over 24 weight sets
+    (as a decode step of the built-in model meets its 24 attention projections).
+Random weights; the kernels' outputs do not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def per_node(mx, build, rounds: int, n: int) -> float:
+    """Median microseconds a node when n nodes from build(i) are evaluated together."""
+    times = []
+    for _ in range(rounds):
+        outs = [build(i) for i in range(n)]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=300, help="evaluations per figure (default 300)")
+    a = p.parse_args()
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: must be at least 1")
+    import mlx.core as mx
+
+    from edge0.compute import kernels
+
+    ext = kernels.load()
+    if ext is None:
+        sys.exit(f"node_cost: edge0 CPU kernels {kernels.reason()}")
+    key = iter(mx.random.split(mx.random.key(0), 200))
+
+    def normal(*shape, scale=1.0):
+        return mx.random.normal(shape, key=next(key)) * scale
+
+    x, w = normal(1, 256), mx.ones((256,))
+    mx.eval(x, w)
+    for n in (10, 40, 100):
+        def chain(_, n=n):
+            y = x
+            for _ in range(n):
+                y = ext.rms_norm(y, w, 1e-6)
+            return y
+        print(f"chain of {n} nodes: {per_node(mx, chain, a.rounds, 1) / n:.2f} us a node")
+
+    D, E, H = 256, 32, 512
+    h, router = normal(1, 1, D), normal(1, 1, E)
+    now = mx.array([[[1, 5, 9, 30]]], dtype=mx.uint32)
+    prev = mx.array([[[2, 5, 8, 31]]], dtype=mx.uint32)
+    heads = [[normal(E, D + 2 * E, scale=0.05), normal(H, D + 2 * E, scale=0.05), normal(H), normal(E, H, scale=0.05),
+              normal(E)] for _ in range(12)]
+    mx.eval(h, router, heads)
+    for dtype in (mx.float32, mx.bfloat16):
+        sets = [[d.astype(dtype), w1.astype(dtype), b1, w2.astype(dtype), b2] for d, w1, b1, w2, b2 in heads]
+        mx.eval(sets)
+        for count, where in ((1, "hot"), (12, "from L3")):
+            us = per_node(mx, lambda i: ext.head(h, now, prev, router, *sets[i % count]), a.rounds, 24)
+            print(f"head, {str(dtype).split('.')[-1]} weights, {where}: {us:.1f} us a node")
+
+    xq = normal(1, 1, 256)
+    projections = []
+    for _ in range(24):
+        wq, s, b = mx.quantize(normal(256, 256), group_size=64, bits=4)
+        projections.append((wq, s, b, normal(256, 16, scale=0.05), normal(16, 256, scale=0.05)))
+    mx.eval(xq, projections)
+    plain = per_node(mx, lambda i: ext.qmv(xq, *projections[i % 24][:3], None, 64), a.rounds, 48)
+    adapted = per_node(mx, lambda i: ext.qmv_lora(xq, *projections[i % 24], 2.0, 64), a.rounds, 48)
+    print(f"projection 256x256, 24 weight sets: plain {plain:.2f} us a node, with a rank-16 adapter {adapted:.2f} "
+          f"(+{adapted - plain:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
