@@ -24,6 +24,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/transforms.h"
 #include "mlx/version.h"
 #include "dense.h"
 #include "qmv.h"
@@ -1511,6 +1512,28 @@ static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::
   return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale, causal), in);
 }
 
+// mx.eval(arrays) for values the host needs now, the calling thread spinning for them (yielding its core at every
+// turn) up to spin_us before it sleeps: MLX's own wait sleeps on a condition variable, and waking a sleeping thread
+// costs tens of microseconds on a VM, a third of a small layer's compute (a one-node round trip here: mx.eval 114-178
+// us, this 35). The arrays are scheduled first (async_eval), then whatever is still not done is waited for as
+// mx.eval waits, errors included.
+static void host_eval(const std::vector<mx::array>& arrays, int64_t spin_us) {
+  nb::gil_scoped_release nogil;
+  std::vector<mx::array> out(arrays);
+  mx::async_eval(out);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  const auto ready = [&] {
+    for (auto& a : out)
+      if (!a.is_available()) return false;
+    return true;
+  };
+  for (int i = 0; !ready(); i++) {
+    if ((i & 15) == 15 && std::chrono::steady_clock::now() > until) break;
+    std::this_thread::yield();
+  }
+  mx::eval(out);
+}
+
 }  // namespace edge0
 
 NB_MODULE(_kernels, m) {
@@ -1586,6 +1609,13 @@ NB_MODULE(_kernels, m) {
         "with log_softmax's bits (running the LM head's product when x is that node, not yet evaluated).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
+  m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a,
+        "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path).");
+  m.def("available", [](const std::vector<mx::array>& arrays) {
+          for (auto& a : arrays)
+            if (!a.is_available()) return false;
+          return true;
+        }, "arrays"_a, "Whether every array's value is ready to read now (no wait, no evaluation).");
   m.def("mlx_version", [] { return std::string(EDGE0_STR(EDGE0_MLX_VERSION)); },
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .compute.dense import step_log_softmax
+from .compute.kernels import host_eval
 from .generation import Figures, GenRequest, TextOut, _counters
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -157,7 +158,7 @@ class BatchDecoder:
                     rt.next_step()
                     mx.async_eval(sampled)
                 else:
-                    mx.eval(sampled)
+                    host_eval(sampled)
                     rt.fence.sync()
                     rt.next_step()
             if overlap:  # the next step from this one's tokens, queued before they reach the host

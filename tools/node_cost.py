@@ -9,7 +9,9 @@ Three measurements, each the median over --rounds evaluations (mx.eval of a batc
   * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
     bfloat16 weight matrices, its weights hot (one set) or from L3 (12 sets in turn, 8.6 MB);
   * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 float32 adapter, over 24 weight sets
-    (as a decode step of the built-in model meets its 24 attention projections).
+    (as a decode step of the built-in model meets its 24 attention projections);
+  * sync: one node built and its value waited for by the host, with mx.eval (the thread sleeps until the stream
+    wakes it) and with kernels.host_eval (it spins for the value first): a staged layer's round trip for its ids.
 Random weights; the kernels' outputs do not depend on their values.
 """
 
@@ -84,6 +86,15 @@ def main() -> int:
     adapted = per_node(mx, lambda i: ext.qmv_lora(xq, *projections[i % 24], 2.0, 64), a.rounds, 48)
     print(f"projection 256x256, 24 weight sets: plain {plain:.2f} us a node, with a rank-16 adapter {adapted:.2f} "
           f"(+{adapted - plain:.2f})")
+
+    for name, wait in (("mx.eval", mx.eval), ("host_eval", kernels.host_eval)):
+        times = []
+        for _ in range(a.rounds):
+            y = ext.rms_norm(x, w, 1e-6)
+            t0 = time.perf_counter()
+            wait(y)
+            times.append((time.perf_counter() - t0) * 1e6)
+        print(f"sync, one node's value to the host: {name} {statistics.median(times):.1f} us")
     return 0
 
 

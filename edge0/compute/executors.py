@@ -17,6 +17,7 @@ import numpy as np
 from ..io.pool import ReadTask
 from .banks import Bank, BankBusy, Fence
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
+from .kernels import host_eval
 
 
 @dataclass
@@ -29,6 +30,9 @@ class SlotStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+SMALL_BANK = 64  # slots up to which SlotCache.assign works on Python lists (a staged layer's bank)
 
 
 class SlotCache:
@@ -46,6 +50,8 @@ class SlotCache:
     def assign(self, keys: np.ndarray, *, count: bool = True) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """Slots for unique `keys`, and the (slot, key) fills that make them hold those keys; None when
         too few slots can be written now."""
+        if self.bank.slots <= SMALL_BANK:
+            return self._assign_small(keys, count)
         slots = self.slot_of[keys]  # (U,)
         miss = slots < 0
         n_miss = int(miss.sum())
@@ -64,6 +70,35 @@ class SlotCache:
             slots[miss] = victims
             fills = list(zip(victims.tolist(), keys[miss].tolist()))
         self._used(slots, len(keys) - n_miss, count)
+        return slots, fills
+
+    def _assign_small(self, keys: np.ndarray, count: bool) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+        """assign for a bank of a few slots (a staged layer's 2K): the same choice (the least recently used
+        writable slots, ties in slot order) on Python lists, where each of the array version's ~25 numpy calls
+        on a handful of elements costs more than the arithmetic."""
+        slot_of, holds = self.slot_of, self.bank.holds
+        keyl = keys.tolist()
+        slotl = slot_of[keys].tolist()
+        misses = [i for i, s in enumerate(slotl) if s < 0]
+        fills: list[tuple[int, int]] = []
+        if misses:
+            completed, held = self.bank.fence.completed, set(slotl)
+            last_read, filling, reserved = self.bank.last_read.tolist(), self.filling.tolist(), self.reserved.tolist()
+            free = [s for s in range(self.bank.slots)
+                    if last_read[s] <= completed and not filling[s] and not reserved[s] and s not in held]
+            if len(free) < len(misses):
+                return None
+            used = self.used.tolist()
+            free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
+            for i, slot in zip(misses, free):
+                old = int(holds[slot])
+                if old >= 0:
+                    slot_of[old] = -1
+                slot_of[keyl[i]] = slotl[i] = slot
+                holds[slot] = keyl[i]
+                fills.append((slot, keyl[i]))
+        slots = np.array(slotl, dtype=np.int64)
+        self._used(slots, len(keyl) - len(misses), count)
         return slots, fills
 
     def _used(self, slots: np.ndarray, hits: int, count: bool = True) -> None:
@@ -121,7 +156,7 @@ class SlottedExperts:
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self.prefill is not None and self.prefill.wants(inds):
             return self.prefill(self.layer, x, inds)
-        mx.eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
+        host_eval(inds)  # SYNC: the routed ids must reach the host to plan the reads
         self.fence.sync()
         host = np.array(inds, copy=False)
         ids = unique_ids(host)
@@ -138,7 +173,7 @@ class SlottedExperts:
             cache.forget([slot for slot, _ in fills])  # none of them was committed
             raise
         y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots),
-                                                         self.quant)
+                                                         self.quant, owner=self)
         mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
 

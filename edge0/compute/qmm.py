@@ -62,13 +62,20 @@ def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, gro
     """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., D) and
     indices (..., K) -> (..., K, D); None where that kernel does not cover it (the caller then runs the
     three gather_qmm)."""
-    ext = current().ext
-    if ext is None or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
+    if tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
         return None
-    parts = glu_parts(ext, bank, x, group_size, bits, mode)
+    run = glu_node(current().ext, bank, x, group_size, bits, mode)
+    return run(x, indices) if run is not None else None
+
+
+def glu_node(ext, bank: dict[str, mx.array], x: mx.array, group_size: int, bits: int, mode: str):
+    """(x, indices) -> gather_glu's one node on this bank, for inputs like x (indices (..., K) over x's leading
+    axes); None where the edge0 kernel does not cover them."""
+    parts = glu_parts(ext, bank, x, group_size, bits, mode) if ext is not None else None
     if parts is None:
         return None
-    return ext.glu(x, indices, *parts, group_size, (*indices.shape, parts[2][0].shape[-2]))
+    hidden = parts[2][0].shape[-2]
+    return lambda x, indices: ext.glu(x, indices, *parts, group_size, (*indices.shape, hidden))
 
 
 def glu_parts(ext, bank: dict[str, mx.array], x: mx.array, group_size: int, bits: int, mode: str) -> list | None:

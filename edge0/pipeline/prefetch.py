@@ -31,6 +31,7 @@ import numpy as np
 from ..compute.executors import SlotCache, WholeLayer, held_first
 from ..compute.experts import ExactExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel import current
+from ..compute.kernels import host_eval
 from ..sched.trace import now_us
 
 PREDICTORS = ("repeat", "next-router", "heads")
@@ -154,7 +155,7 @@ class PrefetchExperts:
     def _on_host(self, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
         """The routed ids on the host, and their unique values."""
         t0 = now_us()
-        mx.eval(inds)  # SYNC: the routed ids to the host
+        host_eval(inds)  # SYNC: the routed ids to the host
         self.rt.span(f"eval L{self.layer}", "compute", t0)
         self.rt.fence.sync()
         host = np.array(inds, copy=False)

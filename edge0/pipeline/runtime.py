@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.experts import unique_ids
+from ..compute.kernels import host_eval
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
@@ -79,7 +80,7 @@ class PrefetchRuntime(Runtime):
             return []
         pending, self.pending = self.pending, []
         t0 = now_us()
-        mx.eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
+        host_eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
         ready = []

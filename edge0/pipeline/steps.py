@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..compute.dense import step_log_softmax
+from ..compute.kernels import host_eval
 from ..sched.trace import NULL, now_us
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -94,7 +95,7 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
         if flush is not None:
             flush()
         t_eval = now_us()
-        mx.eval(token, logprobs)
+        host_eval(token, logprobs)
         settle()
         sync()
         if runtime is not None:

@@ -262,3 +262,35 @@ def test_held_experts_compute_before_reads_from_the_disk_and_the_rows_come_back_
     # the first step held nothing; the next two held some of their experts
     assert len(started) == (2 if cache == "cold" else 0)
     reader.close()
+
+
+def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypatch):
+    """A staged layer's bank (a few slots) assigns on Python lists: over a long random run of lookups, with slots
+    filling, reserved and read by pending graphs, it returns the same slots and fills, and leaves the same maps
+    and clocks, as the array version (forced by SMALL_BANK = 0)."""
+    from edge0.compute import executors
+    from edge0.io.manifest import Piece
+
+    pieces = [Piece(name="w", dtype="U32", shape=[2], offset=0, nbytes=8)]
+    runs = []
+    for small in (64, 0):
+        monkeypatch.setattr(executors, "SMALL_BANK", small)
+        fence = Fence()
+        cache = SlotCache(Bank(pieces, 8, fence, None), SlotStats(), 32)
+        r = np.random.default_rng(7)
+        out = []
+        for step in range(400):
+            keys = np.unique(r.integers(0, 32, size=int(r.integers(1, 7))))
+            cache.filling[:] = r.random(8) < 0.15
+            cache.reserved[:] = r.random(8) < 0.15
+            got = cache.assign(keys, count=bool(step % 3))
+            out.append(None if got is None else (got[0].tolist(), got[1]))
+            if got is not None:
+                cache.bank.read(got[0])
+            if r.random() < 0.5:
+                fence.sync()
+        out.append((cache.slot_of.tolist(), cache.bank.holds.tolist(), cache.used.tolist(), cache.stats.lookups,
+                    cache.stats.hits))
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert sum(o is None for o in runs[0][:-1]) > 10 and sum(bool(o and o[1]) for o in runs[0][:-1]) > 100

@@ -978,3 +978,30 @@ def test_bench_kernels_times_the_embedding_on_the_kernel_it_names():
         EXT.set_profile(False)
         assert 0 < us < 1e6
         assert ("Edge0Embed" in EXT.profile(True)) == nodes
+
+
+@pytest.mark.parametrize("spin_us", [0, 1000])
+def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
+    """host_eval (the caller spinning for the values, up to SPIN_US, then MLX's own wait; or mx.eval without the
+    extension) leaves every array it is given evaluated, with mx.eval's values: arrays and lists of them, a graph
+    of MLX and edge0 nodes, and an array whose stream work is still queued behind a long product."""
+    monkeypatch.setattr(kernels, "SPIN_US", spin_us)
+    if spin_us == 0 and EXT is not None:
+        monkeypatch.setattr(kernels, "load", lambda: None)  # the plain mx.eval path
+
+    def graph():
+        x = mx.random.normal((3, 512), key=mx.random.key(1))
+        w, s, b = mx.quantize(mx.random.normal((2048, 512), key=mx.random.key(2)), group_size=64, bits=4)
+        y = qmm.quantized_matmul(x, w, s, b, group_size=64, bits=4, mode="affine")
+        return [mx.argmax(y, axis=-1), y.sum(), mx.exp(y[:, :4])]
+
+    want = graph()
+    mx.eval(want)
+    got = graph()
+    if EXT is not None:
+        assert not EXT.available(got)
+    kernels.host_eval(got[0], got[1:])
+    if EXT is not None:
+        assert EXT.available(got)  # every one waited for, not only scheduled
+    for g, v in zip(got, want):
+        assert np.array_equal(np.array(g), np.array(v))
