@@ -1512,15 +1512,64 @@ static mx::array attention_op(const mx::array& q, const mx::array& k, const mx::
   return mx::array(q.shape(), mx::float32, std::make_shared<AttentionOp>(s, scale, causal), in);
 }
 
-// mx.eval(arrays) for values the host needs now, the calling thread spinning for them (yielding its core at every
-// turn) up to spin_us before it sleeps: MLX's own wait sleeps on a condition variable, and waking a sleeping thread
-// costs tens of microseconds on a VM, a third of a small layer's compute (a one-node round trip here: mx.eval 114-178
-// us, this 35). The arrays are scheduled first (async_eval), then whatever is still not done is waited for as
-// mx.eval waits, errors included.
-static void host_eval(const std::vector<mx::array>& arrays, int64_t spin_us) {
+// Waking a sleeping thread costs tens of microseconds on a VM, on the waker's side too (a one-node round trip here:
+// mx.eval 114-178 us): a third of a small layer's compute, twice a layer where each layer's routed ids go to the host
+// (the stream thread sleeps while the host plans, and the graph-building thread sleeps while the stream computes).
+// Between the graphs of a step the stream can be held awake instead: a Hold node, queued after the graph, spins
+// (yielding its core at every turn) until the next graph is queued behind it or hold_us pass, so that queueing that
+// graph wakes no one; and the host spins for the values it needs before it sleeps (host_eval).
+static std::atomic<uint64_t> holds_made{0}, holds_released{0};
+
+class HoldOp : public mx::UnaryPrimitive {
+ public:
+  HoldOp(mx::Stream s, uint64_t id, int64_t hold_us) : mx::UnaryPrimitive(s), id_(id), hold_us_(hold_us) {}
+  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_output_array(out);
+    enc.dispatch([id = id_, hold_us = hold_us_, out]() mutable {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(hold_us);
+      for (int i = 0; holds_released.load(std::memory_order_acquire) < id; i++) {
+        if ((i & 15) == 15 && std::chrono::steady_clock::now() > until) break;
+        std::this_thread::yield();
+      }
+      out.data<uint8_t>()[0] = 0;
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0Hold"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  uint64_t id_;
+  int64_t hold_us_;
+};
+
+// async_eval(arrays), then a Hold queued behind them (its own evaluation: the arrays' event does not wait for it),
+// then the Hold queued before released: the stream goes on to these arrays without sleeping between.
+static void queue_held(std::vector<mx::array>& arrays, int64_t hold_us) {
+  mx::async_eval(arrays);
+  if (hold_us <= 0) return;
+  const uint64_t id = holds_made.fetch_add(1) + 1;
+  mx::async_eval({mx::array({}, mx::uint8, std::make_shared<HoldOp>(mx::default_stream(mx::Device::cpu), id, hold_us),
+                            {})});
+  holds_released.store(id - 1, std::memory_order_release);
+}
+
+static void queue(const std::vector<mx::array>& arrays, int64_t hold_us) {
   nb::gil_scoped_release nogil;
   std::vector<mx::array> out(arrays);
-  mx::async_eval(out);
+  queue_held(out, hold_us);
+}
+
+// mx.eval(arrays) for values the host needs now: queued (queue_held), then the calling thread spins for them up to
+// spin_us before it waits as mx.eval waits (sleeping; errors raised as there).
+static void host_eval(const std::vector<mx::array>& arrays, int64_t spin_us, int64_t hold_us) {
+  nb::gil_scoped_release nogil;
+  std::vector<mx::array> out(arrays);
+  queue_held(out, hold_us);
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   const auto ready = [&] {
     for (auto& a : out)
@@ -1609,8 +1658,11 @@ NB_MODULE(_kernels, m) {
         "with log_softmax's bits (running the LM head's product when x is that node, not yet evaluated).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
-  m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a,
-        "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path).");
+  m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a, "hold_us"_a = 0,
+        "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path);\n"
+        "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval).");
+  m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
+        "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
   m.def("available", [](const std::vector<mx::array>& arrays) {
           for (auto& a : arrays)
             if (!a.is_available()) return false;

@@ -11,7 +11,8 @@ Three measurements, each the median over --rounds evaluations (mx.eval of a batc
   * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 float32 adapter, over 24 weight sets
     (as a decode step of the built-in model meets its 24 attention projections);
   * sync: one node built and its value waited for by the host, with mx.eval (the thread sleeps until the stream
-    wakes it) and with kernels.host_eval (it spins for the value first): a staged layer's round trip for its ids.
+    wakes it, and queueing the node wakes the stream) and with kernels.host_eval (it spins for the value, and the
+    stream is held awake between rounds): a staged layer's round trip for its routed ids.
 Random weights; the kernels' outputs do not depend on their values.
 """
 

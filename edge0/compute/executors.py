@@ -17,7 +17,7 @@ import numpy as np
 from ..io.pool import ReadTask
 from .banks import Bank, BankBusy, Fence
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
-from .kernels import host_eval
+from .kernels import host_eval, queue
 
 
 @dataclass
@@ -174,7 +174,7 @@ class SlottedExperts:
             raise
         y = early() if early is not None else switch_glu(x, bank_positions(host, ids, slots), cache.bank.read(slots),
                                                          self.quant, owner=self)
-        mx.async_eval(y)  # the experts compute while Python builds the next layer (the next sync waits)
+        queue(y)  # the experts compute while Python builds the next layer (the next sync waits)
         return y
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..compute.executors import SlotCache, WholeLayer, held_first
 from ..compute.experts import ExactExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel import current
-from ..compute.kernels import host_eval
+from ..compute.kernels import host_eval, queue
 from ..sched.trace import now_us
 
 PREDICTORS = ("repeat", "next-router", "heads")
@@ -148,7 +148,7 @@ class PrefetchExperts:
         t0 = now_us()
         if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
             mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
-        mx.async_eval(y)  # returns once MLX's queue has room: a long wait means the stream is busy (good)
+        queue(y)  # returns once MLX's queue has room: a long wait means the stream is busy (good)
         rt.span(f"queue L{self.layer}", "compute", t0)
         return y
 

@@ -984,7 +984,8 @@ def test_bench_kernels_times_the_embedding_on_the_kernel_it_names():
 def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
     """host_eval (the caller spinning for the values, up to SPIN_US, then MLX's own wait; or mx.eval without the
     extension) leaves every array it is given evaluated, with mx.eval's values: arrays and lists of them, a graph
-    of MLX and edge0 nodes, and an array whose stream work is still queued behind a long product."""
+    of MLX and edge0 nodes, and an array whose stream work is still queued behind a long product; after queue (the
+    stream held awake for the next graph) the next graph runs and is waited for the same way."""
     monkeypatch.setattr(kernels, "SPIN_US", spin_us)
     if spin_us == 0 and EXT is not None:
         monkeypatch.setattr(kernels, "load", lambda: None)  # the plain mx.eval path
@@ -1005,3 +1006,12 @@ def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
         assert EXT.available(got)  # every one waited for, not only scheduled
     for g, v in zip(got, want):
         assert np.array_equal(np.array(g), np.array(v))
+    # a graph queued (the stream then held for the next one), another built on it and waited for
+    first = graph()
+    kernels.queue(first)
+    second = [first[0] + 1, first[1] * 2]
+    kernels.host_eval(second)
+    if EXT is not None:
+        assert EXT.available(first + second)
+    assert np.array_equal(np.array(second[0]), np.array(want[0]) + 1)
+    assert np.array_equal(np.array(second[1]), np.array(want[1]) * 2)
