@@ -1663,7 +1663,7 @@ NB_MODULE(_kernels, m) {
         "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval).");
   m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
         "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
-  m.def("available", [](const std::vector<mx::array>& arrays) {
+  m.def("ready", [](const std::vector<mx::array>& arrays) {
           for (auto& a : arrays)
             if (!a.is_available()) return false;
           return true;

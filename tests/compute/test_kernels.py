@@ -1000,10 +1000,10 @@ def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
     mx.eval(want)
     got = graph()
     if EXT is not None:
-        assert not EXT.available(got)
+        assert not EXT.ready(got)
     kernels.host_eval(got[0], got[1:])
     if EXT is not None:
-        assert EXT.available(got)  # every one waited for, not only scheduled
+        assert EXT.ready(got)  # every one waited for, not only scheduled
     for g, v in zip(got, want):
         assert np.array_equal(np.array(g), np.array(v))
     # a graph queued (the stream then held for the next one), another built on it and waited for
@@ -1012,6 +1012,6 @@ def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
     second = [first[0] + 1, first[1] * 2]
     kernels.host_eval(second)
     if EXT is not None:
-        assert EXT.available(first + second)
+        assert EXT.ready(first + second)
     assert np.array_equal(np.array(second[0]), np.array(want[0]) + 1)
     assert np.array_equal(np.array(second[1]), np.array(want[1]) * 2)
