@@ -97,7 +97,6 @@ def set_num_threads(n: int, prompt: int | None = None) -> None:
         _ext.set_num_threads(max(1, int(n)), max(1, int(prompt or n)))
 
 
-
 # Syncs on the critical path (a staged layer's routed ids, a step's token): the host spins for the values up to
 # SPIN_US before it sleeps, and the stream is held awake up to HOLD_US after each graph for the next one
 # (_kernels.host_eval, _kernels.queue): a sleeping thread's wake-up costs ~0.1 ms on a VM, against 0.1-0.3 ms of

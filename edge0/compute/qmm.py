@@ -74,8 +74,8 @@ def glu_node(ext, bank: dict[str, mx.array], x: mx.array, group_size: int, bits:
     parts = glu_parts(ext, bank, x, group_size, bits, mode) if ext is not None else None
     if parts is None:
         return None
-    hidden = parts[2][0].shape[-2]
-    return lambda x, indices: ext.glu(x, indices, *parts, group_size, (*indices.shape, hidden))
+    width = parts[2][0].shape[-2]  # the down projection's outputs
+    return lambda x, indices: ext.glu(x, indices, *parts, group_size, (*indices.shape, width))
 
 
 def glu_parts(ext, bank: dict[str, mx.array], x: mx.array, group_size: int, bits: int, mode: str) -> list | None:
