@@ -4,7 +4,8 @@
 
 Runs one generation (the replay's prompt, then its tokens forced, or a prompt of Python source and greedy
 tokens) and splits each decode step of the graph-building thread into
-  * wait: inside mx.eval / mx.async_eval (the graph computing, or the stream's queue full),
+  * wait: inside mx.eval / mx.async_eval and the streamed path's host_eval / queue (the graph computing, or the
+    stream's queue full),
   * python: the rest (building the graph, planning and issuing reads, sampling on the host);
 and the stream thread's compute into the edge0 kernels' nodes by kind and width (timed inside the
 kernels, EDGE0 set_profile) and the rest (MLX's own nodes: cache updates, adds, reshapes, the
@@ -23,11 +24,17 @@ import mlx.core as mx
 
 
 class EvalClock:
-    """Wall time the calling thread spends inside mx.eval and mx.async_eval (patched module-wide)."""
+    """Wall time the calling thread spends inside mx.eval and mx.async_eval, and inside the extension's host_eval and
+    queue (the streamed path's syncs, compute/kernels.py), all patched module-wide while it is entered."""
 
     def __init__(self):
+        from edge0.compute import kernels
+
         self.s = 0.0
-        self._eval, self._async = mx.eval, mx.async_eval
+        ext = kernels.load()
+        self._patched = [(mx, name) for name in ("eval", "async_eval")]
+        self._patched += [(ext, name) for name in ("host_eval", "queue")] if ext is not None else []
+        self._saved = [getattr(owner, name) for owner, name in self._patched]
 
     def __enter__(self):
         def timed(fn):
@@ -38,11 +45,13 @@ class EvalClock:
                 finally:
                     self.s += time.perf_counter() - t0
             return call
-        mx.eval, mx.async_eval = timed(self._eval), timed(self._async)
+        for (owner, name), fn in zip(self._patched, self._saved):
+            setattr(owner, name, timed(fn))
         return self
 
     def __exit__(self, *exc):
-        mx.eval, mx.async_eval = self._eval, self._async
+        for (owner, name), fn in zip(self._patched, self._saved):
+            setattr(owner, name, fn)
 
 
 def main() -> int:
@@ -134,7 +143,7 @@ def breakdown(args) -> int:
     print(f"| step (wall) | {1e3 * wall:.2f} | 100% |")
     print(f"| main thread: python (graph building, reads, host work) | {1e3 * (wall - wait):.2f} | "
           f"{(wall - wait) / wall:.0%} |")
-    print(f"| main thread: waiting in mx.eval / async_eval | {1e3 * wait:.2f} | {wait / wall:.0%} |")
+    print(f"| main thread: waiting in mx.eval / async_eval / host_eval | {1e3 * wait:.2f} | {wait / wall:.0%} |")
     print(f"| stream: edge0 nodes | {1e3 * kernel_s:.2f} | {kernel_s / wall:.0%} |")
     for k, (c, s) in kinds.items():
         print(f"| - {k} (x{c:.1f}) | {1e3 * s:.3f} | {s / wall:.1%} |")
