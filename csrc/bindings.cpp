@@ -1551,7 +1551,10 @@ class HoldOp : public mx::UnaryPrimitive {
 // then the Hold queued before released: the stream goes on to these arrays without sleeping between.
 static void queue_held(std::vector<mx::array>& arrays, int64_t hold_us) {
   mx::async_eval(arrays);
-  if (hold_us <= 0) return;
+  if (hold_us <= 0) {  // no Hold after these; the one before them released all the same
+    holds_released.store(holds_made.load(std::memory_order_acquire), std::memory_order_release);
+    return;
+  }
   const uint64_t id = holds_made.fetch_add(1) + 1;
   mx::async_eval({mx::array({}, mx::uint8, std::make_shared<HoldOp>(mx::default_stream(mx::Device::cpu), id, hold_us),
                             {})});
@@ -1660,7 +1663,8 @@ NB_MODULE(_kernels, m) {
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
   m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a, "hold_us"_a = 0,
         "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path);\n"
-        "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval).");
+        "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval); 0: the hold\n"
+        "queued before released, none after.");
   m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
         "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
   m.def("ready", [](const std::vector<mx::array>& arrays) {

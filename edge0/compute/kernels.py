@@ -109,17 +109,18 @@ def _flat(arrays) -> list:
     return [a for x in arrays for a in (x if isinstance(x, (list, tuple)) else (x,))]
 
 
-def host_eval(*arrays) -> None:
+def host_eval(*arrays, hold: bool = True) -> None:
     """mx.eval of values the host needs now, on the critical path: with the extension the calling thread spins for
     them up to SPIN_US (yielding its core at every turn) before it sleeps as mx.eval does, and the stream is then held
-    awake for the next graph (queue); without it, mx.eval. arrays: arrays or lists of arrays."""
+    awake for the next graph (queue; hold=False where the next graph is queued by mx.async_eval, which releases no
+    hold: it would wait behind it); without the extension, mx.eval. arrays: arrays or lists of arrays."""
     ext = load()
     if ext is None:
         import mlx.core as mx
 
         mx.eval(_flat(arrays))
         return
-    ext.host_eval(_flat(arrays), SPIN_US, HOLD_US)
+    ext.host_eval(_flat(arrays), SPIN_US, HOLD_US if hold else 0)
 
 
 def queue(*arrays) -> None:

@@ -91,11 +91,13 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     flush = getattr(runtime, "flush", None)  # scheduled routing: the last layers' predictions, planned on the
     settle = getattr(runtime, "settle", lambda: None)  # planner thread as the step evaluates, settled before the fence
 
+    overlapped = overlaps(runtime, cache)
+
     def evaluate(token, logprobs, n):
         if flush is not None:
             flush()
         t_eval = now_us()
-        host_eval(token, logprobs)
+        host_eval(token, logprobs, hold=not overlapped)  # overlapped decode queues its steps with mx.async_eval
         settle()
         sync()
         if runtime is not None:
@@ -109,7 +111,7 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     evaluate(token, logprobs, 0)
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
-    if overlaps(runtime, cache):
+    if overlapped:
         advance = runtime.next_step if runtime is not None else (lambda: None)
         yield from _overlapped(step, advance, token, logprobs, max_tokens, times, t1, cache, trace)
         return

@@ -2,6 +2,8 @@
 and greedy decoding with them on a tiny model. Extension tests skip when it is not built.
 Shapes: T tokens, K routed, E experts, D inputs, N outputs."""
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -1015,3 +1017,20 @@ def test_host_eval_gives_the_values_mx_eval_gives(monkeypatch, spin_us):
         assert EXT.ready(first + second)
     assert np.array_equal(np.array(second[0]), np.array(want[0]) + 1)
     assert np.array_equal(np.array(second[1]), np.array(want[1]) * 2)
+
+
+@needs_ext
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_hold_delays_an_unreleased_next_graph_and_hold_false_leaves_none(monkeypatch, hold):
+    """After host_eval the stream is held for the next graph until a queue or host_eval releases it, at most HOLD_US
+    (here 300 ms): a graph evaluated by plain mx.eval waits behind that hold. host_eval(hold=False) (before overlapped
+    decode, whose steps go through mx.async_eval) releases the hold before it and leaves none."""
+    monkeypatch.setattr(kernels, "HOLD_US", 300_000)
+    x = mx.ones((4,))
+    kernels.host_eval(x + 1)  # the stream held
+    t0 = time.perf_counter()
+    if not hold:
+        kernels.host_eval(x + 3, hold=False)
+    mx.eval(x * 2)
+    waited = time.perf_counter() - t0
+    assert (waited > 0.2) if hold else (waited < 0.1)
