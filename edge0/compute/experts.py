@@ -14,9 +14,8 @@ from mlx_lm.models.activations import swiglu
 
 from . import expert_math
 from .banks import MLX_DTYPES, scales_as_stored
-from .kernel import current, remembered
 from .kernels import host_eval
-from .qmm import gather_glu, gather_qmm, glu_node
+from .qmm import gather_glu, gather_qmm
 
 
 @dataclass(frozen=True)
@@ -29,18 +28,12 @@ class Quant:
 
 
 def switch_glu(x: mx.array, inds: mx.array, bank: dict[str, mx.array], q: Quant, *, owner=None) -> mx.array:
-    """x (..., D), inds (..., K) indexing the bank's first axis -> (..., K, D). owner: an object that keeps
-    the kernel's checks of this bank (a layer's executor, whose bank arrays stay the same), so they run once."""
+    """x (..., D), inds (..., K) indexing the bank's first axis -> (..., K, D). owner: gather_glu's (a layer's
+    executor, whose bank arrays stay the same: the kernel's checks of them run once)."""
     fn = expert_math.current()
     if fn is not None:  # not a plain SwiGLU: the family's own activation, biases (compute/expert_math.py)
         return expert_math.apply(fn, x, inds, bank, q)
-    if owner is not None and tuple(inds.shape[:-1]) == tuple(x.shape[:-1]):
-        ext = current().ext
-        run = remembered(owner, "_edge0_glu", tuple(bank.values()), (ext, x.shape[-1], x.dtype),
-                         lambda: glu_node(ext, bank, x, q.group_size, q.bits, q.mode))
-        if run is not None:
-            return run(x, inds)
-    y = gather_glu(x, inds, bank, group_size=q.group_size, bits=q.bits, mode=q.mode)
+    y = gather_glu(x, inds, bank, group_size=q.group_size, bits=q.bits, mode=q.mode, owner=owner)
     if y is not None:  # the edge0 kernel: the three products and the SwiGLU in one node
         return y
     x = mx.expand_dims(x, (-2, -3))

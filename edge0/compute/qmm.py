@@ -58,13 +58,19 @@ def _x_rows(x, bx, bs):
 
 
 def gather_glu(x: mx.array, indices: mx.array, bank: dict[str, mx.array], *, group_size: int, bits: int,
-               mode: str) -> mx.array | None:
+               mode: str, owner=None) -> mx.array | None:
     """down(swiglu(gate(x), up(x))) of the routed experts in one node of the edge0 kernel, x (..., D) and
     indices (..., K) -> (..., K, D); None where that kernel does not cover it (the caller then runs the
-    three gather_qmm)."""
+    three gather_qmm). owner: an object that keeps the kernel's checks of this bank while its arrays stay the same
+    (a layer's executor, at every step), so they run once."""
     if tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
         return None
-    run = glu_node(current().ext, bank, x, group_size, bits, mode)
+    ext = current().ext
+    if owner is None:
+        run = glu_node(ext, bank, x, group_size, bits, mode)
+    else:
+        run = remembered(owner, "_edge0_glu", tuple(bank.values()), (ext, x.shape[-1], x.dtype),
+                         lambda: glu_node(ext, bank, x, group_size, bits, mode))
     return run(x, indices) if run is not None else None
 
 

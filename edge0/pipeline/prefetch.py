@@ -144,7 +144,7 @@ class PrefetchExperts:
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
         where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
-        y = early() if early is not None else switch_glu(x, where, arrays, self.quant)
+        y = early() if early is not None else switch_glu(x, where, arrays, self.quant, owner=self)
         t0 = now_us()
         if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
             mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
