@@ -3,7 +3,7 @@ node count, the heads' weight dtype and the adapter's cost.
 
     python tools/node_cost.py [--rounds 300]
 
-Three measurements, each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
+Four measurements, each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
   * chain: N RMS-norm nodes of one 256-wide row, each on the last; microseconds a node at N = 10, 40, 100 (what a
     node costs beyond its arithmetic: MLX's scheduling on the stream thread);
   * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
