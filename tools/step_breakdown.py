@@ -33,7 +33,7 @@ class EvalClock:
         self.s = 0.0
         ext = kernels.load()
         self._patched = [(mx, name) for name in ("eval", "async_eval")]
-        self._patched += [(ext, name) for name in ("host_eval", "queue")] if ext is not None else []
+        self._patched += [(ext, name) for name in ("host_eval", "queue") if hasattr(ext, name)]  # older trees: none
         self._saved = [getattr(owner, name) for owner, name in self._patched]
 
     def __enter__(self):
