@@ -103,7 +103,39 @@ struct QTemps {
   std::vector<uint32_t> w;
   std::vector<float> s, b;
   std::vector<uint16_t> s16, b16;
+  std::shared_ptr<const Packed> packed;  // kept alive while the product runs
 };
+
+// Packed copies of weights that never change (pack_weights), found by the weight's data: an entry matches only
+// while the very buffers it was made from (weight, scales, biases) are alive, held by reference counts the entry
+// does not take part in, so a freed weight's address passed to a new array never finds the old copy.
+using DataRef = std::weak_ptr<mx::array::Data>;
+struct PackEntry {
+  DataRef w, s, b;
+  const void *s_ptr, *b_ptr;
+  std::shared_ptr<const Packed> packed;
+};
+static std::mutex packs_mu;
+static std::map<const void*, PackEntry> packs_;
+
+static bool same(const DataRef& ref, const mx::array& a) {
+  const auto live = ref.lock();
+  return live != nullptr && live == a.data_shared_ptr();
+}
+
+static std::shared_ptr<const Packed> find_packed(const mx::array& w, const mx::array& s, const mx::array& b,
+                                                 const QWeights& q) {
+  if (!w.flags().row_contiguous || !s.flags().row_contiguous || !b.flags().row_contiguous) return nullptr;
+  std::lock_guard<std::mutex> lk(packs_mu);
+  const auto it = packs_.find(w.data<void>());
+  if (it == packs_.end()) return nullptr;
+  const PackEntry& e = it->second;
+  const Packed& p = *e.packed;
+  if (!same(e.w, w) || !same(e.s, s) || !same(e.b, b) || e.s_ptr != s.data<void>() || e.b_ptr != b.data<void>() ||
+      p.E != q.E || p.N != q.N || p.D != q.D || p.group_size != q.group_size)
+    return nullptr;
+  return e.packed;
+}
 
 static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array& b, int64_t D, int gs, QTemps& t) {
   QWeights q{(const uint8_t*)dense_data<uint32_t>(w, t.w), nullptr, nullptr, w.ndim() == 3 ? w.shape(0) : 1,
@@ -115,7 +147,39 @@ static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array
     q.scales = dense_data<float>(s, t.s);
     q.biases = dense_data<float>(b, t.b);
   }
+  t.packed = find_packed(w, s, b, q);
+  q.packed = t.packed.get();
   return q;
+}
+
+static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
+  mx::eval({w, s, b});
+  QTemps t;
+  return w.dtype() == mx::uint32 && qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed != nullptr;
+}
+
+// Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
+// where the layout does not apply (its products keep the row layout, with the same bits). Entries of freed
+// weights are dropped here.
+static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
+  mx::eval({w, s, b});
+  if (w.dtype() != mx::uint32 || (s.dtype() != mx::float32 && s.dtype() != mx::bfloat16) || b.dtype() != s.dtype() ||
+      w.ndim() < 2 || w.ndim() > 3 || !w.flags().row_contiguous || !s.flags().row_contiguous ||
+      !b.flags().row_contiguous || gs <= 0)
+    return false;
+  const int64_t D = (int64_t)w.shape(-1) * 8;  // 4-bit: 8 per word
+  if (s.shape(-1) * gs != D || s.size() != b.size() || s.size() * gs != w.size() * 8) return false;
+  QTemps t;
+  QWeights q = qweights(w, s, b, D, gs, t);
+  if (q.packed != nullptr) return true;  // already
+  auto p = pack(q);
+  if (p == nullptr) return false;
+  std::lock_guard<std::mutex> lk(packs_mu);
+  for (auto it = packs_.begin(); it != packs_.end();)
+    it = it->second.w.expired() || it->second.s.expired() || it->second.b.expired() ? packs_.erase(it) : std::next(it);
+  packs_[w.data<void>()] = PackEntry{w.data_shared_ptr(), s.data_shared_ptr(), b.data_shared_ptr(), s.data<void>(),
+                                     b.data<void>(), std::move(p)};
+  return true;
 }
 
 // A dense quantized projection, y = W x (+ scale * (x A) B with an adapter), for inputs x (R rows of D), w, scales,
@@ -1667,6 +1731,14 @@ NB_MODULE(_kernels, m) {
         "queued before released, none after.");
   m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
         "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
+  m.def("pack", &edge0::pack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "Keep a packed copy of these 4-bit weights (which must never change) for the products that read them: 16\n"
+        "outputs a vector, the same bits. False where the layout does not apply (they keep the row layout).");
+  m.def("packed", &edge0::is_packed, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "Whether products of these 4-bit weights run on a packed copy.");
+  m.def("set_packed", &edge0::set_packed, "on"_a,
+        "Whether products run on packed copies where weights have one (default True); off: the row layout, the same\n"
+        "bits.");
+  m.def("packed_on", &edge0::packed_on);
   m.def("ready", [](const std::vector<mx::array>& arrays) {
           for (auto& a : arrays)
             if (!a.is_available()) return false;

@@ -186,6 +186,10 @@ static const char* const IMPL_NAMES[] = {"portable", "avx2", "avx512"};
 
 const char* impl() { return IMPL_NAMES[use_impl.load()]; }
 
+static std::atomic<bool> use_packed{true};
+void set_packed(bool on) { use_packed.store(on); }
+bool packed_on() { return use_packed.load(); }
+
 bool set_impl(const char* name) {
   for (int i = 0; i <= BEST; i++) {
     if (std::strcmp(name, IMPL_NAMES[i]) == 0) {
@@ -756,7 +760,150 @@ static void rows_vnni_s(const QWeights& q, const S* scales, const S* biases, int
     }
   }
 }
+
+// A reduction of 16 vectors lane by lane, in _mm512_reduce_add_ps's order (lane i + lane i+8, then i + i+4, then
+// 0 + 2 and 1 + 3, then 0 + 1): lane j of the result is what that reduction gives the vector of v[0..15]'s lanes j.
+static inline __m512 reduce16(const float (*v)[16]) {
+  __m512 w[8];
+  for (int i = 0; i < 8; i++) w[i] = _mm512_add_ps(_mm512_load_ps(v[i]), _mm512_load_ps(v[i + 8]));
+  for (int i = 0; i < 4; i++) w[i] = _mm512_add_ps(w[i], w[i + 4]);
+  return _mm512_add_ps(_mm512_add_ps(w[0], w[2]), _mm512_add_ps(w[1], w[3]));
+}
+
+// 16 output rows of a packed block (Packed) against R activation rows; out[r] receives 16 floats. dot_vnni_tile's
+// arithmetic turned on its side: where it keeps one output's 16 lanes l (word l of each 128-element step i) in a
+// vector, this keeps lane l of 16 outputs in one, so step i's int8 word of x is a broadcast and its weight word a
+// 64-byte load. Each output's float operations are the same in the same order (a lane's products of step i into
+// f0 or f1 by i's parity, f0 + f1, the lanes' sum in reduce_add_ps's order; the biases' lanes likewise), so it has
+// the bits it gets in the row layout.
+template <int GS, int R>
+static void dot_vnni_packed(const uint32_t* pw, const float* ps, const float* pb, const int8_t* const* xq,
+                            const float* const* xs, const float* const* xsum, int64_t D, float* const* out) {
+  const int64_t G = D / GS, steps = D / 128;
+  thread_local std::vector<float> dbuf;
+  if ((int64_t)dbuf.size() < R * G * 16) dbuf.resize(R * G * 16);
+  float* dv = dbuf.data();  // (R, G, 16): s * xs, each group's factor for the 16 outputs
+  for (int r = 0; r < R; r++)
+    for (int64_t g = 0; g < G; g++)
+      _mm512_storeu_ps(dv + (r * G + g) * 16, _mm512_mul_ps(_mm512_loadu_ps(ps + g * 16), _mm512_set1_ps(xs[r][g])));
+  alignas(64) float lanes[R][16][16];
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  for (int l = 0; l < 16; l++) {
+    __m512 f0[R], f1[R];
+    for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();
+    const uint32_t* p = pw + (int64_t)l * steps * 16;
+    for (int64_t i = 0; i < steps; i++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(p + i * 16));
+      const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+      const int64_t g = (128 * i + 8 * l) / GS;
+      for (int r = 0; r < R; r++) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq[r] + i * 128 + 4 * l, 4);
+        std::memcpy(&x1, xq[r] + i * 128 + 64 + 4 * l, 4);
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi32(x0));
+        acc = _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(x1));
+        const __m512 d = _mm512_loadu_ps(dv + (r * G + g) * 16);
+        if (i & 1)
+          f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), d, f1[r]);
+        else
+          f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), d, f0[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm512_store_ps(lanes[r][l], _mm512_add_ps(f0[r], f1[r]));
+  }
+  alignas(64) float bias[16][16];
+  for (int r = 0; r < R; r++) {
+    // bias lane k: groups k, k + 16, ... (fmadd; a lane past the last group adds the masked load's 0 * 0)
+    for (int k = 0; k < 16; k++) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t g = k; g - k < G; g += 16)
+        a = g < G ? _mm512_fmadd_ps(_mm512_loadu_ps(pb + g * 16), _mm512_set1_ps(xsum[r][g]), a)
+                  : _mm512_add_ps(a, _mm512_setzero_ps());
+      _mm512_store_ps(bias[k], a);
+    }
+    _mm512_storeu_ps(out[r], _mm512_add_ps(reduce16(lanes[r]), reduce16(bias)));
+  }
+}
+
+// Outputs n0..n1 (multiples of 16) of expert e for `count` pairs sharing it, on the packed copy: each block of 16
+// outputs against 8, 4, 2 or 1 rows at a time.
+template <int GS>
+static void rows_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, const Pair* pairs, int64_t count,
+                        const Acts& acts, float* out) {
+  const Packed& p = *q.packed;
+  const int64_t N = q.N, D = q.D, G = D / GS, NB = N / 16, steps = D / 128;
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int64_t blk = e * NB + n / 16;
+    const uint32_t* pw = p.w.data() + blk * 16 * steps * 16;
+    const float *ps = p.s.data() + blk * G * 16, *pb = p.b.data() + blk * G * 16;
+    for (int64_t r0 = 0; r0 < count;) {
+      const int64_t left = count - r0;
+      const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const int8_t* xq[8];
+      const float *xs[8], *xsum[8];
+      float* o[8];
+      for (int r = 0; r < R; r++) {
+        const Pair& pr = pairs[r0 + r];
+        xq[r] = acts.q.data() + pr.xrow * D;
+        xs[r] = acts.scale.data() + pr.xrow * G;
+        xsum[r] = acts.sums.data() + pr.xrow * G;
+        o[r] = out + pr.out * N + n;
+      }
+      if (R == 8)
+        dot_vnni_packed<GS, 8>(pw, ps, pb, xq, xs, xsum, D, o);
+      else if (R == 4)
+        dot_vnni_packed<GS, 4>(pw, ps, pb, xq, xs, xsum, D, o);
+      else if (R == 2)
+        dot_vnni_packed<GS, 2>(pw, ps, pb, xq, xs, xsum, D, o);
+      else
+        dot_vnni_packed<GS, 1>(pw, ps, pb, xq, xs, xsum, D, o);
+      r0 += R;
+    }
+  }
+}
+
+static void run_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, const Pair* pairs, int64_t count,
+                       const Acts& acts, float* out) {
+  if (q.group_size == 32)
+    rows_packed<32>(q, e, n0, n1, pairs, count, acts, out);
+  else if (q.group_size == 64)
+    rows_packed<64>(q, e, n0, n1, pairs, count, acts, out);
+  else
+    rows_packed<128>(q, e, n0, n1, pairs, count, acts, out);
+}
 #endif
+
+std::shared_ptr<const Packed> pack(const QWeights& q) {
+#if defined(EDGE0_VNNI)
+  const int64_t G = q.D / q.group_size;
+  if (q.bits != 4 || q.N % 16 || q.D % 128 || q.D > PACK_MAX_D || G > PACK_MAX_GROUPS ||
+      (q.group_size != 32 && q.group_size != 64 && q.group_size != 128))
+    return nullptr;
+  auto p = std::make_shared<Packed>();
+  p->E = q.E, p->N = q.N, p->D = q.D, p->group_size = q.group_size;
+  const int64_t NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
+  p->w.resize(q.E * q.N * (q.D / 8));
+  p->s.resize(q.E * q.N * G);
+  p->b.resize(q.E * q.N * G);
+  for (int64_t blk = 0; blk < q.E * NB; blk++) {
+    uint32_t* dst = p->w.data() + blk * 16 * steps * 16;
+    for (int j = 0; j < 16; j++) {
+      const int64_t row = blk * 16 + j;  // rows of all experts in order: expert e's block b is blk e * NB + b
+      const uint8_t* src = q.w + row * row_bytes;
+      for (int l = 0; l < 16; l++)
+        for (int64_t i = 0; i < steps; i++) std::memcpy(dst + (l * steps + i) * 16 + j, src + (i * 16 + l) * 4, 4);
+      for (int64_t g = 0; g < G; g++) {
+        p->s[(blk * G + g) * 16 + j] = q.scales16 ? at(q.scales16 + row * G, g) : q.scales[row * G + g];
+        p->b[(blk * G + g) * 16 + j] = q.biases16 ? at(q.biases16 + row * G, g) : q.biases[row * G + g];
+      }
+    }
+  }
+  return p;
+#else
+  (void)q;
+  return nullptr;
+#endif
+}
 
 // Outputs n0..n1 of expert e for `count` pairs sharing it, on a path that loads each weight row once for several
 // activation rows; false where there is none for this path and format (the caller then runs row_dot per row).
@@ -829,8 +976,10 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
   }
 
   // tasks: (run, block of output features); enough of them to keep every thread busy
+  // the packed layout: impl VNNI and 4-bit (pack made it), blocks of 16 outputs
+  const bool packed = q.packed != nullptr && impl == VNNI && use_packed.load(std::memory_order_relaxed);
   int64_t nb = 64;
-  while (nb > 8 && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * threads) nb /= 2;
+  while (nb > (packed ? 16 : 8) && (int64_t)runs.size() * ((N + nb - 1) / nb) < 8 * threads) nb /= 2;
   const int64_t blocks = (N + nb - 1) / nb;
   const int64_t ntask = (int64_t)runs.size() * blocks;
   const int64_t row_bytes = D * q.bits / 8;
@@ -843,6 +992,12 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
       for (int64_t i = run.begin; i < run.end; i++) std::fill(out + sorted[i].out * N + n0, out + sorted[i].out * N + n1, 0.f);
       return;
     }
+#if defined(EDGE0_VNNI)
+    if (packed && (D <= PACK_ONE_ROW_D || run.end - run.begin >= TILE_ROWS)) {
+      run_packed(q, e, n0, n1, sorted.data() + run.begin, run.end - run.begin, acts, out);
+      return;
+    }
+#endif
     const int64_t PB = 16, NS = 4;  // rows x features per tile: the tile's weights stay in L1
     for (int64_t i0 = run.begin; i0 < run.end; i0 += PB) {
       const int64_t i1 = std::min(run.end, i0 + PB);

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace edge0 {
@@ -21,6 +22,8 @@ struct Pair {
   int64_t out;
 };
 
+struct Packed;
+
 struct QWeights {
   const uint8_t* w;  // (E, N, D/2) bytes
   const float* scales;  // (E, N, D/gs) float32, or null with scales16
@@ -30,7 +33,32 @@ struct QWeights {
   int bits;  // 4 or 8
   const uint16_t* scales16 = nullptr;  // (E, N, D/gs) bfloat16 bits: 2 bytes a group instead of 4 to stream
   const uint16_t* biases16 = nullptr;
+  const Packed* packed = nullptr;  // the same weights in the packed layout (pack), or null
 };
+
+// A 4-bit weight's copy for the VNNI path with 16 output rows interleaved by 4-byte word: one 64-byte load holds
+// one word of 16 rows, so vpdpbusd leaves 16 outputs' partial sums in its lanes and no output needs horizontal
+// sums of its own. The arithmetic is the row layout's, in the same order: every output gets the same bits from
+// either layout, whatever the rows or threads. Made once for weights that never change (a model's dense
+// linears); a product whose QWeights carry it runs on it.
+struct Packed {
+  std::vector<uint32_t> w;  // (E, N/16, 16 l, D/128 i, 16 rows): word 16 i + l of each of the block's rows
+  std::vector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 (bfloat16 widened exactly)
+  int64_t E = 0, N = 0, D = 0;
+  int group_size = 0;
+};
+
+// Groups a packed row may have at most (per-call scratch of R x G x 16 floats).
+constexpr int64_t PACK_MAX_GROUPS = 512;
+// Rows (inputs D) the packed layout pays for (`python tools/node_cost.py --packed`, one thread, VNNI, two runs): up to
+// 512 for one activation row (4096 x 256 1.20-1.34x, 1024 x 512 1.11-1.16x; 1024 x 1024 1.01x), up to 1024 for
+// TILE_ROWS or more sharing the weight (8 rows: 4096 x 256 1.78x, 1024 x 1024 1.21-1.27x); longer rows already spend
+// little per output on its lane sums (2048 x 2048, tried: no faster at 1 or 8 rows), so they are not packed.
+constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
+
+// q's packed copy; null where the layout does not apply (not 4-bit, N % 16, D % 128, D > PACK_MAX_D, more than
+// PACK_MAX_GROUPS groups, or no VNNI path built).
+std::shared_ptr<const Packed> pack(const QWeights& q);
 
 // Token rows from which a product or an attention is a prompt chunk (prefill), as its node's name says.
 constexpr int64_t PROMPT_ROWS = 16;
@@ -50,6 +78,11 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
 // set_impl names another one built here (tests, benchmarks), false when it is not.
 const char* impl();
 bool set_impl(const char* name);
+
+// Whether products run on packed copies where weights have one (default true); off, every product takes the row
+// layout (the same bits): benchmarks compare the two in one process.
+void set_packed(bool on);
+bool packed_on();
 
 // Compute threads, the caller included (one persistent pool of max(n, prompt) - 1 workers): n for a
 // decode step's products, prompt (n when 0) for prompt chunks'.

@@ -2,13 +2,15 @@
 batch), then the median time of a decode step for all of them, and the graph nodes of one step.
 
     python tools/batch_step.py [--store S] [--batch 1,2,4,8] [--steps 50] [--prompt-tokens 128] [--rounds 3]
-                               [--profile]
+                               [--profile] [--layouts packed,row]
 
 Each sequence's prompt is a different window of real text (Python's json/decoder.py in the store's tokenizer),
 greedy, EOS ignored; the store's defaults otherwise (for the built-in model: predicted routing over resident
 experts, so the batch builds each step ahead). Prints one line per batch size: admission (prefill and first
 token) per sequence, step ms, tokens/s of the batch, nodes per step; with --profile also the time per step
-inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it).
+inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it). With --layouts
+packed,row the rounds alternate between the kernels' packed weight copies and the row layout (kernels' set_packed;
+the same tokens), and a line per layout gives its median step, with the ratio of the two medians.
 """
 
 from __future__ import annotations
@@ -56,15 +58,24 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     if ext is not None:
         ext.profile(True)
         ext.set_profile(True)
-    rounds = []
+    layouts = getattr(args, "layouts", None) or [None]
+    rounds = {layout: [] for layout in layouts}
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            batch.step()
-        rounds.append((time.perf_counter() - t0) / args.steps)
+        for layout in layouts:
+            if layout is not None:
+                getattr(batch, "settle", lambda: None)()  # the step built ahead ran on the layout before
+                kernels.load().set_packed(layout == "packed")
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                batch.step()
+            rounds[layout].append((time.perf_counter() - t0) / args.steps)
     getattr(batch, "settle", lambda: None)()
-    step = statistics.median(rounds)
+    if layouts != [None]:
+        kernels.load().set_packed(True)
+    step = statistics.median(rounds[layouts[0]])
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
+    if layouts != [None]:
+        out["layout_step_ms"] = {layout: 1e3 * statistics.median(r) for layout, r in rounds.items()}
     if ext is not None:
         ext.set_profile(False)
         n = args.rounds * args.steps + 1  # the steps timed and the one settled after them
@@ -83,7 +94,17 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="also ms per step inside each kind of edge0 node")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    p.add_argument("--layouts", default=None,
+                   help="packed,row: alternate rounds between the kernels' packed weights and the row layout")
     args = p.parse_args()
+    if args.layouts is not None:
+        args.layouts = [x for x in args.layouts.split(",") if x]
+        if sorted(args.layouts) != ["packed", "row"]:
+            sys.exit(f"--layouts {','.join(args.layouts)}: expected packed,row (or row,packed)")
+        from edge0.compute import kernels
+
+        if kernels.load() is None or not hasattr(kernels.load(), "set_packed"):
+            sys.exit("--layouts: the edge0 kernels are not built here, or have no packed layout")
     try:
         sizes = [int(b) for b in args.batch.split(",") if b]
     except ValueError:
@@ -111,6 +132,10 @@ def run(args, sizes: list[int]) -> int:
                 r = out[-1]
                 print(f"batch {r['batch']}: admission {r['admit_ms']:.1f} ms a sequence, step {r['step_ms']:.2f} ms, "
                       f"{r['tok_s']:.1f} tok/s, {r['nodes']} graph nodes a step")
+                if "layout_step_ms" in r:
+                    ms = r["layout_step_ms"]
+                    print("    " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+                          + f" a step (row / packed: {ms['row'] / ms['packed']:.2f}x)")
                 for kind, ms in r.get("kernel_ms", {}).items():
                     print(f"    {kind}: {ms:.3f} ms a step")
                 if "kernel_ms" in r:

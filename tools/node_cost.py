@@ -1,9 +1,9 @@
 """What single edge0 nodes cost, for docs/results/cpu-kernels.md (issue #19): the figures behind a decode step's
 node count, the heads' weight dtype and the adapter's cost.
 
-    python tools/node_cost.py [--rounds 300]
+    python tools/node_cost.py [--rounds 300] [--packed]
 
-Four measurements, each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
+Four measurements (five with --packed), each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
   * chain: N RMS-norm nodes of one 256-wide row, each on the last; microseconds a node at N = 10, 40, 100 (what a
     node costs beyond its arithmetic: MLX's scheduling on the stream thread);
   * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
@@ -12,7 +12,10 @@ Four measurements, each the median over --rounds evaluations (mx.eval of a batch
     (as a decode step of the built-in model meets its 24 attention projections);
   * sync: one node built and its value waited for by the host, with mx.eval (the thread sleeps until the stream
     wakes it, and queueing the node wakes the stream) and with kernels.host_eval (it spins for the value, and the
-    stream is held awake between rounds): a staged layer's round trip for its routed ids.
+    stream is held awake between rounds): a staged layer's round trip for its routed ids;
+  * packed (--packed): a 4-bit product (N x D, group size 64) of 1 and 8 token rows with its weights in the row
+    layout and in the kernel's packed layout (kernels' pack: 16 outputs a vector, the same bits), the figures
+    behind PACK_ONE_ROW_D and PACK_MAX_D in csrc/qmv.h.
 Random weights; the kernels' outputs do not depend on their values.
 """
 
@@ -38,6 +41,7 @@ def per_node(mx, build, rounds: int, n: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=300, help="evaluations per figure (default 300)")
+    p.add_argument("--packed", action="store_true", help="also the row layout against the packed one")
     a = p.parse_args()
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: must be at least 1")
@@ -96,8 +100,34 @@ def main() -> int:
             wait(y)
             times.append((time.perf_counter() - t0) * 1e6)
         print(f"sync, one node's value to the host: {name} {statistics.median(times):.1f} us")
+    if a.packed:
+        packed_products(mx, ext, a.rounds)
     return 0
 
+
+def packed_products(mx, ext, rounds: int) -> None:
+    """Microseconds a product node, row layout against packed, at 1 and 8 token rows (40 nodes an evaluation; the
+    two layouts alternate over the rounds)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for n, d in ((4096, 256), (256, 256), (128, 256), (1024, 512), (1024, 1024), (2048, 2048)):
+        row = mx.quantize(mx.array(rng.standard_normal((n, d), dtype=np.float32)), group_size=64, bits=4)
+        packed = tuple(mx.array(a) for a in row)  # copies: packing belongs to the arrays
+        mx.eval(row, packed)
+        if not ext.pack(*packed, 64):
+            print(f"product {n}x{d}: no packed layout here")
+            continue
+        for rows in (1, 8):
+            xs = [mx.array(rng.standard_normal((rows, d), dtype=np.float32)) for _ in range(40)]
+            mx.eval(xs)
+            times = {"row": [], "packed": []}
+            for _ in range(max(1, rounds // 10)):
+                for name, w in (("row", row), ("packed", packed)):
+                    times[name].append(per_node(mx, lambda i, w=w: ext.qmv(xs[i], *w, None, 64), 1, 40))
+            us = [statistics.median(times[k]) for k in ("row", "packed")]
+            print(f"product {n}x{d}, {rows} row{'s' if rows > 1 else ''}: row layout {us[0]:.1f} us, packed "
+                  f"{us[1]:.1f} us ({us[0] / us[1]:.2f}x)")
 
 if __name__ == "__main__":
     sys.exit(main())

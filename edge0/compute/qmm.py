@@ -125,7 +125,15 @@ def _lora_product(ext, linear, x, lora_a, lora_b, scale):
             and fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
     gs, scale = linear.group_size, float(scale)
+    _pack(ext, linear, w, s, b)
     return lambda x: ext.qmv_lora(x, w, s, b, lora_a, lora_b, scale, gs)
+
+
+def _pack(ext, linear, w, s, b) -> None:
+    """The kernel's packed copy of a 4-bit linear's weights (they never change while the module holds them), for
+    the products that read them: the same bits, faster on short rows and on several rows."""
+    if linear.bits == 4:
+        ext.pack(w, s, b, linear.group_size)
 
 
 def _product(ext, linear, x):
@@ -135,6 +143,7 @@ def _product(ext, linear, x):
     if not (w.ndim == 2 and fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
     gs, n, bias = linear.group_size, w.shape[0], linear.get("bias")
+    _pack(ext, linear, w, s, b)
     if bias is not None:
         return lambda x: ext.qmv(x, w, s, b, None, gs, (*x.shape[:-1], n)) + bias
     return lambda x: ext.qmv(x, w, s, b, None, gs, (*x.shape[:-1], n))

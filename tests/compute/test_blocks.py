@@ -194,3 +194,47 @@ def test_attention_block_refuses_bad_arguments_with_one_clear_error(bad, match):
             EXT.attention_block(call["x"], call["h"], q, k, v, o, lora_scale, gs, qw, qeps, kw, keps, call["keys"],
                                 call["values"], call["offset"], call["dims"], *turn[1:], scale, pw, peps,
                                 call["positions"], None)
+
+
+def _triples(bank: dict) -> list[tuple]:
+    return [tuple(bank[f"{p}.{k}"] for k in ("weight", "scales", "biases")) for p in ("gate_proj", "up_proj", "down_proj")
+            if f"{p}.biases" in bank]
+
+
+@pytest.mark.skipif(not kernels.available() or kernels.load().impl() != "avx512",
+                    reason="the packed layout is the AVX-512 VNNI path's")
+def test_the_default_run_packs_fixed_weights_and_never_a_slot_bank():
+    """The default engine on the demo packs its 4-bit dense linears and its resident experts (weights that never
+    change) for the kernel, and the tokens are those of the row layout; a staged engine's slot banks, whose
+    contents change as slots fill, are never packed."""
+    import gc
+
+    from edge0.compute.banks import Bank
+    from edge0.compute.qmm import KernelQuantizedLinear
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.generation import GenRequest
+
+    ext = kernels.load()
+    with open_engine(EngineConfig(kernel="edge0", prompt_cache_gib=0)) as engine:
+        req = GenRequest(prompt=engine.encode_text("def parse(text):\n    return"), max_tokens=12)
+        packed_tokens = engine.generate(req).tokens
+        model = engine.store.model
+        linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear) and m.bits == 4]
+        assert linears and all(ext.packed(m["weight"], m["scales"], m["biases"], m.group_size) for m in linears)
+        banks = [getattr(m.executor, "resident", None) for _, m in model.named_modules() if hasattr(m, "executor")]
+        assert banks and all(r is not None for r in banks)
+        assert all(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
+        ext.set_packed(False)
+        try:
+            assert engine.generate(req).tokens == packed_tokens
+        finally:
+            ext.set_packed(True)
+    del model, linears, banks
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, Bank)}
+    with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
+        assert engine.generate(req).tokens
+        slot_banks = [o for o in gc.get_objects() if isinstance(o, Bank) and o._arrays is not None and id(o) not in before]
+        assert slot_banks
+        assert not any(ext.packed(*t, gs) for bank in slot_banks for t in _triples(bank._arrays) for gs in (32, 64, 128))

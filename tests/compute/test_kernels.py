@@ -1034,3 +1034,75 @@ def test_a_hold_delays_an_unreleased_next_graph_and_hold_false_leaves_none(monke
     mx.eval(x * 2)
     waited = time.perf_counter() - t0
     assert (waited > 0.2) if hold else (waited < 0.1)
+
+
+def _copies(*arrays):
+    """New arrays of the same values (a packed copy belongs to the arrays it was made from)."""
+    out = [mx.array(np.array(a.astype(mx.float32))).astype(a.dtype) if a.dtype == mx.bfloat16 else mx.array(np.array(a))
+           for a in arrays]
+    mx.eval(out)
+    return out
+
+
+@needs_ext
+@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+@pytest.mark.parametrize("d,gs", [(128, 32), (256, 64), (384, 128), (1024, 32), (1024, 64)])
+@pytest.mark.parametrize("experts", [1, 5])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_packed_weights_give_the_bits_of_the_row_layout(d, gs, experts, bf16):
+    """Weights packed 16 outputs to a vector (a model's dense linears, resident experts) give every output the
+    bits the row layout gives it, for any rows (1: a decode step, 8 and 13: a batch's, the 8-row and smaller
+    tiles), any experts and threads; set_packed(False) runs the same weights on the row layout."""
+    use_kernel("edge0")
+    EXT.set_impl("avx512")
+    shape = (experts, 48, d) if experts > 1 else (48, d)
+    w, s, b = quantized(shape, gs, seed=d + experts)
+    if bf16:
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    pw, ps, pb = _copies(w, s, b)
+    assert not EXT.packed(pw, ps, pb, gs)
+    assert EXT.pack(pw, ps, pb, gs) and EXT.packed(pw, ps, pb, gs)
+    assert not EXT.packed(w, s, b, gs)  # equal values, other arrays: not theirs
+    rng = np.random.default_rng(d)
+    for rows in (1, 3, 8, 13):
+        x = mx.array(rng.standard_normal((rows, d)).astype(np.float32) * 3)
+        idx = mx.array(rng.integers(0, experts, (rows, 2)).astype(np.uint32)) if experts > 1 else None
+        for threads in (1, 2):
+            EXT.set_num_threads(threads, threads)
+            row, packed = EXT.qmv(x, w, s, b, idx, gs), EXT.qmv(x, pw, ps, pb, idx, gs)
+            assert mx.array_equal(row, packed), (rows, threads)
+        EXT.set_packed(False)
+        try:
+            assert mx.array_equal(EXT.qmv(x, pw, ps, pb, idx, gs), row)
+        finally:
+            EXT.set_packed(True)
+        if experts == 1:
+            want = dequantized(w, s.astype(mx.float32), b.astype(mx.float32), gs) @ np.array(x, np.float64).T
+            assert rel(packed, want.T) < TOL["avx512"]
+
+
+@needs_ext
+def test_pack_declines_what_the_layout_cannot_serve():
+    """Not 4-bit, outputs not a multiple of 16, rows not a multiple of 128 or longer than the layout pays for:
+    no packed copy (False), and the products stay what they were."""
+    for shape, gs, bits in [((40, 256), 64, 4), ((32, 192), 64, 4), ((32, 2048), 64, 4), ((32, 256), 64, 8)]:
+        w, s, b = quantized(shape, gs, seed=1, bits=bits)
+        assert not EXT.pack(w, s, b, gs), (shape, bits)
+        assert not EXT.packed(w, s, b, gs)
+
+
+@needs_ext
+@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+def test_a_freed_weights_packed_copy_serves_no_other_array():
+    """A packed copy is found by its weight's address, but only while the arrays it was made from live: arrays
+    made after they are freed (which the allocator may place at the same address) are never served the old copy."""
+    use_kernel("edge0")
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32))
+    w, s, b = quantized((64, 256), 64, seed=7)
+    assert EXT.pack(w, s, b, 64)
+    del w, s, b
+    for seed in range(20):
+        w, s, b = quantized((64, 256), 64, seed=100 + seed)
+        assert not EXT.packed(w, s, b, 64)
+        want = dequantized(w, s, b, 64) @ np.array(x[0], np.float64)
+        assert rel(EXT.qmv(x, w, s, b, None, 64)[0], want) < TOL["avx512"]
