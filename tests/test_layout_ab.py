@@ -1,0 +1,30 @@
+"""tools/layout_ab.py alternates the kernels' weight layouts in one process, with the same tokens."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge0.compute import kernels
+
+spec = importlib.util.spec_from_file_location("layout_ab", Path(__file__).parents[1] / "tools" / "layout_ab.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"edge0 CPU kernels {kernels.reason()}")
+def test_layout_ab_prints_both_layouts_and_leaves_them_packed(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "1", "--prompt-tokens", "24", "--max-tokens", "4"])
+    assert tool.main() == 0
+    out = capsys.readouterr().out
+    for what in ("prefill", "decode"):
+        assert re.search(rf"{what}: packed [\d.]+ tok/s, row [\d.]+ tok/s, packed / row [\d.]+x", out), out
+    assert kernels.load().packed_on()
+
+
+def test_layout_ab_refuses_zero_rounds(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        tool.main()

@@ -1,0 +1,66 @@
+"""The kernels' packed weight layout against the row layout in one process (csrc/qmv.h Packed): prefill and decode
+of the engine's own generations on real text, the two layouts alternating round by round (kernels' set_packed:
+the same tokens, only the time differs), for docs/results/cpu-kernels.md.
+
+    python tools/layout_ab.py [--store S] [--routing native] [--rounds 9] [--prompt-tokens 256] [--max-tokens 65]
+
+Each round generates --max-tokens tokens after a --prompt-tokens prompt cut from Python's json/decoder.py (greedy,
+EOS ignored) once packed and once in the row layout; printed: each layout's median prefill and decode tok/s and the
+median over rounds of packed / row within a round (the paired ratio: the host's drift cancels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+from json import decoder
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", default=None, help="an Edge0 store (default: the built-in model)")
+    p.add_argument("--routing", default=None, help="--routing (default: the engine's)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per layout (default 9)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=65)
+    a = p.parse_args()
+    if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
+        p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
+    from edge0.compute import kernels
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.errors import Edge0Error
+    from edge0.generation import GenRequest
+
+    ext = kernels.load()
+    if ext is None or not hasattr(ext, "set_packed"):
+        sys.exit(f"layout_ab: the edge0 CPU kernels are {kernels.reason() or 'without a packed layout'}")
+    try:
+        with open_engine(EngineConfig(model=a.store, routing=a.routing, kernel="edge0", prompt_cache_gib=0)) as engine:
+            ids = engine.encode_text(inspect.getsource(decoder))[:a.prompt_tokens]
+            req = GenRequest(prompt=ids, max_tokens=a.max_tokens, ignore_eos=True)
+            engine.generate(req)  # warm-up
+            figs = {"packed": [], "row": []}
+            try:
+                for _ in range(a.rounds):
+                    for layout in figs:
+                        ext.set_packed(layout == "packed")
+                        figs[layout].append(engine.generate(req))
+            finally:
+                ext.set_packed(True)
+    except Edge0Error as e:
+        sys.exit(f"layout_ab: {e}")
+    if [f.tokens for f in figs["packed"]] != [f.tokens for f in figs["row"]]:
+        sys.exit("layout_ab: the layouts gave different tokens (they must not)")
+    for what in ("prefill_tok_s", "decode_tok_s"):
+        med = {k: statistics.median(getattr(f, what) for f in v) for k, v in figs.items()}
+        ratio = statistics.median(getattr(x, what) / getattr(y, what) for x, y in zip(figs["packed"], figs["row"]))
+        print(f"{what.split('_')[0]}: packed {med['packed']:.1f} tok/s, row {med['row']:.1f} tok/s, "
+              f"packed / row {ratio:.3f}x (paired, {a.rounds} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
