@@ -776,8 +776,13 @@ static inline __m512 reduce16(const float (*v)[16]) {
 // 64-byte load. Each output's float operations are the same in the same order (a lane's products of step i into
 // f0 or f1 by i's parity, f0 + f1, the lanes' sum in reduce_add_ps's order; the biases' lanes likewise), so it has
 // the bits it gets in the row layout.
-template <int GS, int R>
-static void dot_vnni_packed(const uint32_t* pw, const float* ps, const float* pb, const int8_t* const* xq,
+static inline __m512 wide16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 wide16(const uint16_t* p) {  // 16 bfloat16, widened exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <int GS, int R, typename S>
+static void dot_vnni_packed(const uint32_t* pw, const S* ps, const S* pb, const int8_t* const* xq,
                             const float* const* xs, const float* const* xsum, int64_t D, float* const* out) {
   const int64_t G = D / GS, steps = D / 128;
   thread_local std::vector<float> dbuf;
@@ -785,7 +790,7 @@ static void dot_vnni_packed(const uint32_t* pw, const float* ps, const float* pb
   float* dv = dbuf.data();  // (R, G, 16): s * xs, each group's factor for the 16 outputs
   for (int r = 0; r < R; r++)
     for (int64_t g = 0; g < G; g++)
-      _mm512_storeu_ps(dv + (r * G + g) * 16, _mm512_mul_ps(_mm512_loadu_ps(ps + g * 16), _mm512_set1_ps(xs[r][g])));
+      _mm512_storeu_ps(dv + (r * G + g) * 16, _mm512_mul_ps(wide16(ps + g * 16), _mm512_set1_ps(xs[r][g])));
   alignas(64) float lanes[R][16][16];
   const __m512i m = _mm512_set1_epi8(0x0F);
   for (int l = 0; l < 16; l++) {
@@ -817,7 +822,7 @@ static void dot_vnni_packed(const uint32_t* pw, const float* ps, const float* pb
     for (int k = 0; k < 16; k++) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t g = k; g - k < G; g += 16)
-        a = g < G ? _mm512_fmadd_ps(_mm512_loadu_ps(pb + g * 16), _mm512_set1_ps(xsum[r][g]), a)
+        a = g < G ? _mm512_fmadd_ps(wide16(pb + g * 16), _mm512_set1_ps(xsum[r][g]), a)
                   : _mm512_add_ps(a, _mm512_setzero_ps());
       _mm512_store_ps(bias[k], a);
     }
@@ -827,15 +832,15 @@ static void dot_vnni_packed(const uint32_t* pw, const float* ps, const float* pb
 
 // Outputs n0..n1 (multiples of 16) of expert e for `count` pairs sharing it, on the packed copy: each block of 16
 // outputs against 8, 4, 2 or 1 rows at a time.
-template <int GS>
-static void rows_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, const Pair* pairs, int64_t count,
-                        const Acts& acts, float* out) {
+template <int GS, typename S>
+static void rows_packed(const QWeights& q, const S* scales, const S* biases, int64_t e, int64_t n0, int64_t n1,
+                        const Pair* pairs, int64_t count, const Acts& acts, float* out) {
   const Packed& p = *q.packed;
   const int64_t N = q.N, D = q.D, G = D / GS, NB = N / 16, steps = D / 128;
   for (int64_t n = n0; n < n1; n += 16) {
     const int64_t blk = e * NB + n / 16;
     const uint32_t* pw = p.w.data() + blk * 16 * steps * 16;
-    const float *ps = p.s.data() + blk * G * 16, *pb = p.b.data() + blk * G * 16;
+    const S *ps = scales + blk * G * 16, *pb = biases + blk * G * 16;
     for (int64_t r0 = 0; r0 < count;) {
       const int64_t left = count - r0;
       const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -850,13 +855,13 @@ static void rows_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, co
         o[r] = out + pr.out * N + n;
       }
       if (R == 8)
-        dot_vnni_packed<GS, 8>(pw, ps, pb, xq, xs, xsum, D, o);
+        dot_vnni_packed<GS, 8, S>(pw, ps, pb, xq, xs, xsum, D, o);
       else if (R == 4)
-        dot_vnni_packed<GS, 4>(pw, ps, pb, xq, xs, xsum, D, o);
+        dot_vnni_packed<GS, 4, S>(pw, ps, pb, xq, xs, xsum, D, o);
       else if (R == 2)
-        dot_vnni_packed<GS, 2>(pw, ps, pb, xq, xs, xsum, D, o);
+        dot_vnni_packed<GS, 2, S>(pw, ps, pb, xq, xs, xsum, D, o);
       else
-        dot_vnni_packed<GS, 1>(pw, ps, pb, xq, xs, xsum, D, o);
+        dot_vnni_packed<GS, 1, S>(pw, ps, pb, xq, xs, xsum, D, o);
       r0 += R;
     }
   }
@@ -864,12 +869,20 @@ static void rows_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, co
 
 static void run_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, const Pair* pairs, int64_t count,
                        const Acts& acts, float* out) {
+  const Packed& p = *q.packed;
+  auto run = [&](auto GS) {
+    constexpr int gs = decltype(GS)::value;
+    if (!p.s16.empty())
+      rows_packed<gs>(q, p.s16.data(), p.b16.data(), e, n0, n1, pairs, count, acts, out);
+    else
+      rows_packed<gs>(q, p.s.data(), p.b.data(), e, n0, n1, pairs, count, acts, out);
+  };
   if (q.group_size == 32)
-    rows_packed<32>(q, e, n0, n1, pairs, count, acts, out);
+    run(std::integral_constant<int, 32>{});
   else if (q.group_size == 64)
-    rows_packed<64>(q, e, n0, n1, pairs, count, acts, out);
+    run(std::integral_constant<int, 64>{});
   else
-    rows_packed<128>(q, e, n0, n1, pairs, count, acts, out);
+    run(std::integral_constant<int, 128>{});
 }
 #endif
 
@@ -883,8 +896,14 @@ std::shared_ptr<const Packed> pack(const QWeights& q) {
   p->E = q.E, p->N = q.N, p->D = q.D, p->group_size = q.group_size;
   const int64_t NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
   p->w.resize(q.E * q.N * (q.D / 8));
-  p->s.resize(q.E * q.N * G);
-  p->b.resize(q.E * q.N * G);
+  const bool bf16 = q.scales16 != nullptr;  // kept as stored: half the bytes a product reads for them
+  if (bf16) {
+    p->s16.resize(q.E * q.N * G);
+    p->b16.resize(q.E * q.N * G);
+  } else {
+    p->s.resize(q.E * q.N * G);
+    p->b.resize(q.E * q.N * G);
+  }
   for (int64_t blk = 0; blk < q.E * NB; blk++) {
     uint32_t* dst = p->w.data() + blk * 16 * steps * 16;
     for (int j = 0; j < 16; j++) {
@@ -893,8 +912,14 @@ std::shared_ptr<const Packed> pack(const QWeights& q) {
       for (int l = 0; l < 16; l++)
         for (int64_t i = 0; i < steps; i++) std::memcpy(dst + (l * steps + i) * 16 + j, src + (i * 16 + l) * 4, 4);
       for (int64_t g = 0; g < G; g++) {
-        p->s[(blk * G + g) * 16 + j] = q.scales16 ? at(q.scales16 + row * G, g) : q.scales[row * G + g];
-        p->b[(blk * G + g) * 16 + j] = q.biases16 ? at(q.biases16 + row * G, g) : q.biases[row * G + g];
+        const int64_t at_ = (blk * G + g) * 16 + j;
+        if (bf16) {
+          p->s16[at_] = q.scales16[row * G + g];
+          p->b16[at_] = q.biases16[row * G + g];
+        } else {
+          p->s[at_] = q.scales[row * G + g];
+          p->b[at_] = q.biases[row * G + g];
+        }
       }
     }
   }

@@ -43,7 +43,8 @@ struct QWeights {
 // linears); a product whose QWeights carry it runs on it.
 struct Packed {
   std::vector<uint32_t> w;  // (E, N/16, 16 l, D/128 i, 16 rows): word 16 i + l of each of the block's rows
-  std::vector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 (bfloat16 widened exactly)
+  std::vector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 ...
+  std::vector<uint16_t> s16, b16;  // ... or bfloat16 as stored (widened exactly where used); one pair is empty
   int64_t E = 0, N = 0, D = 0;
   int group_size = 0;
 };
