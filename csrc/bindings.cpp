@@ -10,6 +10,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -301,6 +304,33 @@ class QMV : public mx::UnaryPrimitive, public Computes {
 };
 
 // The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
+#if defined(__AVX512F__) && defined(__FMA__)
+// y[i] += scale * (x[i] A) B for ROWS rows of x (D each) and y (N each), A (D, 16), B (16, N): the loop below
+// (project_rows) for rank 16, its operations in its order for each row (t's lanes one FMA a feature of x, then
+// each output one FMA a rank in order), so each row has the bits it has alone; A's and B's loads serve every row,
+// and the rows' FMA chains run side by side.
+template <int ROWS>
+static void adapt_rows(const float* x, int64_t D, const float* a, const float* b, int64_t N, float scale, float* y) {
+  __m512 t[ROWS];
+  for (int i = 0; i < ROWS; i++) t[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d++) {
+    const __m512 ad = _mm512_loadu_ps(a + d * 16);
+    for (int i = 0; i < ROWS; i++) t[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * D + d]), ad, t[i]);
+  }
+  alignas(64) float ts[ROWS][16];
+  for (int i = 0; i < ROWS; i++) _mm512_store_ps(ts[i], _mm512_mul_ps(_mm512_set1_ps(scale), t[i]));
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_loadu_ps(y + i * N + n0);
+    for (int j = 0; j < 16; j++) {
+      const __m512 bj = _mm512_loadu_ps(b + j * N + n0);
+      for (int i = 0; i < ROWS; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ts[i][j]), bj, acc[i]);
+    }
+    for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(y + i * N + n0, acc[i]);
+  }
+}
+#endif
+
 static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
                          const Projection& p, float* y) {
   std::vector<float> at, bt;
@@ -314,6 +344,16 @@ static void project_rows(const float* xd, int64_t R, int64_t D, const std::vecto
   const float* a = dense_data<float>(in[w + 3], at);  // (D, r)
   const float* b = dense_data<float>(in[w + 4], bt);  // (r, N)
   const float scale = p.scale;
+#if defined(__AVX512F__) && defined(__FMA__)
+  if (r == 16 && N % 16 == 0) {  // the adapters' rank: each row's t in one register, 4 rows a task
+    parallel_for((R + 3) / 4, [&](int64_t task) {
+      const int64_t r0 = task * 4, n = std::min<int64_t>(4, R - r0);
+      (n == 4 ? adapt_rows<4> : n == 3 ? adapt_rows<3> : n == 2 ? adapt_rows<2> : adapt_rows<1>)(
+          xd + r0 * D, D, a, b, N, scale, y + r0 * N);
+    }, spread(R));
+    return;
+  }
+#endif
   parallel_for(R, [&](int64_t row) {
     std::vector<float> t(r, 0.f);
     const float* xr = xd + row * D;

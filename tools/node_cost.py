@@ -9,7 +9,8 @@ Four measurements (five with --packed), each the median over --rounds evaluation
   * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
     bfloat16 weight matrices, its weights hot (one set) or from L3 (12 sets in turn, 8.6 MB);
   * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 float32 adapter, over 24 weight sets
-    (as a decode step of the built-in model meets its 24 attention projections);
+    (as a decode step of the built-in model meets its 24 attention projections), for one row and for 64 (a prompt
+    chunk's);
   * sync: one node built and its value waited for by the host, with mx.eval (the thread sleeps until the stream
     wakes it, and queueing the node wakes the stream) and with kernels.host_eval (it spins for the value, and the
     stream is held awake between rounds): a staged layer's round trip for its routed ids;
@@ -91,6 +92,15 @@ def main() -> int:
     adapted = per_node(mx, lambda i: ext.qmv_lora(xq, *projections[i % 24], 2.0, 64), a.rounds, 48)
     print(f"projection 256x256, 24 weight sets: plain {plain:.2f} us a node, with a rank-16 adapter {adapted:.2f} "
           f"(+{adapted - plain:.2f})")
+    xp = normal(1, 64, 256)  # a prompt chunk's rows
+    mx.eval(xp)
+    times = {"plain": [], "adapted": []}
+    for _ in range(max(1, a.rounds // 10)):  # alternating, so that the host's drift falls on both alike
+        times["plain"].append(per_node(mx, lambda i: ext.qmv(xp, *projections[i % 24][:3], None, 64), 1, 24))
+        times["adapted"].append(per_node(mx, lambda i: ext.qmv_lora(xp, *projections[i % 24], 2.0, 64), 1, 24))
+    plain, adapted = (statistics.median(times[k]) for k in ("plain", "adapted"))
+    print(f"projection 256x256 of 64 rows: plain {plain:.1f} us a node, with a rank-16 adapter {adapted:.1f} "
+          f"(+{adapted - plain:.1f})")
 
     for name, wait in (("mx.eval", mx.eval), ("host_eval", kernels.host_eval)):
         times = []
