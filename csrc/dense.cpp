@@ -514,12 +514,62 @@ void dot16x4<uint16_t>(const float* a, const uint16_t* b, int64_t D, float* out)
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__FMA__)
+static inline __m512 wide16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 wide16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// dot16x4 for R rows of a (a, a + D, ...) at once, out[r * 4 + o]: each 16-weight load (widened once) serves the R
+// rows, and each of the R x 4 sums has dot16x4's operations in its order (one FMA a lane per 16 inputs, the tail's
+// lanes, the fixed tree), so each has the bits it gets alone.
+template <int R, typename W>
+static void dot16x4_rows(const float* a, const W* b, int64_t D, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int o = 0; o < 4; o++) acc[r][o] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    for (int o = 0; o < 4; o++) __builtin_prefetch(b + (4 + o) * D + i);
+    __m512 wv[4];
+    for (int o = 0; o < 4; o++) wv[o] = wide16(b + o * D + i);
+    for (int r = 0; r < R; r++) {
+      const __m512 av = _mm512_loadu_ps(a + r * D + i);
+      for (int o = 0; o < 4; o++) acc[r][o] = _mm512_fmadd_ps(av, wv[o], acc[r][o]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int o = 0; o < 4; o++) {
+      float lane[16];
+      _mm512_storeu_ps(lane, acc[r][o]);
+      for (int j = 0; i + j < D; j++) lane[j] += a[r * D + i + j] * wval(b, o * D + i + j);
+      for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+      out[r * 4 + o] = lane[0];
+    }
+}
+#endif
+
 template <typename W>
 static void linear_rows(const float* x, int64_t rows, const W* w, const float* bias, int64_t N, int64_t D, float* out) {
   const int64_t NB = 16;  // outputs per task
   parallel_for((N + NB - 1) / NB, [&](int64_t t) {
     const int64_t n1 = std::min(N, (t + 1) * NB);
-    for (int64_t r = 0; r < rows; r++) {
+    int64_t r = 0;
+#if defined(__AVX512F__) && defined(__FMA__)
+    // several rows (a served batch's heads): 4 rows x 4 outputs at a time, each weight load for all 4 rows
+    for (; r + 4 <= rows; r += 4) {
+      int64_t n = t * NB;
+      for (float v[16]; n + 4 <= n1; n += 4) {
+        dot16x4_rows<4>(x + r * D, w + n * D, D, v);
+        for (int i = 0; i < 4; i++)
+          for (int o = 0; o < 4; o++) out[(r + i) * N + n + o] = v[i * 4 + o] + (bias ? bias[n + o] : 0.f);
+      }
+      for (; n < n1; n++)
+        for (int i = 0; i < 4; i++) out[(r + i) * N + n] = dot16(x + (r + i) * D, w + n * D, D) + (bias ? bias[n] : 0.f);
+    }
+#endif
+    for (; r < rows; r++) {
       int64_t n = t * NB;
       for (float v[4]; n + 4 <= n1; n += 4) {
         dot16x4(x + r * D, w + n * D, D, v);

@@ -545,6 +545,10 @@ def test_linear_matches_mlx_and_a_row_does_not_depend_on_the_others(rows, d, n, 
     assert np.array_equal(np.array(y), np.array(alone))
     EXT.set_num_threads(2, 2)
     assert np.array_equal(np.array(EXT.linear(x, w, b)), np.array(y))
+    w16 = w.astype(mx.bfloat16)  # the served heads' weights: rows four at a time share each widened load
+    y16 = EXT.linear(x, w16, b)
+    assert np.array_equal(np.array(y16), np.array(EXT.linear(x, w16.astype(mx.float32), b)))
+    assert np.array_equal(np.array(y16), np.array(mx.concatenate([EXT.linear(x[i:i + 1], w16, b) for i in range(rows)])))
 
 
 @needs_ext
