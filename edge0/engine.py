@@ -272,7 +272,8 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         if resident:
             from .pipeline.resident import build_predicted_resident
 
-            return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates)
+            return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates,
+                                            memory_budget_gib=c.memory_budget_gib)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
                                       slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
                                       predicted_routing=c.routing == "predicted", candidates=candidates)

@@ -14,6 +14,7 @@ from mlx_lm.models.activations import swiglu
 
 from . import expert_math
 from .banks import MLX_DTYPES, scales_as_stored
+from .kernel import current
 from .kernels import host_eval
 from .qmm import gather_glu, gather_qmm
 
@@ -111,13 +112,26 @@ class ExactExperts:
 
 
 class ResidentExperts:
-    """Every expert of a layer already in memory: the compute floor, and the oracle in tests."""
+    """Every expert of a layer already in memory: the compute floor, and the oracle in tests. packable: the bank may
+    also keep the kernel's packed copy (its memory allows it: compute/runtime.py packed_copies_fit)."""
 
-    def __init__(self, bank: dict[str, mx.array], quant: Quant):
-        self.bank, self.quant = bank, quant
+    def __init__(self, bank: dict[str, mx.array], quant: Quant, *, packable: bool = False):
+        self.bank, self.quant, self.packable = bank, quant, packable
+        self._packed = False
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        self.pack(current().ext)
         return switch_glu(x, inds, self.bank, self.quant)
+
+    def pack(self, ext) -> None:
+        """The edge0 kernel's packed copy of these experts (4-bit), once, where packable; the same bits, faster
+        products (csrc/qmv.h Packed). Nothing under MLX's kernel."""
+        if self._packed or not self.packable or ext is None or self.quant.bits != 4:
+            return
+        self._packed = True
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            if f"{p}.biases" in self.bank:
+                ext.pack(*(self.bank[f"{p}.{k}"] for k in ("weight", "scales", "biases")), self.quant.group_size)
 
     @property
     def resident(self) -> "ResidentExperts":

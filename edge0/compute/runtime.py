@@ -119,12 +119,13 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
         rt.executors = exact
         return rt
     if executor == "resident":
+        packable = packed_copies_fit(m, compute_dtype, budget)
         for layer in layers:
             bank = Bank(m.pieces, m.num_experts, fence, compute_dtype)
             reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
             bank.commit(range(m.num_experts))
             rt.banks.append(bank)
-            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant)  # never written again
+            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=packable)  # never written again
         return rt
 
     if executor == "staged":
@@ -139,6 +140,14 @@ def auto_executor(m, compute_dtype, budget: int | None) -> str:
     need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
     room = budget if budget is not None else available_memory() // 2
     return "resident" if need <= room else "staged"
+
+
+def packed_copies_fit(m, compute_dtype, budget: int | None) -> bool:
+    """Whether resident experts may also keep the kernel's packed copy (as many bytes again, compute/qmm.py): where
+    twice their bytes fit as auto_executor asks them to fit once (inside --memory-budget, else half the memory this
+    process can have), so the copies never push a model that fits out of its budget."""
+    need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
+    return 2 * need <= (budget if budget is not None else available_memory() // 2)
 
 
 def available_memory() -> int:

@@ -138,9 +138,7 @@ def _moe_args(ext, block: SoftmaxMoeBlock, resident, norm_weight, x: mx.array) -
     if parts is None:
         return None
     router = [gate["weight"], gate["scales"], gate.get("biases")]
-    if q.bits == 4:  # resident experts never change: the kernel's packed copy serves them (the same bits)
-        for part in parts:
-            ext.pack(*part, q.group_size)
+    resident.pack(ext)  # they never change: the kernel's packed copy serves them, where their memory allows it
     return router, gate.group_size, parts, q.group_size
 
 

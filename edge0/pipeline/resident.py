@@ -116,10 +116,10 @@ class PredictedResidentRuntime(Runtime):
 
 
 def build_predicted_resident(reader, compute_dtype, *, heads, candidates: int | None = None,
-                             **_) -> PredictedResidentRuntime:
+                             memory_budget_gib: float | None = None, **_) -> PredictedResidentRuntime:
     """Every expert read once into memory, routed by `heads` (a HeadSet) decided one step ahead in the graph;
     candidates: experts each head names, its consumer's router choosing K of them (None: K)."""
-    base = build_runtime(reader, "resident", compute_dtype)
+    base = build_runtime(reader, "resident", compute_dtype, memory_budget_gib=memory_budget_gib)
     rt = PredictedResidentRuntime("resident", base.fence, {}, banks=base.banks, stats=base.stats)
     rt.heads = heads
     rt.candidates = candidates

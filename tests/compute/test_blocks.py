@@ -233,6 +233,12 @@ def test_the_default_run_packs_fixed_weights_and_never_a_slot_bank():
     del model, linears, banks
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, Bank)}
+    # a budget that holds the experts once but not twice: resident, and no copy beside them
+    with open_engine(EngineConfig(kernel="edge0", memory_budget_gib=0.015, prompt_cache_gib=0)) as engine:
+        assert engine.store.runtime.executor == "resident"
+        assert engine.generate(req).tokens == packed_tokens
+        banks = [m.executor.resident for _, m in engine.store.model.named_modules() if hasattr(m, "executor")]
+        assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
         assert engine.generate(req).tokens
         slot_banks = [o for o in gc.get_objects() if isinstance(o, Bank) and o._arrays is not None and id(o) not in before]
