@@ -262,20 +262,22 @@ class QMV : public mx::UnaryPrimitive, public Computes {
       return;
     }
     const int64_t H = q[0].N;
-    std::vector<float> g(R * H), u(R * H);
-    qmv(q[0], xd, Rx, pairs, g.data(), prompt);
-    qmv(q[1], xd, Rx, pairs, u.data(), prompt);
-    swiglu(g.data(), u.data(), R * H);
+    std::unique_ptr<float[]> gp(new float[R * H]), up(new float[R * H]);  // every value written by qmv: not zeroed
+    float *g = gp.get(), *u = up.get();
+    qmv(q[0], xd, Rx, pairs, g, prompt);
+    qmv(q[1], xd, Rx, pairs, u, prompt);
+    swiglu(g, u, R * H);
     for (int64_t o = 0; o < R; o++) pairs[o].xrow = o;
     if (!combine) {
-      qmv(q[2], g.data(), R, pairs, out, prompt);
+      qmv(q[2], g, R, pairs, out, prompt);
       return;
     }
-    std::vector<float> y(R * N), st;
-    qmv(q[2], g.data(), R, pairs, y.data(), prompt);
+    std::unique_ptr<float[]> y(new float[R * N]);
+    std::vector<float> st;
+    qmv(q[2], g, R, pairs, y.get(), prompt);
     const auto& scores = inputs.back();
     const int k = scores.shape(-1);
-    edge0::combine(y.data(), dense_data<float>(scores, st), R / k, k, N, out);
+    edge0::combine(y.get(), dense_data<float>(scores, st), R / k, k, N, out);
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
