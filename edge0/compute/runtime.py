@@ -125,7 +125,8 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
             reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
             bank.commit(range(m.num_experts))
             rt.banks.append(bank)
-            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=packable)  # never written again
+            # never written again
+            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=packable)
         return rt
 
     if executor == "staged":
@@ -143,9 +144,9 @@ def auto_executor(m, compute_dtype, budget: int | None) -> str:
 
 
 def packed_copies_fit(m, compute_dtype, budget: int | None) -> bool:
-    """Whether resident experts may also keep the kernel's packed copy (as many bytes again, compute/qmm.py): where
-    twice their bytes fit as auto_executor asks them to fit once (inside --memory-budget, else half the memory this
-    process can have), so the copies never push a model that fits out of its budget."""
+    """Whether resident experts may also keep the kernel's packed copy (as many bytes again, ResidentExperts.pack):
+    where twice their bytes fit as auto_executor asks them to fit once (inside --memory-budget, else half the memory
+    this process can have), so the copies never push a model that fits out of its budget."""
     need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
     return 2 * need <= (budget if budget is not None else available_memory() // 2)
 

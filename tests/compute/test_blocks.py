@@ -241,6 +241,8 @@ def test_the_default_run_packs_fixed_weights_and_never_a_slot_bank():
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
         assert engine.generate(req).tokens
-        slot_banks = [o for o in gc.get_objects() if isinstance(o, Bank) and o._arrays is not None and id(o) not in before]
+        slot_banks = [o for o in gc.get_objects()
+                      if isinstance(o, Bank) and o._arrays is not None and id(o) not in before]
         assert slot_banks
-        assert not any(ext.packed(*t, gs) for bank in slot_banks for t in _triples(bank._arrays) for gs in (32, 64, 128))
+        assert not any(ext.packed(*t, gs)
+                       for bank in slot_banks for t in _triples(bank._arrays) for gs in (32, 64, 128))
