@@ -41,7 +41,8 @@ IDLE_SAMPLES = 2  # solo requests timed on the idle server
 SOURCES = ("argparse", "json.decoder", "textwrap", "difflib", "csv", "shlex", "heapq", "statistics", "fractions",
            "pprint", "ast", "bisect")  # the standard library's own text: real code, the same on every machine
 FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms", "bytes_per_token", "idle_ttft_ms",
-           "peak_rss_gib", "peak_mlx_gib", "resident_expert_gib", "wall_s", "tokens")
+           "peak_rss_gib", "peak_mlx_gib", "resident_expert_gib", "wall_s", "tokens", "server_cpu_ms_per_token",
+           "client_cpu_ms_per_token")
 
 
 def add_bench_serve_flags(p) -> None:
@@ -141,6 +142,14 @@ class Server:
         kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), None)
         return kib / 2**20 if kib is not None else None
 
+    def cpu_s(self) -> float | None:
+        """The server process's CPU time so far, every thread, user and system (Linux)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -212,9 +221,11 @@ def run_arm(args, store: Path, max_batch: int | None, texts: dict, log: Path) ->
         asyncio.run(load(server.url, server.model, [[texts["warm"]]], args.max_tokens))
         idle = asyncio.run(load(server.url, server.model, [texts["idle"]], args.max_tokens))
         before = [server.metric(m) for m in ("bytes_read_total", "completion_tokens_total")]
+        cpu0 = server.cpu_s(), time.process_time()
         start = time.perf_counter()
         results = asyncio.run(load(server.url, server.model, texts["load"], args.max_tokens))
         wall = max(r["end"] for r in results) - start
+        cpu1 = server.cpu_s(), time.process_time()
         after = [server.metric(m) for m in ("bytes_read_total", "completion_tokens_total")]
         rss = server.peak_rss_gib()
         mlx, experts = (server.metric(m) / 2**30 for m in ("peak_mlx_bytes", "resident_expert_bytes"))
@@ -225,6 +236,10 @@ def run_arm(args, store: Path, max_batch: int | None, texts: dict, log: Path) ->
     finally:
         server.stop()
     tokens = sum(r["tokens"] for r in results)
+    # CPU per generated token under the load: the server's, and the clients' (this process: on a small machine the
+    # clients take cores the server would use)
+    server_cpu = 1e3 * (cpu1[0] - cpu0[0]) / max(tokens, 1) if None not in (cpu0[0], cpu1[0]) else None
+    client_cpu = 1e3 * (cpu1[1] - cpu0[1]) / max(tokens, 1)
     tpot = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
     ttft = [r["ttft_s"] for r in results]
     return {"tok_s": tokens / wall, "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p95_ms": 1e3 * percentile(ttft, 95),
@@ -232,7 +247,8 @@ def run_arm(args, store: Path, max_batch: int | None, texts: dict, log: Path) ->
             "bytes_per_token": (after[0] - before[0]) / max(after[1] - before[1], 1),
             "idle_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in idle), "peak_rss_gib": rss,
             "peak_mlx_gib": mlx, "resident_expert_gib": experts, "wall_s": wall,
-            "tokens": tokens, "requests": len(results), "max_batch": max_batch}
+            "tokens": tokens, "requests": len(results), "max_batch": max_batch,
+            "server_cpu_ms_per_token": server_cpu, "client_cpu_ms_per_token": client_cpu}
 
 
 # -- the benchmark ------------------------------------------------------------------------------------------
@@ -310,14 +326,17 @@ def table(summary: dict, ratios: dict, meta: dict) -> list[str]:
              f"tokens each after {meta['prompt_tokens']}-token prompts, {meta['model']}; medians of {meta['rounds']} "
              f"rounds; {meta['cores']} cores, load average {meta['load_avg']:.1f} at the start", "",
              "| arm | --max-batch | tok/s | TTFT p50 ms | TTFT p95 ms | ms/token p50 | ms/token p95 | MiB read/token "
-             "| idle TTFT ms | peak RSS GiB | peak MLX GiB | resident experts MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| idle TTFT ms | peak RSS GiB | peak MLX GiB | resident experts MiB | server CPU ms/token "
+             "| clients' CPU ms/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         rss = f"{s['peak_rss_gib']:.2f}" if s["peak_rss_gib"] is not None else "-"
+        server_cpu = f"{s['server_cpu_ms_per_token']:.2f}" if s.get("server_cpu_ms_per_token") is not None else "-"
         lines.append(f"| {arm} | {s['max_batch'] or '-'} | {s['tok_s']:.2f} | {s['ttft_p50_ms']:.0f} | "
                      f"{s['ttft_p95_ms']:.0f} | {s['tpot_p50_ms']:.1f} | {s['tpot_p95_ms']:.1f} | "
                      f"{s['bytes_per_token'] / 2**20:.3f} | {s['idle_ttft_ms']:.0f} | {rss} | "
-                     f"{s['peak_mlx_gib']:.3f} | {1024 * s['resident_expert_gib']:.1f} |")
+                     f"{s['peak_mlx_gib']:.3f} | {1024 * s['resident_expert_gib']:.1f} | {server_cpu} | "
+                     f"{s['client_cpu_ms_per_token']:.2f} |")
     if ratios:
         per_token = ratios["bytes_per_token_vs_fifo"]
         read = f", {per_token:.2f}x bytes read per token" if per_token is not None else ""

@@ -39,6 +39,7 @@ def test_two_clients_two_requests(tmp_path):
         assert run["tok_s"] > 0 and run["bytes_per_token"] > 0 and run["idle_ttft_ms"] > 0
         assert run["tok_s"] == pytest.approx(run["tokens"] / run["wall_s"])
         assert res["median"][arm]["tok_s"] == run["tok_s"]
+        assert run["server_cpu_ms_per_token"] > 0 and run["client_cpu_ms_per_token"] > 0  # both do work per token
     assert res["runs"]["fifo"][0]["max_batch"] in (1, None)
     if "batched" in arms:
         assert res["runs"]["batched"][0]["max_batch"] == CLIENTS  # the default: --clients
