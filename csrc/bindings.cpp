@@ -120,6 +120,7 @@ struct PackEntry {
 };
 static std::mutex packs_mu;
 static std::map<const void*, PackEntry> packs_;
+static std::atomic<size_t> packs_held{0};  // packs_.size(), read without the lock
 
 static bool same(const DataRef& ref, const mx::array& a) {
   const auto live = ref.lock();
@@ -128,7 +129,10 @@ static bool same(const DataRef& ref, const mx::array& a) {
 
 static std::shared_ptr<const Packed> find_packed(const mx::array& w, const mx::array& s, const mx::array& b,
                                                  const QWeights& q) {
-  if (!w.flags().row_contiguous || !s.flags().row_contiguous || !b.flags().row_contiguous) return nullptr;
+  // every product asks: those that cannot have a copy leave before the lock
+  if (q.bits != 4 || packs_held.load(std::memory_order_relaxed) == 0 || !packed_on() || !w.flags().row_contiguous ||
+      !s.flags().row_contiguous || !b.flags().row_contiguous)
+    return nullptr;
   std::lock_guard<std::mutex> lk(packs_mu);
   const auto it = packs_.find(w.data<void>());
   if (it == packs_.end()) return nullptr;
@@ -155,10 +159,22 @@ static QWeights qweights(const mx::array& w, const mx::array& s, const mx::array
   return q;
 }
 
+// Whether (w, scales, biases) are 4-bit weights as a product takes them, (E,) N x D/8 words with D/gs scales and
+// biases a row, every array row-contiguous: those pack and packed may look at (anything else: no copy, false).
+static bool four_bit(const mx::array& w, const mx::array& s, const mx::array& b, int gs) {
+  if (w.dtype() != mx::uint32 || (s.dtype() != mx::float32 && s.dtype() != mx::bfloat16) || b.dtype() != s.dtype() ||
+      w.ndim() < 2 || w.ndim() > 3 || s.ndim() != w.ndim() || b.shape() != s.shape() || gs <= 0 ||
+      !w.flags().row_contiguous || !s.flags().row_contiguous || !b.flags().row_contiguous)
+    return false;
+  for (int d = 0; d + 1 < w.ndim(); d++)
+    if (s.shape(d) != w.shape(d)) return false;
+  return (int64_t)s.shape(-1) * gs == (int64_t)w.shape(-1) * 8;  // 4-bit: 8 a word
+}
+
 static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
   mx::eval({w, s, b});
   QTemps t;
-  return w.dtype() == mx::uint32 && qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed != nullptr;
+  return four_bit(w, s, b, gs) && qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed != nullptr;
 }
 
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
@@ -166,14 +182,9 @@ static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
 // weights are dropped here.
 static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
   mx::eval({w, s, b});
-  if (w.dtype() != mx::uint32 || (s.dtype() != mx::float32 && s.dtype() != mx::bfloat16) || b.dtype() != s.dtype() ||
-      w.ndim() < 2 || w.ndim() > 3 || !w.flags().row_contiguous || !s.flags().row_contiguous ||
-      !b.flags().row_contiguous || gs <= 0)
-    return false;
-  const int64_t D = (int64_t)w.shape(-1) * 8;  // 4-bit: 8 per word
-  if (s.shape(-1) * gs != D || s.size() != b.size() || s.size() * gs != w.size() * 8) return false;
+  if (!four_bit(w, s, b, gs)) return false;
   QTemps t;
-  QWeights q = qweights(w, s, b, D, gs, t);
+  QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
   if (q.packed != nullptr) return true;  // already
   auto p = pack(q);
   if (p == nullptr) return false;
@@ -182,6 +193,7 @@ static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
     it = it->second.w.expired() || it->second.s.expired() || it->second.b.expired() ? packs_.erase(it) : std::next(it);
   packs_[w.data<void>()] = PackEntry{w.data_shared_ptr(), s.data_shared_ptr(), b.data_shared_ptr(), s.data<void>(),
                                      b.data<void>(), std::move(p)};
+  packs_held.store(packs_.size(), std::memory_order_relaxed);
   return true;
 }
 
@@ -305,7 +317,6 @@ class QMV : public mx::UnaryPrimitive, public Computes {
   bool has_idx_, glu_, combine_;
 };
 
-// The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
 #if defined(__AVX512F__) && defined(__FMA__)
 // y[i] += scale * (x[i] A) B for ROWS rows of x (D each) and y (N each), A (D, 16), B (16, N): the loop below
 // (project_rows) for rank 16, its operations in its order for each row (t's lanes one FMA a feature of x, then
@@ -333,6 +344,7 @@ static void adapt_rows(const float* x, int64_t D, const float* a, const float* b
 }
 #endif
 
+// The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
 static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
                          const Projection& p, float* y) {
   std::vector<float> at, bt;

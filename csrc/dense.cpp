@@ -3,6 +3,7 @@
 
 #include "dense.h"
 #include "qmv.h"
+#include "widen.h"
 
 #include "mlx/backend/cpu/simd/math.h"  // MLX's own erf, so a head's gelu rounds as mlx.nn.gelu does
 
@@ -499,8 +500,7 @@ void dot16x4<uint16_t>(const float* a, const uint16_t* b, int64_t D, float* out)
     for (int o = 0; o < 4; o++) __builtin_prefetch(b + (4 + o) * D + i);
     const __m512 av = _mm512_loadu_ps(a + i);
     for (int o = 0; o < 4; o++) {
-      const __m256i w16 = _mm256_loadu_si256((const __m256i*)(b + o * D + i));
-      acc[o] = _mm512_fmadd_ps(av, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16)), acc[o]);
+      acc[o] = _mm512_fmadd_ps(av, wide16(b + o * D + i), acc[o]);
     }
   }
   for (int o = 0; o < 4; o++) {
@@ -515,11 +515,6 @@ void dot16x4<uint16_t>(const float* a, const uint16_t* b, int64_t D, float* out)
 #endif
 
 #if defined(__AVX512F__) && defined(__FMA__)
-static inline __m512 wide16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 wide16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 // dot16x4 for R rows of a (a, a + D, ...) at once, out[r * 4 + o]: each 16-weight load (widened once) serves the R
 // rows, and each of the R x 4 sums has dot16x4's operations in its order (one FMA a lane per 16 inputs, the tail's
 // lanes, the fixed tree), so each has the bits it gets alone.

@@ -4,6 +4,7 @@
 // Shapes: E experts, N outputs, D inputs, G = D/gs groups, P (x row, expert, out row) pairs.
 
 #include "qmv.h"
+#include "widen.h"
 
 #include <algorithm>
 #include <atomic>
@@ -503,7 +504,7 @@ static float dot_avx2(const uint8_t* w, const S* s, const S* b, const int8_t* xq
 // Scales and biases as float32 or as bfloat16 bits (widened in the register: the high half of the word).
 static inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 static inline __m512 load16(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+  return widen16(_mm256_maskz_loadu_epi16(k, p));
 }
 
 // The lane sums of four vectors at once: lane 4k of the result is a_k's sum, summed in _mm512_reduce_add_ps's order
@@ -777,11 +778,6 @@ static inline __m512 reduce16(const float (*v)[16]) {
 // 64-byte load. Each output's float operations are the same in the same order (a lane's products of step i into
 // f0 or f1 by i's parity, f0 + f1, the lanes' sum in reduce_add_ps's order; the biases' lanes likewise), so it has
 // the bits it gets in the row layout.
-static inline __m512 wide16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 wide16(const uint16_t* p) {  // 16 bfloat16, widened exactly
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 template <int GS, int R, typename S>
 static void dot_vnni_packed(const uint32_t* pw, const S* ps, const S* pb, const int8_t* const* xq,
                             const float* const* xs, const float* const* xsum, int64_t D, float* const* out) {

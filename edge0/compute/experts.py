@@ -116,19 +116,23 @@ class ResidentExperts:
     also keep the kernel's packed copy (its memory allows it: compute/runtime.py packed_copies_fit)."""
 
     def __init__(self, bank: dict[str, mx.array], quant: Quant, *, packable: bool = False):
-        self.bank, self.quant, self.packable = bank, quant, packable
-        self._packed = False
+        self.bank, self.quant = bank, quant
+        self._to_pack = packable and quant.bits == 4  # until the first products decide it
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
-        self.pack(current().ext)
+        if self._to_pack:
+            self.pack(current().ext)
         return switch_glu(x, inds, self.bank, self.quant)
 
     def pack(self, ext) -> None:
-        """The edge0 kernel's packed copy of these experts (4-bit), once, where packable; the same bits, faster
-        products (csrc/qmv.h Packed). Nothing under MLX's kernel."""
-        if self._packed or not self.packable or ext is None or self.quant.bits != 4:
+        """At the first products: the edge0 kernel's packed copy of these 4-bit experts where their memory allows it
+        (packable); the same bits, faster products (csrc/qmv.h Packed). Nothing under MLX's kernel (an engine's
+        kernel never changes)."""
+        if not self._to_pack:
             return
-        self._packed = True
+        self._to_pack = False
+        if ext is None:
+            return
         for p in ("gate_proj", "up_proj", "down_proj"):
             if f"{p}.biases" in self.bank:
                 ext.pack(*(self.bank[f"{p}.{k}"] for k in ("weight", "scales", "biases")), self.quant.group_size)

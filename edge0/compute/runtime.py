@@ -138,17 +138,20 @@ def auto_executor(m, compute_dtype, budget: int | None) -> str:
     """resident when every expert fits: inside --memory-budget when one is given, else in half the memory
     this process can have now (no host sync inside a step, no copy per token: the fastest path for a model
     that fits in RAM); else staged, the path for a model larger than memory."""
-    need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
-    room = budget if budget is not None else available_memory() // 2
-    return "resident" if need <= room else "staged"
+    return "resident" if _experts_fit(m, compute_dtype, budget, copies=1) else "staged"
 
 
 def packed_copies_fit(m, compute_dtype, budget: int | None) -> bool:
     """Whether resident experts may also keep the kernel's packed copy (as many bytes again, ResidentExperts.pack):
-    where twice their bytes fit as auto_executor asks them to fit once (inside --memory-budget, else half the memory
-    this process can have), so the copies never push a model that fits out of its budget."""
+    where twice their bytes fit as auto_executor asks them to fit once, so the copies never push a model that fits
+    out of its budget."""
+    return _experts_fit(m, compute_dtype, budget, copies=2)
+
+
+def _experts_fit(m, compute_dtype, budget: int | None, *, copies: int) -> bool:
+    """Whether `copies` of every expert fit inside --memory-budget, else in half the memory this process can have."""
     need = Bank.slot_bytes(m.pieces, compute_dtype) * m.num_experts * len(m.layers)
-    return 2 * need <= (budget if budget is not None else available_memory() // 2)
+    return copies * need <= (budget if budget is not None else available_memory() // 2)
 
 
 def available_memory() -> int:

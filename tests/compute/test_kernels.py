@@ -1101,12 +1101,33 @@ def test_a_freed_weights_packed_copy_serves_no_other_array():
     """A packed copy is found by its weight's address, but only while the arrays it was made from live: arrays
     made after they are freed (which the allocator may place at the same address) are never served the old copy."""
     use_kernel("edge0")
+
+    def address(a) -> int:
+        return np.array(a, copy=False).__array_interface__["data"][0]  # a view of the array's own buffer
+
     x = mx.array(np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32))
     w, s, b = quantized((64, 256), 64, seed=7)
+    mx.eval(w, s, b)
     assert EXT.pack(w, s, b, 64)
+    freed = address(w)
     del w, s, b
+    reused = 0
     for seed in range(20):
         w, s, b = quantized((64, 256), 64, seed=100 + seed)
+        mx.eval(w, s, b)
+        reused += address(w) == freed
         assert not EXT.packed(w, s, b, 64)
         want = dequantized(w, s, b, 64) @ np.array(x[0], np.float64)
         assert rel(EXT.qmv(x, w, s, b, None, 64)[0], want) < TOL["avx512"]
+    assert reused  # MLX's allocator gave a new weight the freed one's buffer: the case this test is about
+
+
+@needs_ext
+def test_pack_and_packed_answer_false_for_what_is_not_a_4bit_weight():
+    """pack and packed take any arrays: what is not a 4-bit weight with its scales and biases is no copy (False),
+    never an error from inside the extension."""
+    w, s, b = quantized((32, 256), 64, seed=2)
+    for args in [(w.reshape(-1), s, b, 64), (w, s.reshape(-1), b, 64), (w, s, b[:, :2], 64), (w, s, b, 0),
+                 (w, s, b, 32), (w.astype(mx.int32), s, b, 64), (w, s.astype(mx.float16), b.astype(mx.float16), 64),
+                 (w[None], s, b, 64), (w, s.T, b.T, 64)]:
+        assert EXT.pack(*args) is False and EXT.packed(*args) is False
