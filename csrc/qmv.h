@@ -54,7 +54,8 @@ constexpr int64_t PACK_MAX_GROUPS = 512;
 // Rows (inputs D) the packed layout pays for (`python tools/node_cost.py --packed`, one thread, VNNI, two runs): up to
 // 512 for one activation row (4096 x 256 1.20-1.34x, 1024 x 512 1.11-1.16x; 1024 x 1024 1.01x), up to 1024 for
 // TILE_ROWS or more sharing the weight (8 rows: 4096 x 256 1.78x, 1024 x 1024 1.21-1.27x); longer rows already spend
-// little per output on its lane sums (2048 x 2048, tried: no faster at 1 or 8 rows), so they are not packed.
+// little per output on its lane sums (a build that packed 2048 x 2048 found it no faster at 1 or 8 rows), so they
+// are not packed.
 constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
 
 // q's packed copy; null where the layout does not apply (not 4-bit, N % 16, D % 128, D > PACK_MAX_D, more than
