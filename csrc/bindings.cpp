@@ -43,17 +43,28 @@ namespace edge0 {
 
 // Inputs are taken as MLX hands them to eval_cpu, views included: no Contiguous node is added to the
 // graph (a node costs microseconds of dispatch, more than these copies); a strided input is copied here.
+// The copy goes by runs: the trailing axes that are contiguous in the view (a KV cache trimmed at its front, a
+// batch's rows taken) are one memcpy each, the outer axes an odometer; a view with no contiguous axis (a
+// transpose, a broadcast) copies element by element. A served batch copies its KV caches when sequences join or
+// leave: element by element that was 16% of the server's CPU under load (a B = 8 layer's cache, ~2 ms a copy).
 template <typename T>
 static const T* dense_data(const mx::array& a, std::vector<T>& tmp) {
   if (a.flags().row_contiguous) return a.data<T>();
   tmp.resize(a.size());
+  if (a.size() == 0) return tmp.data();
   const T* src = a.data<T>();
-  std::vector<int64_t> idx(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); i++) {
+  const int nd = a.ndim();
+  int inner = nd;  // axes [inner, nd) are contiguous: one run of `run` elements
+  int64_t run = 1;
+  while (inner > 0 && (a.strides()[inner - 1] == run || a.shape(inner - 1) == 1)) run *= a.shape(--inner);
+  std::vector<int64_t> idx(inner, 0);
+  T* dst = tmp.data();
+  for (size_t done = 0; done < a.size(); done += run, dst += run) {
     int64_t off = 0;
-    for (int d = 0; d < a.ndim(); d++) off += idx[d] * a.strides()[d];
-    tmp[i] = src[off];
-    for (int d = a.ndim() - 1; d >= 0 && ++idx[d] == a.shape(d); d--) idx[d] = 0;
+    for (int d = 0; d < inner; d++) off += idx[d] * a.strides()[d];
+    if (run == 1) *dst = src[off];
+    else std::memcpy(dst, src + off, run * sizeof(T));
+    for (int d = inner - 1; d >= 0 && ++idx[d] == a.shape(d); d--) idx[d] = 0;
   }
   return tmp.data();
 }

@@ -177,6 +177,28 @@ def test_the_cache_is_written_in_place_unless_held():
     assert not np.array_equal(np.array(cache.keys[..., 7, :]), rows[..., 7, :])  # the new row went to the copy
 
 
+
+def test_a_view_of_a_cache_is_copied_whole_and_right():
+    """A batch's caches become views when a sequence leaves (BatchKVCache.filter trims the left padding: keys[..., a:,
+    :]) or rows are taken: the write copies the view into fresh storage by contiguous runs. Every kind of view (a
+    trimmed front, rows taken with a step, a transpose, a broadcast, unit axes of odd strides) gives the bits of the
+    same values made contiguous first, the new row in place."""
+    key = iter(mx.random.split(mx.random.key(5), 9))
+    buf = mx.random.normal((3, 2, 40, 16), key=next(key))
+    views = [buf[..., 7:, :], buf[..., 3:30, :], buf[::2], buf[1:2, :, 5:], buf[:, ::-1], buf.transpose(0, 1, 3, 2),
+             mx.broadcast_to(buf[:1, :1], (3, 2, 40, 16)), buf[:, :1][:, :, 2:][..., ::2]]
+    for view in views:
+        x = mx.random.normal((view.shape[0], 1, view.shape[1] * view.shape[3]), key=next(key))
+        before = EXT.kv_copies()
+        got = EXT.kv_write(x, None, view, 2)
+        want = EXT.kv_write(x, None, mx.contiguous(view) + 0, 2)
+        mx.eval(got, want)
+        assert EXT.kv_copies() == before + 1, view.shape  # the view was copied; its contiguous twin written in place
+        assert np.array_equal(np.array(got), np.array(want)), view.shape
+        rows = np.array(view).copy()
+        rows[:, :, 2, :] = np.array(x).reshape(view.shape[0], view.shape[1], view.shape[3])
+        assert np.array_equal(np.array(got), rows), view.shape
+
 def test_other_caches_and_prompts_take_mlx_lm_code():
     """A prompt, a batch of two in a single sequence's cache, a cache that must grow, and MLX's kernel: no edge0
     attention node."""
