@@ -31,6 +31,7 @@
 #include "mlx/version.h"
 #include "dense.h"
 #include "qmv.h"
+#include "widen.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -332,13 +333,14 @@ class QMV : public mx::UnaryPrimitive, public Computes {
 // y[i] += scale * (x[i] A) B for ROWS rows of x (D each) and y (N each), A (D, 16), B (16, N): the loop below
 // (project_rows) for rank 16, its operations in its order for each row (t's lanes one FMA a feature of x, then
 // each output one FMA a rank in order), so each row has the bits it has alone; A's and B's loads serve every row,
-// and the rows' FMA chains run side by side.
-template <int ROWS>
-static void adapt_rows(const float* x, int64_t D, const float* a, const float* b, int64_t N, float scale, float* y) {
+// and the rows' FMA chains run side by side. A and B as float32 or as bfloat16 bits (W uint16_t: widened exactly,
+// so the bits of their float32 widening).
+template <int ROWS, typename W>
+static void adapt_rows(const float* x, int64_t D, const W* a, const W* b, int64_t N, float scale, float* y) {
   __m512 t[ROWS];
   for (int i = 0; i < ROWS; i++) t[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d++) {
-    const __m512 ad = _mm512_loadu_ps(a + d * 16);
+    const __m512 ad = wide16(a + d * 16);
     for (int i = 0; i < ROWS; i++) t[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * D + d]), ad, t[i]);
   }
   alignas(64) float ts[ROWS][16];
@@ -347,7 +349,7 @@ static void adapt_rows(const float* x, int64_t D, const float* a, const float* b
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_loadu_ps(y + i * N + n0);
     for (int j = 0; j < 16; j++) {
-      const __m512 bj = _mm512_loadu_ps(b + j * N + n0);
+      const __m512 bj = wide16(b + j * N + n0);
       for (int i = 0; i < ROWS; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ts[i][j]), bj, acc[i]);
     }
     for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(y + i * N + n0, acc[i]);
@@ -355,25 +357,23 @@ static void adapt_rows(const float* x, int64_t D, const float* a, const float* b
 }
 #endif
 
-// The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
-static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
-                         const Projection& p, float* y) {
-  std::vector<float> at, bt;
-  QTemps temps;
-  const QWeights q = qweights(in[w], in[w + 1], in[w + 2], D, p.group_size, temps);
-  std::vector<Pair> pairs(R);
-  for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
-  qmv(q, xd, R, pairs, y, spread(R));
-  if (p.inputs < 6) return;
-  const int64_t N = q.N, r = in[w + 3].shape(-1);
-  const float* a = dense_data<float>(in[w + 3], at);  // (D, r)
-  const float* b = dense_data<float>(in[w + 4], bt);  // (r, N)
-  const float scale = p.scale;
+static inline float as_float(float v) { return v; }
+static inline float as_float(uint16_t v) {  // a bfloat16 is the high half of its float32
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// y (R, N) += scale * (xd A) B: an unmerged adapter's branch, A (D, r) and B (r, N) float32 or bfloat16 bits.
+template <typename W>
+static void adapt(const float* xd, int64_t R, int64_t D, const W* a, const W* b, int64_t N, int64_t r, float scale,
+                  float* y) {
 #if defined(__AVX512F__) && defined(__FMA__)
   if (r == 16 && N % 16 == 0) {  // the adapters' rank: each row's t in one register, 4 rows a task
     parallel_for((R + 3) / 4, [&](int64_t task) {
       const int64_t r0 = task * 4, n = std::min<int64_t>(4, R - r0);
-      (n == 4 ? adapt_rows<4> : n == 3 ? adapt_rows<3> : n == 2 ? adapt_rows<2> : adapt_rows<1>)(
+      (n == 4 ? adapt_rows<4, W> : n == 3 ? adapt_rows<3, W> : n == 2 ? adapt_rows<2, W> : adapt_rows<1, W>)(
           xd + r0 * D, D, a, b, N, scale, y + r0 * N);
     }, spread(R));
     return;
@@ -384,16 +384,37 @@ static void project_rows(const float* xd, int64_t R, int64_t D, const std::vecto
     const float* xr = xd + row * D;
     for (int64_t d = 0; d < D; d++) {
       const float xv = xr[d];
-      const float* ad = a + d * r;
-      for (int64_t j = 0; j < r; j++) t[j] += xv * ad[j];
+      const W* ad = a + d * r;
+      for (int64_t j = 0; j < r; j++) t[j] += xv * as_float(ad[j]);
     }
     float* yr = y + row * N;
     for (int64_t j = 0; j < r; j++) {
       const float tj = scale * t[j];
-      const float* bj = b + j * N;
-      for (int64_t n = 0; n < N; n++) yr[n] += tj * bj[n];
+      const W* bj = b + j * N;
+      for (int64_t n = 0; n < N; n++) yr[n] += tj * as_float(bj[n]);
     }
   }, spread(R));
+}
+
+// The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
+static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
+                         const Projection& p, float* y) {
+  QTemps temps;
+  const QWeights q = qweights(in[w], in[w + 1], in[w + 2], D, p.group_size, temps);
+  std::vector<Pair> pairs(R);
+  for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
+  qmv(q, xd, R, pairs, y, spread(R));
+  if (p.inputs < 6) return;
+  const int64_t N = q.N;
+  if (in[w + 3].dtype() == mx::bfloat16) {
+    std::vector<uint16_t> at, bt;
+    adapt(xd, R, D, dense_data<uint16_t>(in[w + 3], at), dense_data<uint16_t>(in[w + 4], bt), N,
+          in[w + 3].shape(-1), p.scale, y);
+  } else {
+    std::vector<float> at, bt;
+    adapt(xd, R, D, dense_data<float>(in[w + 3], at), dense_data<float>(in[w + 4], bt), N, in[w + 3].shape(-1),
+          p.scale, y);
+  }
 }
 
 // in[0] (x) and the weights after it
@@ -509,9 +530,11 @@ static mx::array qmv_op(const mx::array& x, const mx::array& w, const mx::array&
                    with_idx({x, w, scales, biases}, idx, s));
 }
 
-// Whether an adapter's lora_a and lora_b are (D, r) and (r, N), r >= 1, float32: a projection from D to N.
+// Whether an adapter's lora_a and lora_b are (D, r) and (r, N), r >= 1, both float32 or both bfloat16 (as served:
+// half the bytes, widened exactly): a projection from D to N.
 static bool lora_fits(const mx::array& a, const mx::array& b, int64_t D, int64_t N) {
-  return a.dtype() == mx::float32 && b.dtype() == mx::float32 && a.ndim() == 2 && b.ndim() == 2 && a.shape(0) == D &&
+  return (a.dtype() == mx::float32 || a.dtype() == mx::bfloat16) && b.dtype() == a.dtype() && a.ndim() == 2 &&
+         b.ndim() == 2 && a.shape(0) == D &&
          b.shape(1) == N && a.shape(1) == b.shape(0) && a.shape(1) >= 1;
 }
 
@@ -520,7 +543,7 @@ static mx::array qmv_lora_op(const mx::array& x, const mx::array& w, const mx::a
   const int64_t rx = check_x(x, group_size);
   const int64_t D = x.shape(-1), N = check_weights(w, scales, biases, D, group_size);
   if (w.ndim() != 2) fail("qmv_lora: w must be (N, D*bits/32)");
-  if (!lora_fits(a, b, D, N)) fail("qmv_lora: lora_a must be (D, r) and lora_b (r, N), float32");
+  if (!lora_fits(a, b, D, N)) fail("qmv_lora: lora_a must be (D, r) and lora_b (r, N), both float32 or both bfloat16");
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape(x.shape().begin(), x.shape().end());
   shape.back() = (int)N;
@@ -1514,7 +1537,7 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
     const int64_t N = check_weights(p[0], p[1], p[2], width, group_size);
     if (p[0].ndim() != 2) bad(std::string(name) + ": w must be (N, D*bits/32)");
     if (p.size() == 5 && !lora_fits(p[3], p[4], width, N))
-      bad(std::string(name) + ": lora_a must be (D, r) and lora_b (r, N), float32");
+      bad(std::string(name) + ": lora_a must be (D, r) and lora_b (r, N), both float32 or both bfloat16");
     return std::make_pair(Projection{(int)p.size() + 1, group_size, p.size() == 5 ? lora_scale : 0.f}, N);
   };
   const auto [pq, Nq] = proj(q, D, "q");
@@ -1729,7 +1752,7 @@ NB_MODULE(_kernels, m) {
   m.def("qmv_lora", &edge0::qmv_lora_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "lora_a"_a, "lora_b"_a, "scale"_a,
         "group_size"_a = 64,
         "W x + scale * (x lora_a) lora_b for a dense 4- or 8-bit affine W (N, D*bits/32), lora_a (D, r),\n"
-        "lora_b (r, N) float32: a quantized linear with its unmerged adapter in one node.");
+        "lora_b (r, N) float32 or bfloat16: a quantized linear with its unmerged adapter in one node.");
   m.def("math", &edge0::math_op, "x"_a, "fn"_a, "exp or erf of x (float32) as the kernels compute them, evaluated now.");
   m.def("add_rms_norm", &edge0::add_rms_norm_op, "x"_a, "r"_a, "weight"_a, "eps"_a,
         "(h, n): h = x + r and n = rms_norm(h, weight, eps), one node (a residual add and the norm after it).");

@@ -31,8 +31,8 @@ from .errors import Edge0Error
 from .io.atomic import write_atomic
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "predicted:resident", "llama.cpp",
-        "llama.cpp:no-mmap")
+        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "predicted:resident",
+        "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
 
@@ -52,6 +52,8 @@ def _arm_flags(arm: str) -> list[str]:
         return ["--routing", "predicted", "--executor", "staged", "--lora", "none"]  # without the recovery adapter
     if arm == "predicted:resident":  # every expert in memory, the heads route inside the graph
         return ["--routing", "predicted", "--executor", "resident"]
+    if arm == "predicted:resident:no-lora":  # the same without the adapter: what the adapter costs a step
+        return ["--routing", "predicted", "--executor", "resident", "--lora", "none"]
     if arm.startswith("prefetch:"):  # prefetch:PREDICTOR[/N]: N guesses read ahead per predicted set
         predictor, _, guesses = arm.split(":", 1)[1].partition("/")
         return ["--routing", "prefetch", "--predictor", predictor] + (["--guesses", guesses] if guesses else [])

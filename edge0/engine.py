@@ -243,7 +243,8 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         if c.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
             from .model.lora import Adapter
 
-            Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads).attach(store.model, store.dtype)
+            adapter = Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads)
+            adapter.attach(store.model, Adapter.served_dtype(store.dtype))
         store.runtime.trace = trace
         store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
         if c.top_k is not None:

@@ -236,3 +236,12 @@ def test_a_memory_cap_leaves_auto_less_room(tmp_path):
     assert run.returncode == 0, run.stderr
     room, available = map(int, run.stdout.split())
     assert 0 < room < 2**29 and available <= room
+
+
+def test_the_adapter_pairs_differ_only_by_the_adapter():
+    """Each arm without the adapter is its partner's flags plus --lora none (what the adapter costs is their ratio)."""
+    from edge0.bench import ARMS, arm_flags
+
+    for arm in ("predicted", "predicted:resident"):
+        assert f"{arm}:no-lora" in ARMS
+        assert arm_flags(f"{arm}:no-lora") == arm_flags(arm) + ["--lora", "none"]

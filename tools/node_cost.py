@@ -8,7 +8,8 @@ Four measurements (five with --packed), each the median over --rounds evaluation
     node costs beyond its arithmetic: MLX's scheduling on the stream thread);
   * head: a prerouter head node (the built-in model's shapes: D 256, E 32, hidden 512) with float32 and with
     bfloat16 weight matrices, its weights hot (one set) or from L3 (12 sets in turn, 8.6 MB);
-  * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 float32 adapter, over 24 weight sets
+  * projection: a 256 x 256 4-bit projection node, plain and with a rank-16 adapter (float32, and bfloat16 as served),
+    over 24 weight sets
     (as a decode step of the built-in model meets its 24 attention projections), for one row and for 64 (a prompt
     chunk's);
   * sync: one node built and its value waited for by the host, with mx.eval (the thread sleeps until the stream
@@ -92,6 +93,11 @@ def main() -> int:
     adapted = per_node(mx, lambda i: ext.qmv_lora(xq, *projections[i % 24], 2.0, 64), a.rounds, 48)
     print(f"projection 256x256, 24 weight sets: plain {plain:.2f} us a node, with a rank-16 adapter {adapted:.2f} "
           f"(+{adapted - plain:.2f})")
+    served = [(*pr[:3], pr[3].astype(mx.bfloat16), pr[4].astype(mx.bfloat16)) for pr in projections]  # as served
+    mx.eval(served)
+    adapted16 = per_node(mx, lambda i: ext.qmv_lora(xq, *served[i % 24], 2.0, 64), a.rounds, 48)
+    print(f"projection 256x256, 24 weight sets, the adapter in bfloat16: {adapted16:.2f} us a node "
+          f"(+{adapted16 - plain:.2f})")
     xp = normal(1, 64, 256)  # a prompt chunk's rows
     mx.eval(xp)
     times = {"plain": [], "adapted": []}

@@ -233,7 +233,8 @@ def _block_args(ext, attn, post, x) -> tuple | None:
         if b.group_size != gs or not fits(ext, d, mx.float32, b["weight"], b["scales"], b.get("biases"), gs, b.bits,
                                           b.mode) or b["weight"].ndim != 2:
             return None
-        if "lora_a" in m and not (m["lora_a"].dtype == m["lora_b"].dtype == mx.float32):
+        if "lora_a" in m and not (m["lora_a"].dtype == m["lora_b"].dtype
+                                  and m["lora_a"].dtype in (mx.float32, mx.bfloat16)):
             return None
     if len(scales) > 1:
         return None

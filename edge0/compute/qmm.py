@@ -121,7 +121,7 @@ def lora_linear(x: mx.array, linear: nn.Module, lora_a: mx.array, lora_b: mx.arr
 def _lora_product(ext, linear, x, lora_a, lora_b, scale):
     """x -> the adapted product's node, for inputs like x, or None where the edge0 kernel does not cover it."""
     w, s, b = linear["weight"], linear["scales"], linear.get("biases")
-    if not (w.ndim == 2 and lora_a.dtype == lora_b.dtype == mx.float32
+    if not (w.ndim == 2 and lora_a.dtype == lora_b.dtype and lora_a.dtype in (mx.float32, mx.bfloat16)
             and fits(ext, x.shape[-1], x.dtype, w, s, b, linear.group_size, linear.bits, linear.mode)):
         return None
     gs, scale = linear.group_size, float(scale)

@@ -149,6 +149,7 @@ class Student:
         self.model.freeze()
         for m in adapted(self.model).values():
             m.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
+            m.rounds_to = Adapter.served_dtype(mx.float32)  # trained on the numbers it is served with
 
     def logits(self, tokens: mx.array, prefix: int = 1, cache=None) -> mx.array:
         """(B, T) ids -> (B, T, V) float32, the first `prefix` positions routed natively; with a KV cache the

@@ -105,14 +105,18 @@ def test_the_blocks_arguments_follow_replaced_weights(monkeypatch):
 
 def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe_block():
     """The default step's graph: per layer one Edge0AttentionBlock (both cache writes, the attention, its output
-    projection, the add-norm) and one Edge0MoeBlock (router, top-k, experts, add-norm); no other node of a layer."""
+    projection with the adapter's branches, served in bfloat16, the add-norm) and one Edge0MoeBlock (router, top-k,
+    experts, add-norm); no other node of a layer."""
     from edge0.bench_kernels import node_counts
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
+    from edge0.model.lora import adapted
 
     with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine, \
             engine.kernel.active():
         model, cache = engine.store.model, None
+        served = adapted(model)
+        assert len(served) == 24 and {m["lora_a"].dtype for m in served.values()} == {mx.bfloat16}
         cache = [KVCache() for _ in model.layers]
         mx.eval(model(mx.array([engine.encode_text("def f(x):\n    return")], dtype=mx.uint32), cache=cache))
         nodes = node_counts(model(mx.array([[7]], dtype=mx.uint32), cache=cache))

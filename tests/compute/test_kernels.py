@@ -775,6 +775,29 @@ def test_lora_linear_is_the_product_plus_the_adapter(rows):
 
 
 @needs_ext
+@pytest.mark.parametrize("rank", [16, 8])
+def test_a_bfloat16_adapter_gives_the_bits_of_its_float32_widening(rank):
+    """An adapter served in bfloat16 (half the bytes a step reads for it): its projection, in one node for 1 to 9 rows
+    (the rank-16 path's row tiles of 4, 3, 2 and 1; rank 8 the plain loop), equals the same node on lora_a and lora_b
+    widened to float32 first, bit for bit; a bfloat16 A with a float32 B is refused."""
+    use_kernel("edge0")
+    w, s, b = quantized((96, 256), 64, seed=11)
+    rng = np.random.default_rng(rank)
+    a16 = mx.array(rng.standard_normal((256, rank)).astype(np.float32) * 0.1).astype(mx.bfloat16)
+    b16 = mx.array(rng.standard_normal((rank, 96)).astype(np.float32) * 0.1).astype(mx.bfloat16)
+    a32, b32 = a16.astype(mx.float32), b16.astype(mx.float32)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
+        got = EXT.qmv_lora(x, w, s, b, a16, b16, 2.0, 64)
+        want = EXT.qmv_lora(x, w, s, b, a32, b32, 2.0, 64)
+        assert np.array_equal(np.array(got), np.array(want)), rows
+        plain = EXT.qmv_lora(x, w, s, b, a32, mx.zeros_like(b32), 2.0, 64)
+        assert not np.array_equal(np.array(got), np.array(plain))  # the branch is there
+    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
+        EXT.qmv_lora(x, w, s, b, a16, b32, 2.0, 64)
+
+
+@needs_ext
 def test_profile_times_each_node_kind_only_while_on():
     use_kernel("edge0")
     w, s, b = quantized((48, 256), 64, seed=2)

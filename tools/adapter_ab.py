@@ -1,0 +1,84 @@
+"""What the unmerged adapter costs a decode step, in one process (issue #15): the engine's generations on real text
+with the adapter as served (bfloat16), the adapter in float32, and no adapter, the three alternating round by round,
+for docs/results/cpu-kernels.md.
+
+    python tools/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
+
+Each round runs every arm once on the same prompt (--prompt-tokens ids of Python's json/decoder.py) and the same
+forced tokens (the ids after it: routing varies as in use, and every arm does the same work); the arms swap the
+model's adapted projections in place (model/lora.py LoRALinear, or the bare projection). Printed: each arm's median
+prefill and decode tok/s and, for each, the median over rounds of its ratio to `none` within the round (paired: the
+host's drift cancels). The store must have an adapter (the built-in model's is lora-k4.safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+from json import decoder
+
+ARMS = ("bfloat16", "float32", "none")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", default=None, help="an Edge0 store with an adapter (default: the built-in model)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per arm (default 9)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=257)
+    a = p.parse_args()
+    if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
+        p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
+    import mlx.core as mx
+
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.errors import Edge0Error
+    from edge0.generation import GenRequest
+    from edge0.model.lora import Adapter, LoRALinear, _set, adapted
+
+    try:
+        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0)) as engine:
+            served = adapted(engine.store.model)
+            if not served:
+                raise Edge0Error(f"{engine.config.model}: the engine serves no adapter (--lora none, or none beside the "
+                                 "store)")
+            originals = Adapter.read(engine.config.lora).weights
+            arms = {"bfloat16": served,
+                    "float32": {k: LoRALinear(m["base"], *originals[k], m.scale) for k, m in served.items()},
+                    "none": {k: m["base"] for k, m in served.items()}}
+            mx.eval([m.parameters() for m in arms["float32"].values()])
+            ids = engine.encode_text(inspect.getsource(decoder))
+            if len(ids) < a.prompt_tokens + a.max_tokens:
+                raise Edge0Error(f"--prompt-tokens + --max-tokens: json/decoder.py has {len(ids)} tokens")
+            req = GenRequest(prompt=ids[:a.prompt_tokens], max_tokens=a.max_tokens, ignore_eos=True,
+                             forced=ids[a.prompt_tokens:a.prompt_tokens + a.max_tokens])
+            engine.generate(req)  # warm-up
+            figs = {arm: [] for arm in ARMS}
+            try:
+                for _ in range(a.rounds):
+                    for arm in ARMS:
+                        for name, m in arms[arm].items():
+                            _set(engine.store.model, name, m)
+                        figs[arm].append(engine.generate(req))
+            finally:
+                for name, m in served.items():
+                    _set(engine.store.model, name, m)
+    except Edge0Error as e:
+        sys.exit(f"adapter_ab: {e}")
+    print(f"{engine.config.lora}: {len(served)} adapted projections, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "
+          f"{a.max_tokens} forced tokens")
+    for what in ("prefill_tok_s", "decode_tok_s"):
+        parts = []
+        for arm in ARMS:
+            med = statistics.median(getattr(f, what) for f in figs[arm])
+            ratio = statistics.median(getattr(x, what) / getattr(y, what) for x, y in zip(figs[arm], figs["none"]))
+            parts.append(f"{arm} {med:.1f} tok/s ({ratio:.3f}x none)")
+        print(f"{what.split('_')[0]}: " + ", ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
