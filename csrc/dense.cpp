@@ -515,6 +515,35 @@ void dot16x4<uint16_t>(const float* a, const uint16_t* b, int64_t D, float* out)
 #endif
 
 #if defined(__AVX512F__) && defined(__FMA__)
+// The sum of v's 16 lanes in dot16's tree (lane j += lane j + w for w = 8, 4, 2, 1: the same additions in the same
+// association), with shuffles in registers instead of a store and 15 scalar additions.
+static inline float tree16(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 2, 3, 2)));  // lanes 0-7 += lanes 8-15
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 1, 1, 1)));  // lanes 0-3 += lanes 4-7
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(3, 2, 3, 2)));  // lanes 0-1 += lanes 2-3
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 1, 1, 1)));  // lane 0 += lane 1
+  return _mm512_cvtss_f32(v);
+}
+
+// dot16 of a against 16 rows of b at once, D a multiple of 16 (one sequence's head linears): 16 independent FMA
+// chains (4 keep the FMA unit waiting on its latency), each with dot16's operations in its order, so each result has
+// dot16's bits.
+template <typename W>
+static void dot16x16(const float* a, const W* b, int64_t D, float* out) {
+  __m512 acc[16];
+  for (int o = 0; o < 16; o++) acc[o] = _mm512_setzero_ps();
+  constexpr int64_t LINE = 64 / sizeof(W);  // weights a cache line holds
+  for (int64_t i = 0; i < D; i += 16) {
+    if (i % LINE == 0)  // the next 16 rows' line at i, asked for while these are summed (they come from L3)
+      for (int o = 0; o < 16; o++) __builtin_prefetch(b + (16 + o) * D + i);
+    const __m512 av = _mm512_loadu_ps(a + i);
+    for (int o = 0; o < 16; o++) acc[o] = _mm512_fmadd_ps(av, wide16(b + o * D + i), acc[o]);
+  }
+  for (int o = 0; o < 16; o++) out[o] = tree16(acc[o]);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__FMA__)
 // dot16x4 for R rows of a (a, a + D, ...) at once, out[r * 4 + o]: each 16-weight load (widened once) serves the R
 // rows, and each of the R x 4 sums has dot16x4's operations in its order (one FMA a lane per 16 inputs, the tail's
 // lanes, the fixed tree), so each has the bits it gets alone.
@@ -535,6 +564,10 @@ static void dot16x4_rows(const float* a, const W* b, int64_t D, float* out) {
   }
   for (int r = 0; r < R; r++)
     for (int o = 0; o < 4; o++) {
+      if (i == D) {  // no tail: the tree in registers
+        out[r * 4 + o] = tree16(acc[r][o]);
+        continue;
+      }
       float lane[16];
       _mm512_storeu_ps(lane, acc[r][o]);
       for (int j = 0; i + j < D; j++) lane[j] += a[r * D + i + j] * wval(b, o * D + i + j);
@@ -566,6 +599,13 @@ static void linear_rows(const float* x, int64_t rows, const W* w, const float* b
 #endif
     for (; r < rows; r++) {
       int64_t n = t * NB;
+#if defined(__AVX512F__) && defined(__FMA__)
+      if (D % 16 == 0)
+        for (float v[16]; n + 16 <= n1; n += 16) {
+          dot16x16(x + r * D, w + n * D, D, v);
+          for (int o = 0; o < 16; o++) out[r * N + n + o] = v[o] + (bias ? bias[n + o] : 0.f);
+        }
+#endif
       for (float v[4]; n + 4 <= n1; n += 4) {
         dot16x4(x + r * D, w + n * D, D, v);
         for (int o = 0; o < 4; o++) out[r * N + n + o] = v[o] + (bias ? bias[n + o] : 0.f);
