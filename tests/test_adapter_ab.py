@@ -21,14 +21,14 @@ def test_adapter_ab_prints_the_three_arms_and_leaves_the_served_adapter(monkeypa
 
     import edge0.model.lora as lora
 
-    swaps, real_set = [], lora._set
+    swaps, real_set = [], lora.put_projection
 
     def spy(model, key, module):  # what each swap puts in: an adapter's dtype, or "bare" (no adapter)
         swaps.append(str(module["lora_a"].dtype) if isinstance(module, LoRALinear) else "bare")
         real_set(model, key, module)
         spy.model = model
 
-    monkeypatch.setattr(lora, "_set", spy)
+    monkeypatch.setattr(lora, "put_projection", spy)
     monkeypatch.setattr(sys, "argv", ["adapter_ab.py", "--rounds", "1", "--prompt-tokens", "24", "--max-tokens", "4"])
     assert tool.main() == 0
     out = capsys.readouterr().out

@@ -37,7 +37,7 @@ def main() -> int:
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
     from edge0.generation import GenRequest
-    from edge0.model.lora import Adapter, LoRALinear, _set, adapted
+    from edge0.model.lora import Adapter, LoRALinear, adapted, put_projection
 
     try:
         with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0)) as engine:
@@ -61,11 +61,11 @@ def main() -> int:
                 for _ in range(a.rounds):
                     for arm in ARMS:
                         for name, m in arms[arm].items():
-                            _set(engine.store.model, name, m)
+                            put_projection(engine.store.model, name, m)
                         figs[arm].append(engine.generate(req))
             finally:
                 for name, m in served.items():
-                    _set(engine.store.model, name, m)
+                    put_projection(engine.store.model, name, m)
     except Edge0Error as e:
         sys.exit(f"adapter_ab: {e}")
     print(f"{engine.config.lora}: {len(served)} adapted projections, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "

@@ -88,7 +88,8 @@ def _dims(m: nn.Module) -> tuple[int, int]:
     return (packed * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else packed), out_dims
 
 
-def _set(model: nn.Module, key: str, module: nn.Module) -> None:
+def put_projection(model: nn.Module, key: str, module: nn.Module) -> None:
+    """Put `module` at "layers.{i}.{path}" of `model` (an adapted projection, or its bare base)."""
     _, i, *path = key.split(".")
     parent = model.layers[int(i)]
     for p in path[:-1]:
@@ -203,7 +204,7 @@ class Adapter:
                 raise Edge0Error(f"adapter: {name} is {a.shape[0]} -> {b.shape[1]}, the model's is "
                                  f"{' -> '.join(map(str, _dims(base)))}")
             a, b = (w.astype(dtype) for w in (a, b)) if dtype is not None else (a, b)
-            _set(model, name, LoRALinear(base, a, b, self.scale))
+            put_projection(model, name, LoRALinear(base, a, b, self.scale))
         mx.eval([m.parameters() for m in adapted(model).values()])
         return len(self.weights)
 
