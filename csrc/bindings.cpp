@@ -357,14 +357,6 @@ static void adapt_rows(const float* x, int64_t D, const W* a, const W* b, int64_
 }
 #endif
 
-static inline float as_float(float v) { return v; }
-static inline float as_float(uint16_t v) {  // a bfloat16 is the high half of its float32
-  const uint32_t u = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // y (R, N) += scale * (xd A) B: an unmerged adapter's branch, A (D, r) and B (r, N) float32 or bfloat16 bits.
 template <typename W>
 static void adapt(const float* xd, int64_t R, int64_t D, const W* a, const W* b, int64_t N, int64_t r, float scale,
@@ -385,13 +377,13 @@ static void adapt(const float* xd, int64_t R, int64_t D, const W* a, const W* b,
     for (int64_t d = 0; d < D; d++) {
       const float xv = xr[d];
       const W* ad = a + d * r;
-      for (int64_t j = 0; j < r; j++) t[j] += xv * as_float(ad[j]);
+      for (int64_t j = 0; j < r; j++) t[j] += xv * wval(ad, j);
     }
     float* yr = y + row * N;
     for (int64_t j = 0; j < r; j++) {
       const float tj = scale * t[j];
       const W* bj = b + j * N;
-      for (int64_t n = 0; n < N; n++) yr[n] += tj * as_float(bj[n]);
+      for (int64_t n = 0; n < N; n++) yr[n] += tj * wval(bj, n);
     }
   }, spread(R));
 }

@@ -440,15 +440,6 @@ void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, f
   }
 }
 
-// A weight as float: float32 as it is, bfloat16 bits widened exactly (the high half of the word).
-static inline float wval(const float* p, int64_t i) { return p[i]; }
-static inline float wval(const uint16_t* p, int64_t i) {
-  const uint32_t u = (uint32_t)p[i] << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // The sum of a[i] * b[i], i < D, in 16 lanes (i mod 16) added in order, then the lanes in a fixed tree: the same
 // bits for a row whatever else is computed beside it (and, for bfloat16 weights, the bits of their float32 values).
 template <typename W>

@@ -298,15 +298,6 @@ static void prepare_row(const float* x, int64_t D, int gs, int impl, int bits, f
 // ---------------------------------------------------------------------------------------------
 // Every path takes scales and biases (S) as float32 or as bfloat16 bits, widened where they are used.
 
-// A scale or bias, float32 or bfloat16 bits (exactly: the high half of the word).
-static inline float at(const float* p, int64_t i) { return p[i]; }
-static inline float at(const uint16_t* p, int64_t i) {
-  const uint32_t v = (uint32_t)p[i] << 16;
-  float f;
-  std::memcpy(&f, &v, 4);
-  return f;
-}
-
 // Plain C++: float activations, nibbles unpacked one byte at a time.
 
 template <typename S>
@@ -321,7 +312,7 @@ static float dot_portable(const uint8_t* w, const S* s, const S* b, const float*
     for (int j = 0; j < gs / 2; j++) {
       sq += xg[2 * j] * (float)(wg[j] & 15) + xg[2 * j + 1] * (float)(wg[j] >> 4);
     }
-    acc += at(s, g) * sq + at(b, g) * xsum[g];
+    acc += wval(s, g) * sq + wval(b, g) * xsum[g];
   }
   return acc;
 }
@@ -334,7 +325,7 @@ static float dot_portable8(const uint8_t* w, const S* s, const S* b, const float
   for (int64_t g = 0; g < G; g++) {
     float sq = 0.f;
     for (int j = 0; j < gs; j++) sq += x[g * gs + j] * (float)w[g * gs + j];
-    acc += at(s, g) * sq + at(b, g) * xsum[g];
+    acc += wval(s, g) * sq + wval(b, g) * xsum[g];
   }
   return acc;
 }
@@ -381,8 +372,8 @@ static float dot_avx2_8(const uint8_t* w, const S* s, const S* b, const float* x
       t0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg + j), t0);
       t1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + j + 8), t1);
     }
-    acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(at(s, g)), acc);
-    bias += at(b, g) * xsum[g];
+    acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_set1_ps(wval(s, g)), acc);
+    bias += wval(b, g) * xsum[g];
   }
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -449,7 +440,7 @@ static inline float combine(const S* s, const S* b, const float* xs, const float
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   float r = _mm_cvtss_f32(h);
-  for (; g < G; g++) r += at(s, g) * xs[g] * (float)isum[g] + at(b, g) * xsum[g];
+  for (; g < G; g++) r += wval(s, g) * xs[g] * (float)isum[g] + wval(b, g) * xsum[g];
   return r;
 }
 
@@ -605,7 +596,7 @@ static void dot_vnni_tile(const uint8_t* w, int64_t row_bytes, const S* s, const
         __m256i acc =
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(xq[r] + c)));
         acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256((const __m256i*)(xq[r] + c + 32)));
-        const float d0 = at(s + j * G, g) * xs[r][g], d1 = GS == 32 ? at(s + j * G, g + 1) * xs[r][g + 1] : d0;
+        const float d0 = wval(s + j * G, g) * xs[r][g], d1 = GS == 32 ? wval(s + j * G, g + 1) * xs[r][g + 1] : d0;
         const __m256 dl = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
         alignas(32) float t8[8];
         _mm256_store_ps(t8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dl));

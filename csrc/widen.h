@@ -1,8 +1,22 @@
-// 16 float32 lanes from weights stored as float32 or as bfloat16 bits (widened exactly: a bfloat16 is the high half
-// of its float32), for the AVX-512 paths of qmv.cpp and dense.cpp.
+// Weights stored as float32 or as bfloat16 bits, as float32 (widened exactly: a bfloat16 is the high half of its
+// float32): one value (`wval`, every path), or 16 lanes (`wide16`, the AVX-512 paths of qmv.cpp, dense.cpp and
+// bindings.cpp).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+namespace edge0 {
+
+static inline float wval(const float* p, int64_t i) { return p[i]; }
+static inline float wval(const uint16_t* p, int64_t i) {
+  const uint32_t u = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace edge0
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
