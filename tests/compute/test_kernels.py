@@ -551,6 +551,34 @@ def test_linear_matches_mlx_and_a_row_does_not_depend_on_the_others(rows, d, n, 
     assert np.array_equal(np.array(y16), np.array(mx.concatenate([EXT.linear(x[i:i + 1], w16, b) for i in range(rows)])))
 
 
+def dot16_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T in dot16's order, in numpy: 16 float32 lanes (i mod 16), each a chain of fused multiply-adds over i (the
+    product exact in float64, one rounding to float32), then the lanes in the tree lane j += lane j + k, k = 8, 4, 2,
+    1."""
+    rows, d = x.shape
+    lanes = np.zeros((rows, w.shape[0], 16), np.float32)
+    for i in range(d):
+        prod = x[:, None, i].astype(np.float64) * w[None, :, i].astype(np.float64)
+        lanes[:, :, i % 16] = (lanes[:, :, i % 16].astype(np.float64) + prod).astype(np.float32)
+    for k in (8, 4, 2, 1):
+        lanes[:, :, :k] = lanes[:, :, :k] + lanes[:, :, k:2 * k]
+    return lanes[:, :, 0]
+
+
+@needs_ext
+@pytest.mark.parametrize("rows,d", [(1, 320), (4, 320), (1, 512), (4, 17)])
+def test_linear_sums_in_dot16s_order(rows, d):
+    """The heads' float linear, every path (one row 16 outputs at a time, four rows at a time, a tail past the last
+    16 inputs), gives the bits of dot16's order computed apart in numpy: a lane tree in another association fails."""
+    rng = np.random.default_rng(d + rows)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    w = (rng.standard_normal((32, d)) * 0.05).astype(np.float32)
+    for wt in (mx.float32, mx.bfloat16):
+        wm = mx.array(w).astype(wt)
+        got = np.array(EXT.linear(mx.array(x)[:, None, :], wm, None))[:, 0, :]
+        assert np.array_equal(got, dot16_reference(x, np.array(wm.astype(mx.float32)))), wt
+
+
 @needs_ext
 def test_heads_on_the_edge0_kernel_are_row_independent():
     """A prerouter head over a batch equals it over each row (edge0 kernel); under MLX's it is nn.Linear's."""
