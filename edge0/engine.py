@@ -76,6 +76,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
     routing = routing or "native"
     if c.guesses is not None and routing != "prefetch":
         raise Edge0Error(f"--guesses {c.guesses}: only used with --routing prefetch (other routings read what they route)")
+    if c.read_ahead != "measured" and routing == "native":
+        raise Edge0Error(f"--read-ahead {c.read_ahead}: only used with --routing prefetch or predicted")
     if c.candidates is not None and routing != "predicted":
         raise Edge0Error(f"--candidates {c.candidates}: only used with --routing predicted")
     if predictor is not None and routing == "native":
@@ -277,7 +279,8 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
                                             memory_budget_gib=c.memory_budget_gib)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
                                       slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
-                                      predicted_routing=c.routing == "predicted", candidates=candidates)
+                                      predicted_routing=c.routing == "predicted", candidates=candidates,
+                                      read_ahead=c.read_ahead)
     return build
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PREDICTORS, ROUTINGS, EngineConfig,
+from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PREDICTORS, READ_AHEAD, ROUTINGS, EngineConfig,
                      Sampling)
 
 
@@ -43,6 +43,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="--routing predicted: each head names its layer's M likeliest experts a token ahead (those are "
                         "read), and the layer's own router chooses and weighs K of them (default: 2K where every expert "
                         "is resident and nothing is read, K when experts are streamed; between K and the model's experts)")
+    p.add_argument("--read-ahead", choices=READ_AHEAD, default="measured",
+                   help="--routing prefetch or predicted, streamed: measured (default) reads ahead while reads come from "
+                        "the disk and decode steps measure faster with it than without (the runtime alternates windows "
+                        "of steps to tell); always: every step reads ahead, warm page cache or not")
     p.add_argument("--lora", metavar="FILE", default=None,
                    help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
                         "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")
@@ -89,7 +93,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig of `add_engine_flags`' flags, checked."""
     return EngineConfig(
         model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
-        guesses=args.guesses, candidates=args.candidates,
+        guesses=args.guesses, candidates=args.candidates, read_ahead=args.read_ahead,
         executor=args.executor, slots=args.slots, memory_budget_gib=args.memory_budget, io=args.io,
         io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,

@@ -42,6 +42,7 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--guesses", "3", "--k", "2", "--routing", "prefetch"], "--guesses 3: between 1 and K = 2"),
     (["run", "--guesses", "2"], "--guesses 2: only used with --routing prefetch"),
     (["run", "--guesses", "2", "--routing", "native"], "--guesses 2: only used with --routing prefetch"),
+    (["run", "--read-ahead", "always", "--routing", "native"], "--read-ahead always: only used with --routing prefetch or predicted"),
     (["run", "--routing", "prefetch", "--executor", "hot"], "--executor hot does not apply"),
     (["run", "--routing", "prefetch", "--predictor", "repeat", "--heads", "x"], "does not read heads"),
     (["run", "--trace", "/etc/hostname/sub/trace.json"], "--trace /etc/hostname/sub/trace.json: not a writable file path"),

@@ -134,6 +134,7 @@ def _loads(pool, rt, steps: int) -> dict:
     if getattr(rt, "sched", None) is not None:
         out.update(sched_ms_per_token=1e3 * rt.sched_s / steps, sched_cpu_ms_per_token=1e3 * rt.sched_cpu_s / steps,
                    pull_ms_per_token=1e3 * rt.pull_s / steps, paused_steps=rt.paused_steps,
+                   gated_steps=rt.gated_steps, read_ahead=rt.gate.summary() if rt.gate is not None else None,
                    plan_ms_per_token=1e3 * rt.plan_s / steps, plan_cpu_ms_per_token=1e3 * rt.plan_cpu_s / steps)
     return out
 

@@ -16,6 +16,7 @@ from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
+from .gate import ReadAheadGate
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
@@ -35,17 +36,22 @@ class PrefetchRuntime(Runtime):
     plan_cpu_s = 0.0  # of which CPU time
     _planner: ThreadPoolExecutor | None = None  # the planner thread, started at the first flush that plans
     _planning: Future | None = None  # its work for the step being evaluated, until settled
-    # Reading ahead only while reads cost. Prefetch hides reads from the disk; while every bundle read of
+    # Reading ahead only while it pays. Prefetch hides reads from the disk; while every bundle read of
     # the last PAUSE_AFTER steps came from the page cache (a warm store that fits in memory) a demand read
     # is a copy of microseconds, and the predictor (its graphs, pulls and plans) costs more than it can
-    # hide: the layers stop predicting until a read comes from the disk again. Under predicted routing the
-    # heads that route keep predicting (their prediction is the routing); the read-ahead ones pause (the
-    # next-router guesses for layers without a routing head). With --io direct or --io-throttle every read
-    # costs: nothing pauses.
+    # hide: the layers stop predicting until a read comes from the disk again. While reads come from the disk
+    # (and with --io direct or --io-throttle, where every read costs) the gate (pipeline/gate.py) measures
+    # decode steps with and without reading ahead and pauses while not reading ahead is faster. Under
+    # predicted routing the heads that route keep predicting (their prediction is the routing); the
+    # read-ahead ones pause (the next-router guesses for layers without a routing head), and the routing
+    # heads' reads are planned at the step's end. --read-ahead always: nothing pauses (gate None).
     PAUSE_AFTER = 4
     PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
     paused_steps = 0  # steps run paused (--json)
+    gated_steps = 0  # of which paused by the gate (reads from the disk, reading ahead measured slower)
+    gate: ReadAheadGate | None = None
+    _warm = False  # the step being built is paused by a warm page cache
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
 
@@ -55,17 +61,21 @@ class PrefetchRuntime(Runtime):
         gen = super().begin()
         st = self.sched.pool.reader.stats
         self._prompt_reads = (st.bytes, st.cold_bytes)
+        if self.gate is not None:
+            self.gate.restart()
         return gen
 
     def end_prefill(self) -> None:
         """The prompt's reads (whole layers, or its experts) tell at once what PAUSE_AFTER steps would: all
         from the page cache, the first decode step is already paused; some from the disk, it is not."""
         super().end_prefill()
-        st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
-        if not (self.PAUSE_ON_PROMPT and self.sched.pool.reader.sees_cache) or st.bytes == read0:
+        if self.gate is None:
             return
-        self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
-        self.paused = self._warm_steps >= self.PAUSE_AFTER
+        st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
+        if self.PAUSE_ON_PROMPT and self.sched.pool.reader.sees_cache and st.bytes != read0:
+            self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
+        self._warm = self.sched.pool.reader.sees_cache and self._warm_steps >= self.PAUSE_AFTER
+        self.paused = self._warm or not self.gate.ahead
 
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
@@ -131,6 +141,7 @@ class PrefetchRuntime(Runtime):
         here; its fills are planned on the planner thread while this one waits for MLX to evaluate the step,
         and settled before the fence moves (pipeline/steps.py), so the plans are the ones made before."""
         self.paused_steps += self.paused
+        self.gated_steps += self.paused and not self._warm
         self.settle()
         with self.scheduling(-1):
             ready = self._take_pending()
@@ -148,14 +159,22 @@ class PrefetchRuntime(Runtime):
             self._watch_reads()
 
     def _watch_reads(self) -> None:
-        """At a step boundary: whether the next step's layers predict (PAUSE_AFTER)."""
-        pool = self.sched.pool
-        if not pool.reader.sees_cache:
+        """At a step boundary: whether the next step's layers read ahead (PAUSE_AFTER, then the gate)."""
+        gate, pool = self.gate, self.sched.pool
+        if gate is None:
             return
-        cold = pool.stats.cold_bytes
-        self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
-        self._cold_bytes = cold
-        self.paused = self._warm_steps >= self.PAUSE_AFTER
+        was_warm = self._warm
+        if pool.reader.sees_cache:
+            cold = pool.stats.cold_bytes
+            self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
+            self._cold_bytes = cold
+            self._warm = self._warm_steps >= self.PAUSE_AFTER
+        if self._warm:
+            self.paused = True
+            return
+        if was_warm:  # the step that ended was paused by the page cache: it says nothing of either mode
+            gate.restart()
+        self.paused = not gate.step()
 
     def finish(self) -> None:
         self._settle_quietly()
@@ -267,13 +286,14 @@ class _Scheduling:
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
                            predicted_routing: bool = False, guesses: int | None = None, top_k: int | None = None,
-                           candidates: int | None = None, **_) -> PrefetchRuntime:
+                           candidates: int | None = None, read_ahead: str = "measured", **_) -> PrefetchRuntime:
     """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
     N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's).
     candidates: predicted routing reads ahead each head's M likeliest experts, its consumer's router choosing K
-    of them (None: K)."""
+    of them (None: K). read_ahead: measured (pause while not reading ahead is faster, or the page cache
+    serves every read) or always."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
@@ -292,6 +312,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.predicted_routing = predicted_routing
     rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
+    rt.gate = ReadAheadGate() if read_ahead == "measured" else None
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
     return rt

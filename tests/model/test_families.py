@@ -21,7 +21,6 @@ from edge0.model.consistency import config_problems
 from edge0.model.load import cast_floats, load_store
 from edge0.model.routers import ROUTERS
 from edge0.model.routes import moe_blocks
-from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps
 from edge0.sched.trace import Trace
 from edge0.train.heads import train_heads
@@ -66,9 +65,7 @@ def engine(store, **fields):
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
-def test_tokens_match_mlx_lm_exact_staged_and_prefetch(models, arch, monkeypatch):
-    # a prompt read from the page cache would pause the reads ahead from the first step: these must read ahead
-    monkeypatch.setattr(PrefetchRuntime, "PAUSE_ON_PROMPT", False)
+def test_tokens_match_mlx_lm_exact_staged_and_prefetch(models, arch):
     prompt, want, want_logits = mlx_lm_run(models(arch, "mlx", "src"))
     store = models(arch)
     assert config_problems(read_manifest(store), read_config(store)) == []  # what edge0 verify checks
@@ -76,7 +73,8 @@ def test_tokens_match_mlx_lm_exact_staged_and_prefetch(models, arch, monkeypatch
     runs = {}
     for name, fields in {"exact": dict(routing="native", executor="exact"),
                          "staged": dict(routing="native", executor="staged"),
-                         "prefetch": dict(routing="prefetch", predictor=predictor)}.items():
+                         # read ahead at every step: a warm page cache or the gate would pause it
+                         "prefetch": dict(routing="prefetch", predictor=predictor, read_ahead="always")}.items():
         with engine(store, **fields) as e:
             runs[name] = edge0_run(e, prompt)
             if name == "prefetch":

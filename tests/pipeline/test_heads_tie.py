@@ -7,7 +7,6 @@ import numpy as np
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.model.heads import Head, HeadSet, features
-from edge0.pipeline import runtime
 from edge0.train.heads import head_loss, window_features, window_targets
 
 from tests.pipeline.test_identity import real_text
@@ -25,10 +24,8 @@ def test_served_features_are_the_training_features(monkeypatch):
         return predict(head, h, inds, prev, router)
 
     monkeypatch.setattr(Head, "predict", recording)
-    monkeypatch.setattr(runtime.PrefetchRuntime, "PAUSE_AFTER", 10**9)  # every step predicts, warm store or not
-    monkeypatch.setattr(runtime.PrefetchRuntime, "PAUSE_ON_PROMPT", False)
-    prompt = 24
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+    prompt = 24  # every step predicts (read_ahead always), warm store or not
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", read_ahead="always")) as engine:
         owners = sorted(set(engine.store.runtime.heads.owners.values()))
         with engine.kernel.active():
             from mlx_lm.sample_utils import make_sampler

@@ -134,15 +134,22 @@ def test_a_read_from_the_disk_resumes_predicting(text):
     assert cold > 0 and after > seen["ahead"]  # it read ahead again
 
 
-def test_never_pauses_where_reads_cost(text):
+@pytest.mark.parametrize("read_ahead", ["measured", "always"])
+def test_the_page_cache_never_pauses_where_reads_cost(text, read_ahead):
+    """Under --io-throttle every read costs: the page cache's rule never pauses; a pause there is the gate's
+    (reading ahead measured slower, tests/pipeline/test_gate.py), and --read-ahead always has none."""
     ids, _ = text
     warm_store()
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=200)) as engine:
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=200,
+                                  read_ahead=read_ahead)) as engine:
         forced(engine, ids)
-        assert engine.store.runtime.paused_steps == 0
+        rt = engine.store.runtime
+    assert rt.paused_steps == rt.gated_steps
+    if read_ahead == "always":
+        assert rt.paused_steps == 0
 
 
-def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
+def test_predicted_routing_pauses_only_its_reads_ahead(text):
     """Under predicted routing a warm store pauses the next-router reads ahead (layers without a routing head),
     never the heads that route: the output is bit for bit that of a run that never pauses, every routed set at a
     consumer layer is the one its head decided, and the heads' predictions are pulled once, at the step's end.
@@ -150,11 +157,11 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, monkeypatch):
     predicting: the scheduler is never asked for its reads."""
     ids, _ = text
     runs, after = {}, PrefetchRuntime.PAUSE_AFTER
-    for pause in (after, 10**9):
-        monkeypatch.setattr(PrefetchRuntime, "PAUSE_AFTER", pause)
+    for pause, read_ahead in ((after, "measured"), (10**9, "always")):
         # held, not only read: a page reclaimed mid-run resumed the reads ahead and paused them again later (a
         # full-suite run beside a training job failed so)
-        with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged")) as engine:
+        with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged",
+                                                      read_ahead=read_ahead)) as engine:
             rt = engine.store.runtime
             pull, pulls = rt.pull, []
             rt.pull = lambda: pulls.append(rt.sched.step) or pull()

@@ -1,0 +1,83 @@
+"""Whether reading ahead pays, by measurement (`--read-ahead measured`, the default).
+
+Reading ahead hides a read behind the step before it, and costs: the predictions' graphs, their pulls and
+plans, and every wrong guess read from a disk that the step's own misses then wait behind. Which wins depends
+on the disk, the bundles' size and the predictor's recall: on the demo store with every read from the disk
+(50 KB bundles), prefetch by its heads decoded at 0.66-0.69x native reading ahead at every step, and at 0.93x
+with its reads ahead paused. So the runtime measures it: decode steps alternate between the two modes in
+windows, and the faster mode holds for a while before the other is measured again (a hold that the
+measurement confirms doubles, up to MAX_HOLD steps: a probe of the slower mode then costs a few percent at
+most). A paused step reads only what it routes (prefetch: its own router's experts, on demand; predicted
+routing: its heads still route, and their reads are planned at the step's end).
+
+Outputs do not depend on the mode (prefetch equals native either way; predicted routing routes by its heads
+in both), only the time does. The clock is the graph-building thread's, between step boundaries."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+
+class ReadAheadGate:
+    """Decides, step by step, whether the next decode step reads ahead. `step()` at every step boundary."""
+
+    WINDOW = 8  # steps measured per mode before a choice: the last WINDOW of its stretch
+    SETTLE = 2  # a probe's steps before its window: the first step after resuming has nothing read ahead yet,
+    # the first paused one still consumes what was planned before it
+    HOLD = 32  # steps the faster mode runs before the other is measured again
+    MAX_HOLD = 256  # a change of regime (the disk, the text) is seen within this many steps and a probe
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.ahead = True  # the mode of the step being built
+        self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
+        self.hold = self.HOLD
+        self.probing = False  # the mode now running is measured against the one that held before it
+        self.left = self.SETTLE + self.WINDOW  # steps until the phase ends (first: read ahead, measured)
+        self.last = None  # the clock at the last step boundary (None: none yet in this generation)
+        self.choices = 0  # choices made
+        self.flips = 0  # of which the mode changed
+        self.measured = {True: None, False: None}  # each mode's median step (s) at the last choice
+
+    def restart(self) -> None:
+        """A new generation: the next step boundary starts the clock (the time before it is the prompt's, or
+        idle)."""
+        self.last = None
+
+    def step(self) -> bool:
+        """A step just ended (in the mode `ahead` says): time it; returns whether the next step reads ahead."""
+        now = self.clock()
+        if self.last is not None:
+            self.times[self.ahead].append(now - self.last)  # the stretch's last WINDOW steps are kept
+            self.left -= 1
+        self.last = now
+        if self.left > 0:
+            return self.ahead
+        if not self.probing:  # a hold ended: measure the other mode
+            self._switch(not self.ahead, self.SETTLE + self.WINDOW)
+            self.probing = True
+            return self.ahead
+        held = not self.ahead
+        self.probing = False
+        self.measured = {m: statistics.median(t) for m, t in self.times.items()}
+        faster = min((held, not held), key=self.measured.get)
+        self.choices += 1
+        self.flips += faster != held
+        self.hold = min(2 * self.hold, self.MAX_HOLD) if faster == held else self.HOLD
+        if faster == self.ahead:  # the probe won: it goes on, measured (its window fills again as it holds)
+            self.left = self.hold
+        else:
+            self._switch(faster, self.hold)
+        return self.ahead
+
+    def _switch(self, ahead: bool, steps: int) -> None:
+        self.ahead, self.left = ahead, steps
+        self.times[ahead].clear()  # only this stretch's steps speak for the mode
+
+    def summary(self) -> dict:
+        """For --json: the mode now, the choices made, each mode's median step at the last choice (ms)."""
+        ms = {m: None if t is None else 1e3 * t for m, t in self.measured.items()}
+        return {"ahead": self.ahead, "choices": self.choices, "flips": self.flips,
+                "ahead_step_ms": ms[True], "paused_step_ms": ms[False]}

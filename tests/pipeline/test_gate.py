@@ -1,0 +1,176 @@
+"""The read-ahead gate (pipeline/gate.py): decode steps alternate between reading ahead and not in windows, the
+faster mode holds (longer while the measurement confirms it), a change of regime flips it, the steps right after
+a switch and the time between generations are not measured. In the runtime: a gated step reads nothing ahead
+(the scheduler's reads ahead stop growing), prefetch still equals native bit for bit, and predicted routing
+equals its run that never pauses. The clock is faked so that the choices are deterministic."""
+
+import numpy as np
+import pytest
+
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.pipeline.gate import ReadAheadGate
+
+from .test_identity import real_text
+from .test_pause import ahead, forced
+
+G = ReadAheadGate
+PROBE = G.SETTLE + G.WINDOW  # steps of a measured window, the settling ones included
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def drive(gate: ReadAheadGate, clock: Clock, cost, steps: int) -> list[bool]:
+    """Run `steps` steps, each taking cost(i, ahead) seconds; returns each step's mode (True: read ahead)."""
+    modes = []
+    gate.step()  # the first boundary starts the clock
+    for i in range(steps):
+        modes.append(gate.ahead)
+        clock.t += cost(i, gate.ahead)
+        gate.step()
+    return modes
+
+
+def runs(modes: list[bool]) -> list[tuple[bool, int]]:
+    """(mode, length) of each stretch of equal modes."""
+    out = []
+    for m in modes:
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
+
+
+def test_the_faster_mode_holds_and_its_hold_doubles_while_confirmed():
+    clock = Clock()
+    gate = G(clock)
+    modes = drive(gate, clock, lambda i, a: 0.002 if a else 0.001, 400)  # reading ahead costs
+    got = runs(modes)
+    # ahead (measured), paused (the probe, faster: holds 32), ahead probed again, paused 64, ahead, paused 128, ...
+    assert got[:7] == [(True, PROBE), (False, PROBE + G.HOLD), (True, PROBE), (False, 2 * G.HOLD),
+                       (True, PROBE), (False, 4 * G.HOLD), (True, PROBE)]
+    assert gate.choices == 4 and gate.flips == 1
+    assert gate.summary()["ahead_step_ms"] == pytest.approx(2.0) and gate.summary()["paused_step_ms"] == pytest.approx(1.0)
+
+
+def test_reading_ahead_that_pays_reads_ahead_nearly_always():
+    clock = Clock()
+    gate = G(clock)
+    modes = drive(gate, clock, lambda i, a: 0.001 if a else 0.002, 3000)
+    assert gate.flips == 0 and gate.ahead
+    assert modes.count(False) <= 0.05 * len(modes)  # the probes of the other mode, ever rarer
+
+
+def test_a_change_of_regime_flips_the_choice_and_the_hold_starts_over():
+    clock = Clock()
+    gate = G(clock)
+    flip_at = 300  # reading ahead pays until the disk's regime changes (say, the store fell out of the page cache)
+    modes = drive(gate, clock, lambda i, a: (0.001 if a else 0.002) if i < flip_at else (0.003 if a else 0.002), 900)
+    after = modes[flip_at:]
+    # at most one hold (MAX_HOLD) and a probe later, it pauses for a hold (probing the other mode after it)
+    switched = next(i for i in range(len(after)) if not any(after[i:i + G.HOLD]))
+    assert switched <= G.MAX_HOLD + PROBE
+    assert gate.flips == 1 and not gate.ahead
+
+
+def test_the_steps_after_a_switch_are_not_measured():
+    """The first SETTLE steps after a switch cost what the previous mode left (nothing read ahead yet, or plans
+    still consumed): taken as measured, they would choose the wrong mode here (a probe of WINDOW steps did)."""
+    clock = Clock()
+    gate = G(clock)
+    since = {"mode": None, "n": 0}
+
+    def cost(i, a):
+        since["n"] = since["n"] + 1 if since["mode"] == a else 1
+        since["mode"] = a
+        if since["n"] <= G.SETTLE:
+            return 0.010 if not a else 0.0005  # paused: its first steps slow; ahead: its first steps fast
+        return 0.002 if a else 0.001
+
+    drive(gate, clock, cost, PROBE * 2)
+    assert gate.choices == 1 and not gate.ahead
+
+
+def test_the_time_between_generations_is_not_measured():
+    clock = Clock()
+    gate = G(clock)
+    gate.step()
+    for i in range(PROBE * 2):
+        if i == PROBE + G.SETTLE + 1:  # mid-probe of the paused mode: a new generation after a long idle
+            clock.t += 60.0
+            gate.restart()
+            gate.step()  # the new generation's first boundary
+        clock.t += 0.002 if gate.ahead else 0.001
+        gate.step()
+    assert gate.choices == 1 and not gate.ahead
+    assert gate.summary()["paused_step_ms"] == pytest.approx(1.0)
+    assert max(max(t) for t in gate.times.values()) < 1.0  # the idle minute is no step
+
+class SteppedClock:
+    """A fake clock for a real runtime: each step boundary reads it once; a step costs `fast` when its mode is the
+    one given, `slow` otherwise."""
+
+    def __init__(self, rt, fast_mode_paused: bool):
+        self.rt, self.paused_fast, self.t = rt, fast_mode_paused, 0.0
+
+    def __call__(self):
+        self.t += 0.001 if self.rt.paused == self.paused_fast else 0.002
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def text():
+    ids = real_text(64)
+    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+        return ids, forced(engine, ids)
+
+
+@pytest.mark.parametrize("routing", ["prefetch", "predicted"])
+def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
+    """Under a slow disk (every read costs: only the gate pauses) with a clock on which paused steps are the
+    faster: after the first window the gate pauses, its steps plan no read ahead, and the log-probabilities are
+    native's (prefetch) or those of predicted routing that always reads ahead."""
+    ids, native = text
+    config = dict(routing=routing, io_throttle_mbps=400)
+    if routing == "prefetch":
+        config["predictor"] = "heads"
+    else:
+        config["executor"] = "staged"
+    with open_engine(EngineConfig(read_ahead="always", **config)) as engine:
+        want = native if routing == "prefetch" else forced(engine, ids)
+    with open_engine(EngineConfig(**config)) as engine:
+        rt = engine.store.runtime
+        rt.gate.clock = SteppedClock(rt, fast_mode_paused=True)
+        seen = []  # (step, paused, reads ahead so far)
+        got = forced(engine, ids, lambda i, rt: seen.append((i, rt.paused, ahead(rt))))
+    assert np.array_equal(got, want)
+    steps = len(ids) - 1
+    # steps 1-10 read ahead, 11-20 the paused probe (faster: it holds 32 more), 53-62 read ahead, probed again
+    assert rt.gated_steps == rt.paused_steps == PROBE + G.HOLD and steps == 63
+    assert rt.gate.choices >= 1 and not rt.gate.ahead
+    # a paused stretch (after its first step, which may consume what was planned before it) reads nothing ahead
+    # under prefetch; under predicted routing only the routing heads' reads, planned at the step's end
+    paused = [(i, n) for i, p, n in seen if p]
+    later = [(i, n) for (i, n), (j, _) in zip(paused[1:], paused) if i == j + 1]
+    grew = sum(n - m for (_, n), (_, m) in zip(later[1:], later) if n > m)
+    if routing == "prefetch":
+        assert later and grew == 0
+    else:
+        assert later
+
+
+def test_reading_ahead_measured_faster_is_kept(text):
+    ids, want = text
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400)) as engine:
+        rt = engine.store.runtime
+        rt.gate.clock = SteppedClock(rt, fast_mode_paused=False)
+        got = forced(engine, ids)
+    assert np.array_equal(got, want)
+    assert rt.gated_steps == PROBE and rt.gate.ahead and rt.gate.flips == 0  # one probe of the paused mode
