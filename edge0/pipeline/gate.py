@@ -28,6 +28,8 @@ class ReadAheadGate:
     # the first paused one still consumes what was planned before it
     HOLD = 32  # steps the faster mode runs before the other is measured again
     MAX_HOLD = 256  # a change of regime (the disk, the text) is seen within this many steps and a probe
+    MARGIN = 0.1  # the probe takes over only when its median step is this much shorter than the held mode's: a
+    # window of a noisy disk's steps is no proof, and a wrong flip costs a whole hold
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -40,6 +42,7 @@ class ReadAheadGate:
         self.choices = 0  # choices made
         self.flips = 0  # of which the mode changed
         self.measured = {True: None, False: None}  # each mode's median step (s) at the last choice
+        self.history: list[tuple[float, float, bool]] = []  # each choice: (median step ahead, paused (ms), chosen)
 
     def restart(self) -> None:
         """A new generation: the next step boundary starts the clock (the time before it is the prompt's, or
@@ -62,7 +65,9 @@ class ReadAheadGate:
         held = not self.ahead
         self.probing = False
         self.measured = {m: statistics.median(t) for m, t in self.times.items()}
-        faster = min((held, not held), key=self.measured.get)
+        faster = self.ahead if self.measured[self.ahead] < (1 - self.MARGIN) * self.measured[held] else held
+        if len(self.history) < 64:
+            self.history.append((round(1e3 * self.measured[True], 2), round(1e3 * self.measured[False], 2), faster))
         self.choices += 1
         self.flips += faster != held
         self.hold = min(2 * self.hold, self.MAX_HOLD) if faster == held else self.HOLD
@@ -77,7 +82,8 @@ class ReadAheadGate:
         self.times[ahead].clear()  # only this stretch's steps speak for the mode
 
     def summary(self) -> dict:
-        """For --json: the mode now, the choices made, each mode's median step at the last choice (ms)."""
+        """For --json: the mode now, the choices made, each mode's median step at the last choice (ms), and the
+        first 64 choices (median ahead, median paused, whether it reads ahead after)."""
         ms = {m: None if t is None else 1e3 * t for m, t in self.measured.items()}
         return {"ahead": self.ahead, "choices": self.choices, "flips": self.flips,
-                "ahead_step_ms": ms[True], "paused_step_ms": ms[False]}
+                "ahead_step_ms": ms[True], "paused_step_ms": ms[False], "history": self.history}

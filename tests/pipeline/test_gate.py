@@ -80,6 +80,16 @@ def test_a_change_of_regime_flips_the_choice_and_the_hold_starts_over():
     assert gate.flips == 1 and not gate.ahead
 
 
+@pytest.mark.parametrize("paused_cost, flips", [(0.95, 0), (0.8, 1)])
+def test_a_probe_takes_over_only_when_faster_by_the_margin(paused_cost, flips):
+    """A noisy disk's window is no proof: 5% faster (under MARGIN) keeps the held mode, 20% faster takes over."""
+    clock = Clock()
+    gate = G(clock)
+    drive(gate, clock, lambda i, a: 0.001 if a else 0.001 * paused_cost, 2 * PROBE)
+    assert gate.choices == 1 and gate.flips == flips and gate.ahead == (flips == 0)
+    assert gate.summary()["history"] == [(1.0, round(paused_cost, 2), flips == 0)]
+
+
 def test_the_steps_after_a_switch_are_not_measured():
     """The first SETTLE steps after a switch cost what the previous mode left (nothing read ahead yet, or plans
     still consumed): taken as measured, they would choose the wrong mode here (a probe of WINDOW steps did)."""
