@@ -44,9 +44,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                         "read), and the layer's own router chooses and weighs K of them (default: 2K where every expert "
                         "is resident and nothing is read, K when experts are streamed; between K and the model's experts)")
     p.add_argument("--read-ahead", choices=READ_AHEAD, default="measured",
-                   help="--routing prefetch or predicted, streamed: measured (default) reads ahead while reads come from "
-                        "the disk and decode steps measure faster with it than without (the runtime alternates windows "
-                        "of steps to tell); always: every step reads ahead, warm page cache or not")
+                   help="streamed prefetch or predicted routing: measured (default) reads ahead while reads come from the "
+                        "disk and steps measure faster with it than without; always: every step, warm page cache or not")
     p.add_argument("--lora", metavar="FILE", default=None,
                    help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
                         "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")
