@@ -275,6 +275,10 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         if resident:
             from .pipeline.resident import build_predicted_resident
 
+            if c.read_ahead != "measured":
+                log.info(f"--read-ahead {c.read_ahead}: every expert is resident, nothing is read ahead",
+                         hint="--executor staged streams the experts")
+
             return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates,
                                             memory_budget_gib=c.memory_budget_gib)
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,

@@ -41,8 +41,7 @@ class ReadAheadGate:
         self.last = None  # the clock at the last step boundary (None: none yet in this generation)
         self.choices = 0  # choices made
         self.flips = 0  # of which the mode changed
-        self.measured = {True: None, False: None}  # each mode's median step (s) at the last choice
-        self.history: list[tuple[float, float, bool]] = []  # each choice: (median step ahead, paused (ms), chosen)
+        self.history = deque(maxlen=64)  # the last choices: (median step ahead, paused (ms), reads ahead after)
 
     def restart(self) -> None:
         """A new generation: the next step boundary starts the clock (the time before it is the prompt's, or
@@ -64,10 +63,9 @@ class ReadAheadGate:
             return self.ahead
         held = not self.ahead
         self.probing = False
-        self.measured = {m: statistics.median(t) for m, t in self.times.items()}
-        faster = self.ahead if self.measured[self.ahead] < (1 - self.MARGIN) * self.measured[held] else held
-        if len(self.history) < 64:
-            self.history.append((round(1e3 * self.measured[True], 2), round(1e3 * self.measured[False], 2), faster))
+        med = {m: statistics.median(t) for m, t in self.times.items()}
+        faster = self.ahead if med[self.ahead] < (1 - self.MARGIN) * med[held] else held
+        self.history.append((round(1e3 * med[True], 2), round(1e3 * med[False], 2), faster))
         self.choices += 1
         self.flips += faster != held
         self.hold = min(2 * self.hold, self.MAX_HOLD) if faster == held else self.HOLD
@@ -83,7 +81,7 @@ class ReadAheadGate:
 
     def summary(self) -> dict:
         """For --json: the mode now, the choices made, each mode's median step at the last choice (ms), and the
-        first 64 choices (median ahead, median paused, whether it reads ahead after)."""
-        ms = {m: None if t is None else 1e3 * t for m, t in self.measured.items()}
+        last 64 choices (median ahead, median paused, whether it reads ahead after)."""
+        ahead_ms, paused_ms, _ = self.history[-1] if self.history else (None, None, None)
         return {"ahead": self.ahead, "choices": self.choices, "flips": self.flips,
-                "ahead_step_ms": ms[True], "paused_step_ms": ms[False], "history": self.history}
+                "ahead_step_ms": ahead_ms, "paused_step_ms": paused_ms, "history": list(self.history)}

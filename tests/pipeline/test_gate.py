@@ -4,6 +4,9 @@ a switch and the time between generations are not measured. In the runtime: a ga
 (the scheduler's reads ahead stop growing), prefetch still equals native bit for bit, and predicted routing
 equals its run that never pauses. The clock is faked so that the choices are deterministic."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -58,6 +61,7 @@ def test_the_faster_mode_holds_and_its_hold_doubles_while_confirmed():
                        (True, PROBE), (False, 4 * G.HOLD), (True, PROBE)]
     assert gate.choices == 4 and gate.flips == 1
     assert gate.summary()["ahead_step_ms"] == pytest.approx(2.0) and gate.summary()["paused_step_ms"] == pytest.approx(1.0)
+    assert len(gate.summary()["history"]) == gate.choices
 
 
 def test_reading_ahead_that_pays_reads_ahead_nearly_always():
@@ -123,9 +127,10 @@ def test_the_time_between_generations_is_not_measured():
     assert gate.summary()["paused_step_ms"] == pytest.approx(1.0)
     assert max(max(t) for t in gate.times.values()) < 1.0  # the idle minute is no step
 
+
 class SteppedClock:
-    """A fake clock for a real runtime: each step boundary reads it once; a step costs `fast` when its mode is the
-    one given, `slow` otherwise."""
+    """A fake clock for a real runtime: each step boundary reads it once; a step costs 1 ms in the mode named fast
+    (paused or reading ahead), 2 ms in the other."""
 
     def __init__(self, rt, fast_mode_paused: bool):
         self.rt, self.paused_fast, self.t = rt, fast_mode_paused, 0.0
@@ -184,3 +189,11 @@ def test_reading_ahead_measured_faster_is_kept(text):
         got = forced(engine, ids)
     assert np.array_equal(got, want)
     assert rt.gated_steps == PROBE and rt.gate.ahead and rt.gate.flips == 0  # one probe of the paused mode
+
+
+def test_read_ahead_over_resident_experts_says_it_reads_nothing():
+    """The built-in model's default keeps every expert resident: --read-ahead has nothing to read, and says so."""
+    out = subprocess.run([sys.executable, "-m", "edge0.run", "--read-ahead", "always", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "--read-ahead always: every expert is resident, nothing is read ahead" in out.stderr
