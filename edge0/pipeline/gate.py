@@ -48,6 +48,17 @@ class ReadAheadGate:
         idle)."""
         self.last = None
 
+    def resize(self) -> None:
+        """A served batch changed size (a sequence joined or left): steps before it speak for another batch, and
+        the step across the change holds a newcomer's prompt. Both windows start over, that step is not timed,
+        and a probe under way is given up (the held mode resumes for its hold): choices compare one batch."""
+        self.last = None
+        for t in self.times.values():
+            t.clear()
+        if self.probing:
+            self.probing = False
+            self.ahead, self.left = not self.ahead, self.hold
+
     def step(self) -> bool:
         """A step just ended (in the mode `ahead` says): time it; returns whether the next step reads ahead."""
         now = self.clock()
@@ -63,6 +74,9 @@ class ReadAheadGate:
             return self.ahead
         held = not self.ahead
         self.probing = False
+        if len(self.times[held]) < self.WINDOW // 2:  # the batch changed late in the hold: no figure to beat
+            self._switch(held, self.hold)
+            return self.ahead
         med = {m: statistics.median(t) for m, t in self.times.items()}
         faster = self.ahead if med[self.ahead] < (1 - self.MARGIN) * med[held] else held
         self.history.append((round(1e3 * med[True], 2), round(1e3 * med[False], 2), faster))

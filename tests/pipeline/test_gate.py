@@ -6,6 +6,7 @@ equals its run that never pauses. The clock is faked so that the choices are det
 
 import subprocess
 import sys
+from collections import deque
 
 import numpy as np
 import pytest
@@ -128,6 +129,40 @@ def test_the_time_between_generations_is_not_measured():
     assert max(max(t) for t in gate.times.values()) < 1.0  # the idle minute is no step
 
 
+def test_a_change_of_batch_size_late_in_a_hold_leaves_no_figure_to_beat():
+    """A served batch shrank 3 steps before the hold's end (steps 4x faster after it): without starting the
+    windows over, the held mode's window is mostly the big batch's steps and the probe (the small batch's) wins
+    by far; with them started over, the held window is too short to judge and the held mode goes on."""
+    for resized in (False, True):
+        clock = Clock()
+        gate = G(clock)
+        gate.step()
+        for i in range(2 * PROBE + 1):
+            if i == PROBE - 3 and resized:
+                gate.resize()
+            big = i < PROBE - 3
+            clock.t += (0.004 if big else 0.001) * (1.0 if gate.ahead else 1.1)  # reading ahead pays a little
+            gate.step()
+        assert (gate.choices, gate.flips, gate.ahead) == ((0, 0, True) if resized else (1, 1, False))
+
+
+def test_a_change_of_batch_size_gives_up_a_probe_and_is_not_timed():
+    clock = Clock()
+    gate = G(clock)
+    gate.step()
+    modes = []
+    for i in range(PROBE + 3 + G.HOLD + 2):
+        if i == PROBE + 3:  # mid-probe of the paused mode: a sequence joins (its prompt took 5 s)
+            gate.resize()
+            clock.t += 5.0
+        modes.append(gate.ahead)
+        clock.t += 0.001 if gate.ahead else 0.002
+        gate.step()
+    # the held mode resumes for a hold (the step across the change untimed, so one more), then the probe again
+    assert runs(modes) == [(True, PROBE), (False, 3), (True, G.HOLD + 1), (False, 1)]
+    assert gate.choices == 0 and max(max(t, default=0) for t in gate.times.values()) < 1.0
+
+
 class SteppedClock:
     """A fake clock for a real runtime: each step boundary reads it once; a step costs 1 ms in the mode named fast
     (paused or reading ahead), 2 ms in the other."""
@@ -197,3 +232,35 @@ def test_read_ahead_over_resident_experts_says_it_reads_nothing():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--read-ahead always: every expert is resident, nothing is read ahead" in out.stderr
+
+
+def test_a_served_batchs_joins_and_leaves_are_not_timed_as_steps():
+    """serve --max-batch: a newcomer's prompt runs between two decode steps of the batch, and a step after a join
+    or a leave computes another batch size: the gate times none of them as a step of its windows (here each
+    join costs 10 s on the clock)."""
+    from tests.test_batching import PROMPTS, run_batch
+
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400, max_batch=4,
+                                  prompt_cache_gib=0)) as engine:
+        rt = engine.store.runtime
+        clock, timed = Clock(), []
+
+        class Recorded(deque):
+            def append(self, x):
+                timed.append(x)
+                super().append(x)
+
+        rt.gate.clock, rt.gate.times = clock, {m: Recorded(maxlen=G.WINDOW) for m in (True, False)}
+        join = rt.join
+
+        def slow_join(parts):
+            clock.t += 10.0
+            join(parts)
+
+        def tick():
+            clock.t += 0.001
+            next_step()
+
+        next_step, rt.join, rt.next_step = rt.next_step, slow_join, tick
+        run_batch(engine, PROMPTS, max_batch=4, stagger=True)
+    assert len(timed) >= 8 and max(timed) < 1.0
