@@ -16,7 +16,7 @@ ROUTINGS = ("native", "prefetch", "predicted")
 PREDICTORS = ("repeat", "next-router", "heads")
 EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
 IO_MODES = ("pread", "mmap", "direct")
-READ_AHEAD = ("measured", "always")
+READ_AHEAD = ("measured", "always", "never")
 DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
 IO_WORKERS = 8  # I/O pool threads (every read): they block in the kernel, so more than cores (docs/results/pipeline.md)
@@ -47,7 +47,7 @@ class EngineConfig:
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
     guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
     candidates: int | None = None  # predicted: experts each head names ahead, the router choosing K; None: 2K resident, else K
-    read_ahead: str = "measured"  # measured: read ahead while it measures faster and reads come from the disk | always
+    read_ahead: str = "measured"  # measured: read ahead while it measures faster and reads come from the disk | always | never
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
     executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident

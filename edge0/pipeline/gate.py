@@ -99,3 +99,29 @@ class ReadAheadGate:
         ahead_ms, paused_ms, _ = self.history[-1] if self.history else (None, None, None)
         return {"ahead": self.ahead, "choices": self.choices, "flips": self.flips,
                 "ahead_step_ms": ahead_ms, "paused_step_ms": paused_ms, "history": list(self.history)}
+
+
+class NoReadAhead:
+    """`--read-ahead never`: every decode step paused (prefetch reads on demand, as native; predicted routing's
+    heads still route, their reads planned at the step's end). A disk known to lose by reading ahead, and the
+    paused arm of an A/B."""
+
+    ahead = False
+    choices = flips = 0
+
+    def restart(self) -> None:
+        pass
+
+    def resize(self) -> None:
+        pass
+
+    def step(self) -> bool:
+        return False
+
+    def summary(self) -> dict:
+        return {"ahead": False, "choices": 0, "flips": 0, "ahead_step_ms": None, "paused_step_ms": None, "history": []}
+
+
+def read_ahead_gate(mode: str):
+    """The gate of `--read-ahead MODE`: measured, never, or None (always: nothing pauses)."""
+    return {"measured": ReadAheadGate, "never": NoReadAhead}.get(mode, lambda: None)()

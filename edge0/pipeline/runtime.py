@@ -16,7 +16,7 @@ from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
-from .gate import ReadAheadGate
+from .gate import NoReadAhead, ReadAheadGate, read_ahead_gate
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
@@ -44,13 +44,14 @@ class PrefetchRuntime(Runtime):
     # decode steps with and without reading ahead and pauses while not reading ahead is faster. Under
     # predicted routing the heads that route keep predicting (their prediction is the routing); the
     # read-ahead ones pause (the next-router guesses for layers without a routing head), and the routing
-    # heads' reads are planned at the step's end. --read-ahead always: nothing pauses (gate None).
+    # heads' reads are planned at the step's end. --read-ahead always: nothing pauses (gate None); never: every
+    # step pauses.
     PAUSE_AFTER = 4
     PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
     paused_steps = 0  # steps run paused (--json)
     gated_steps = 0  # of which paused by the gate (reads from the disk, reading ahead measured slower)
-    gate: ReadAheadGate | None = None
+    gate: ReadAheadGate | NoReadAhead | None = None
     _warm = False  # the step being built is paused by a warm page cache
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
@@ -297,7 +298,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's).
     candidates: predicted routing reads ahead each head's M likeliest experts, its consumer's router choosing K
     of them (None: K). read_ahead: measured (pause while not reading ahead is faster, or the page cache
-    serves every read) or always."""
+    serves every read), always or never."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
@@ -316,7 +317,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.predicted_routing = predicted_routing
     rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
-    rt.gate = ReadAheadGate() if read_ahead == "measured" else None
+    rt.gate = read_ahead_gate(read_ahead)
     for layer, staged in base.executors.items():
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
     return rt

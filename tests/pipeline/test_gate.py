@@ -216,6 +216,23 @@ def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
         assert later
 
 
+@pytest.mark.parametrize("routing", ["prefetch", "predicted"])
+def test_read_ahead_never_pauses_every_step_and_changes_no_output(text, routing):
+    """--read-ahead never under a slow disk: every decode step paused from the first; prefetch reads nothing ahead
+    (native's reads, native's numbers), predicted routing only its heads' routing (its `always` run's numbers)."""
+    ids, native = text
+    config = dict(routing=routing, io_throttle_mbps=400)
+    config.update(predictor="heads") if routing == "prefetch" else config.update(executor="staged")
+    with open_engine(EngineConfig(read_ahead="always", **config)) as engine:
+        want = native if routing == "prefetch" else forced(engine, ids)
+    with open_engine(EngineConfig(read_ahead="never", **config)) as engine:
+        rt = engine.store.runtime
+        got = forced(engine, ids)
+    assert np.array_equal(got, want)
+    assert rt.paused_steps == rt.gated_steps == len(ids) - 1
+    assert (ahead(rt) == 0) == (routing == "prefetch")
+
+
 def test_reading_ahead_measured_faster_is_kept(text):
     ids, want = text
     with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400)) as engine:
