@@ -27,6 +27,7 @@ from pathlib import Path
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
 from .bench_replay import given_replay, make_replay, text_replay
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
+from .config import READ_AHEAD
 from .errors import Edge0Error
 from .io.atomic import write_atomic
 
@@ -36,11 +37,17 @@ ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
 
-def arm_flags(arm: str) -> list[str]:
-    """`ARM@KERNEL` runs ARM with --kernel KERNEL (mlx or edge0)."""
+def split_arm(arm: str) -> tuple[str, str, str]:
+    """`BASE[+MODE][@KERNEL]`: (base, its --read-ahead mode or "", its --kernel or "")."""
     arm, _, kernel = arm.partition("@")
-    extra = ["--kernel", kernel] if kernel else []
-    return _arm_flags(arm) + extra
+    base, _, ahead = arm.partition("+")
+    return base, ahead, kernel
+
+
+def arm_flags(arm: str) -> list[str]:
+    """`ARM+MODE` runs ARM with --read-ahead MODE, `ARM@KERNEL` with --kernel KERNEL (mlx or edge0)."""
+    arm, ahead, kernel = split_arm(arm)
+    return _arm_flags(arm) + (["--read-ahead", ahead] if ahead else []) + (["--kernel", kernel] if kernel else [])
 
 
 def _arm_flags(arm: str) -> list[str]:
@@ -64,7 +71,8 @@ def add_bench_flags(p) -> None:
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm)")
     p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it")
     p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}; "
-                   "prefetch:PREDICTOR/N reads ahead N guesses per set (--guesses N)")
+                   "prefetch:PREDICTOR/N reads ahead N guesses per set (--guesses N); ARM+MODE runs a prefetch or "
+                   "streamed predicted arm with --read-ahead MODE (always, never; e.g. predicted+never)")
     p.add_argument("--lora", metavar="FILE", help="the predicted arm's adapter (default: lora-k{K}.safetensors beside "
                                                   "the store; predicted:no-lora runs without one)")
     p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
@@ -171,7 +179,7 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
            "--kernel-threads", str(threads(args))]
     if args.memory_budget is not None:
         cmd += ["--memory-budget", str(args.memory_budget)]
-    if getattr(args, "lora", None) and arm.partition("@")[0] in ("predicted", "predicted:resident"):
+    if getattr(args, "lora", None) and split_arm(arm)[0] in ("predicted", "predicted:resident"):
         cmd += ["--lora", args.lora]
     if args.io_throttle is not None:
         cmd += ["--io-throttle", str(args.io_throttle)]
@@ -258,7 +266,10 @@ def check_args(args) -> tuple[list[str], list[str]]:
     arms = [a for a in args.arms.split(",") if a]
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:
-        base, _, kernel = a.partition("@")
+        base, ahead, kernel = split_arm(a)
+        if ahead and (ahead not in READ_AHEAD or not base.startswith(("prefetch:", "predicted")) or ":resident" in base):
+            raise Edge0Error(f"--arms {a}: +MODE is --read-ahead's {', '.join(READ_AHEAD)}, on a prefetch or streamed "
+                             "predicted arm")
         base, _, guesses = base.partition("/") if base.startswith("prefetch:") else (base, "", "")
         if guesses and not (guesses.isdigit() and int(guesses) >= 1):
             raise Edge0Error(f"--arms {a}: a prefetch arm's /N (guesses read ahead) is a whole number of at least 1")

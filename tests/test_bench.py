@@ -15,7 +15,8 @@ from edge0.cli import main
 def test_bench_replays_the_same_work_in_every_arm(models, tmp_path):
     src, store = models("qwen3_moe", "mlx", "src"), models("qwen3_moe")
     proc = subprocess.run([sys.executable, "-m", "edge0.cli", "bench", "--source", str(src), "--store", str(store),
-                           "--arms", "mlx-lm:f32,exact,staged,prefetch:next-router,prefetch:next-router/1", "--cache", "warm", "--rounds", "1",
+                           "--arms", "mlx-lm:f32,exact,staged,prefetch:next-router,prefetch:next-router/1+never",
+                           "--cache", "warm", "--rounds", "1",
                            "--max-tokens", "6", "--prompt-tokens", "24", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -24,9 +25,11 @@ def test_bench_replays_the_same_work_in_every_arm(models, tmp_path):
     replay = json.loads((out / "replay.json").read_text())
     assert len(replay["prompt"]) == 24 and len(replay["tokens"]) == 6
     assert set(results["median"]) == {"mlx-lm:f32/warm", "exact/warm", "staged/warm", "prefetch:next-router/warm",
-                                      "prefetch:next-router/1/warm"}
+                                      "prefetch:next-router/1+never/warm"}
     for key, runs in results["runs"].items():
         assert runs[0]["tokens"] == replay["tokens"], key  # forced decoding: identical work
+    never = results["runs"]["prefetch:next-router/1+never/warm"][0]  # ARM+MODE: --read-ahead MODE
+    assert never["read_ahead"]["ahead"] is False and never["paused_steps"] == len(replay["tokens"])
     assert results["meta"]["cores"] >= 1 and "BLAS" in results["meta"]["blas"]  # what was measured on
     assert "| staged | float32 |" in (out / "results.md").read_text()
 
@@ -39,6 +42,9 @@ def test_bench_refuses_unknown_arms(capsys, tmp_path):
     for bad in ("prefetch:heads/0", "prefetch:heads/two"):
         assert main(["bench", "--store", str(tmp_path), "--arms", bad]) == 2
         assert f"--arms {bad}: a prefetch arm's /N" in capsys.readouterr().err
+    for bad in ("staged+never", "predicted:resident+never", "prefetch:heads+sometimes"):  # +MODE: --read-ahead
+        assert main(["bench", "--store", str(tmp_path), "--arms", bad]) == 2
+        assert f"--arms {bad}: +MODE is --read-ahead's measured, always, never" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [
