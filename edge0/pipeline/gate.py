@@ -39,6 +39,7 @@ class ReadAheadGate:
         self.probing = False  # the mode now running is measured against the one that held before it
         self.left = self.SETTLE + self.WINDOW  # steps until the phase ends (first: read ahead, measured)
         self.last = None  # the clock at the last step boundary (None: none yet in this generation)
+        self.rows = 1  # the batch's sequences the windows' steps computed (a generation alone: one)
         self.choices = 0  # choices made
         self.flips = 0  # of which the mode changed
         self.history = deque(maxlen=64)  # the last choices: (median step ahead, paused (ms), reads ahead after)
@@ -48,11 +49,15 @@ class ReadAheadGate:
         idle)."""
         self.last = None
 
-    def resize(self) -> None:
-        """A served batch changed size (a sequence joined or left): steps before it speak for another batch, and
-        the step across the change holds a newcomer's prompt. Both windows start over, that step is not timed,
-        and a probe under way is given up (the held mode resumes for its hold): choices compare one batch."""
+    def resize(self, rows: int) -> None:
+        """A served batch's sequences joined or left, `rows` now: the step across the change (a newcomer's prompt
+        runs there) is not timed. Where the batch's size changed, steps before it speak for another batch: both
+        windows start over and a probe under way is given up (the held mode resumes for its hold), so a choice
+        compares steps of one size. One client's requests in turn (one row each) keep their windows."""
         self.last = None
+        if rows == self.rows:
+            return
+        self.rows = rows
         for t in self.times.values():
             t.clear()
         if self.probing:
@@ -112,7 +117,7 @@ class NoReadAhead:
     def restart(self) -> None:
         pass
 
-    def resize(self) -> None:
+    def resize(self, rows: int) -> None:
         pass
 
     def step(self) -> bool:

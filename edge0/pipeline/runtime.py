@@ -204,7 +204,7 @@ class PrefetchRuntime(Runtime):
     def keep_rows(self, rows: list[int]) -> None:
         """Sequences left the batch: keep the history and the routing decided ahead of the others."""
         if self.gate is not None:
-            self.gate.resize()
+            self.gate.resize(len(rows))
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
@@ -216,8 +216,8 @@ class PrefetchRuntime(Runtime):
         previous token gets rows naming no expert) and, where every part has one, their routing decided for
         the step now (else that layer routes the step with its own router). No parts: a clean slate."""
         self.pending = []  # predictions made for other rows decide nothing
-        if self.gate is not None:
-            self.gate.resize()
+        if self.gate is not None and parts:  # (none: a newcomer's clean slate, its prompt next)
+            self.gate.resize(sum(n for _, n in parts))
         step = self.sched.step
         for layer, ex in self.executors.items():
             ex.prev_inds = joined_history([(snap[layer][0], n) for snap, n in parts], ex.num_experts)

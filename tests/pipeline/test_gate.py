@@ -139,7 +139,7 @@ def test_a_change_of_batch_size_late_in_a_hold_leaves_no_figure_to_beat():
         gate.step()
         for i in range(2 * PROBE + 1):
             if i == PROBE - 3 and resized:
-                gate.resize()
+                gate.resize(2)  # a batch of 3 became 2 (as far as the gate knows: it was 1)
             big = i < PROBE - 3
             clock.t += (0.004 if big else 0.001) * (1.0 if gate.ahead else 1.1)  # reading ahead pays a little
             gate.step()
@@ -153,7 +153,7 @@ def test_a_change_of_batch_size_gives_up_a_probe_and_is_not_timed():
     modes = []
     for i in range(PROBE + 3 + G.HOLD + 2):
         if i == PROBE + 3:  # mid-probe of the paused mode: a sequence joins (its prompt took 5 s)
-            gate.resize()
+            gate.resize(2)
             clock.t += 5.0
         modes.append(gate.ahead)
         clock.t += 0.001 if gate.ahead else 0.002
@@ -161,6 +161,23 @@ def test_a_change_of_batch_size_gives_up_a_probe_and_is_not_timed():
     # the held mode resumes for a hold (the step across the change untimed, so one more), then the probe again
     assert runs(modes) == [(True, PROBE), (False, 3), (True, G.HOLD + 1), (False, 1)]
     assert gate.choices == 0 and max(max(t, default=0) for t in gate.times.values()) < 1.0
+
+
+def test_one_clients_requests_in_turn_keep_the_windows():
+    """serve with one client: each request joins an idle batch (one row, as the one before it) after idle time;
+    its prompt is not timed, and its steps add to the windows, so short answers still lead to a choice."""
+    clock = Clock()
+    gate = G(clock)
+    for request in range(8):  # 6 decode steps each: none alone fills a probe
+        clock.t += 30.0  # idle, then the prompt
+        gate.restart()
+        gate.resize(1)
+        gate.step()
+        for _ in range(6):
+            clock.t += 0.002 if gate.ahead else 0.001
+            gate.step()
+    assert gate.choices >= 1 and not gate.ahead
+    assert max(max(t, default=0) for t in gate.times.values()) < 1.0
 
 
 class SteppedClock:
