@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
                  if result["executor"] == "resident" else
                  f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
                  f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
+        if result.get("paused_steps") is not None:  # scheduled routing: how often the step read ahead (the gate)
+            n = max(len(fig.tokens), result["paused_steps"])
+            reads += f", read ahead at {n - result['paused_steps']} of {n} steps"
         print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
               f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, "
               f"{reads}, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
