@@ -106,25 +106,17 @@ class ReadAheadGate:
                 "ahead_step_ms": ahead_ms, "paused_step_ms": paused_ms, "history": list(self.history)}
 
 
-class NoReadAhead:
+class NoReadAhead(ReadAheadGate):
     """`--read-ahead never`: every decode step paused (prefetch reads on demand, as native; predicted routing's
     heads still route, their reads planned at the step's end). A disk known to lose by reading ahead, and the
-    paused arm of an A/B."""
+    paused arm of an A/B. Nothing is timed or chosen; its summary is the gate's, with no choices."""
 
-    ahead = False
-    choices = flips = 0
-
-    def restart(self) -> None:
-        pass
-
-    def resize(self, rows: int) -> None:
-        pass
+    def __init__(self):
+        super().__init__()
+        self.ahead = False
 
     def step(self) -> bool:
         return False
-
-    def summary(self) -> dict:
-        return {"ahead": False, "choices": 0, "flips": 0, "ahead_step_ms": None, "paused_step_ms": None, "history": []}
 
 
 def read_ahead_gate(mode: str):

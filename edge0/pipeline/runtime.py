@@ -16,7 +16,7 @@ from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
-from .gate import NoReadAhead, ReadAheadGate, read_ahead_gate
+from .gate import ReadAheadGate, read_ahead_gate
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
@@ -51,7 +51,7 @@ class PrefetchRuntime(Runtime):
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
     paused_steps = 0  # steps run paused (--json)
     gated_steps = 0  # of which paused by the gate (reads from the disk, reading ahead measured slower)
-    gate: ReadAheadGate | NoReadAhead | None = None
+    gate: ReadAheadGate | None = None  # or its NoReadAhead (--read-ahead never)
     _warm = False  # the step being built is paused by a warm page cache
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
