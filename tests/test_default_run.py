@@ -30,7 +30,8 @@ def test_the_summary_line_says_what_was_read():
     import sys
 
     for flags, said in (((), "every expert resident ("), (("--executor", "staged"), "% cold), slot hit rate "),
-                        (("--executor", "staged", "--read-ahead", "never"), "read ahead at 0 of 4 steps")):
+                        (("--executor", "staged", "--read-ahead", "never"), "read ahead at 0 of 4 steps"),
+                        (("--executor", "staged", "--read-ahead", "always"), "read ahead at 4 of 4 steps")):
         proc = subprocess.run([sys.executable, "-m", "edge0.run", "--max-tokens", "4", *flags], capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
                  f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
                  f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
         if result.get("paused_steps") is not None:  # scheduled routing: how often the step read ahead (the gate)
-            n = max(len(fig.tokens), result["paused_steps"])
-            reads += f", read ahead at {n - result['paused_steps']} of {n} steps"
+            reads += f", read ahead at {result['read_ahead_steps']} of {result['flushed_steps']} steps"
         print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
               f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, "
               f"{reads}, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
@@ -136,7 +135,8 @@ def _loads(pool, rt, steps: int) -> dict:
            "load_cold_fraction": s.cold_fraction, "io_workers": pool.workers}
     if getattr(rt, "sched", None) is not None:
         out.update(sched_ms_per_token=1e3 * rt.sched_s / steps, sched_cpu_ms_per_token=1e3 * rt.sched_cpu_s / steps,
-                   pull_ms_per_token=1e3 * rt.pull_s / steps, paused_steps=rt.paused_steps,
+                   pull_ms_per_token=1e3 * rt.pull_s / steps, flushed_steps=rt.flushed_steps,
+                   paused_steps=rt.paused_steps, read_ahead_steps=rt.flushed_steps - rt.paused_steps,
                    gated_steps=rt.gated_steps, read_ahead=rt.gate.summary() if rt.gate is not None else None,
                    plan_ms_per_token=1e3 * rt.plan_s / steps, plan_cpu_ms_per_token=1e3 * rt.plan_cpu_s / steps)
     return out

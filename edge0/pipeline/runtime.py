@@ -49,7 +49,8 @@ class PrefetchRuntime(Runtime):
     PAUSE_AFTER = 4
     PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
-    paused_steps = 0  # steps run paused (--json)
+    flushed_steps = 0  # steps evaluated (each flushes once)
+    paused_steps = 0  # of which run paused (--json)
     gated_steps = 0  # of which paused by the gate (reads from the disk, reading ahead measured slower)
     gate: ReadAheadGate | None = None  # or its NoReadAhead (--read-ahead never)
     _warm = False  # the step being built is paused by a warm page cache
@@ -141,6 +142,7 @@ class PrefetchRuntime(Runtime):
         """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
         here; its fills are planned on the planner thread while this one waits for MLX to evaluate the step,
         and settled before the fence moves (pipeline/steps.py), so the plans are the ones made before."""
+        self.flushed_steps += 1
         self.paused_steps += self.paused
         self.gated_steps += self.paused and not self._warm
         self.settle()
