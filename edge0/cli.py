@@ -58,6 +58,8 @@ def _trace_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--plot", metavar="PNG", help="draw a few steps' timeline and the load-cost fit")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--windows", type=int, metavar="N", help="also the step times, stalls and reads of every N "
+                   "decode steps (a run's trend; the stretches --read-ahead measured compares)")
 
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:

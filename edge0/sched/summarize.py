@@ -2,6 +2,7 @@
 
     edge0 run --routing prefetch --trace traces/run.json --max-tokens 32
     edge0 trace summarize traces/run.json --plot traces/run.png
+    edge0 trace summarize traces/run.json --windows 32   # the same figures per 32 decode steps
 
 Fits load cost (ms) = a + b x cold fraction by least squares, the form the paper found
 (1.17 ms + 1.33 ms x cold on its machine), and prints the residuals.
@@ -111,6 +112,48 @@ def summarize(data: dict) -> dict:
     }
 
 
+def windows(data: dict, size: int) -> list[dict]:
+    """The decode steps (as `summarize` takes them) in windows of `size`: each window's first step, its steps'
+    median, shortest and longest (ms), and per step its stall (ms), its bundle reads and of them the reads ahead
+    (by the step in which they started), with the median read's ms. A run's trend, or the stretches the read-ahead
+    gate compares."""
+    spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in spans if e["name"] == "step" and e["args"].get("step", 1) >= 1), key=lambda e: e["ts"])
+    if not steps:
+        return []
+    starts = np.array([e["ts"] for e in steps])
+    stall, reads = np.zeros(len(steps)), [[] for _ in steps]
+    for e in spans:
+        i = int(np.searchsorted(starts, e["ts"], side="right")) - 1
+        if i < 0 or e["ts"] > steps[i]["ts"] + steps[i]["dur"]:  # inside a decode step, as `summarize` counts
+            continue
+        if e["name"] == "stall":
+            stall[i] += e["dur"] / 1e3
+        elif e["name"] == "read" and not e["args"].get("whole_layer"):
+            reads[i].append(e)
+    out = []
+    for a in range(0, len(steps), size):
+        ms = np.array([e["dur"] / 1e3 for e in steps[a:a + size]])
+        got = [e for r in reads[a:a + size] for e in r]
+        n = len(ms)
+        out.append({"first_step": a + 1, "steps": n, "step_ms": float(np.median(ms)), "min_step_ms": float(ms.min()),
+                    "max_step_ms": float(ms.max()), "stall_ms_per_step": float(stall[a:a + size].sum() / n),
+                    "loads_per_step": len(got) / n,
+                    "ahead_per_step": sum(1 for e in got if not e["args"].get("demand")) / n,
+                    "read_ms": float(np.median([e["dur"] / 1e3 for e in got])) if got else None})
+    return out
+
+
+def print_windows(rows: list[dict]) -> None:
+    print("| steps | step ms (median) | shortest | longest | stall ms/step | loads/step | ahead/step | read ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w in rows:
+        read = "-" if w["read_ms"] is None else f"{w['read_ms']:.2f}"
+        print(f"| {w['first_step']}-{w['first_step'] + w['steps'] - 1} | {w['step_ms']:.1f} | {w['min_step_ms']:.1f} | "
+              f"{w['max_step_ms']:.1f} | {w['stall_ms_per_step']:.1f} | {w['loads_per_step']:.1f} | "
+              f"{w['ahead_per_step']:.1f} | {read} |")
+
+
 def _busy(reads: list[dict]) -> tuple[float, float]:
     """(ms during which at least one read ran, mean reads in flight over that time)."""
     if not reads:
@@ -200,12 +243,18 @@ def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
 def trace_cli(args) -> int:
     if args.action != "summarize":
         raise Edge0Error(f"`edge0 trace {args.action}`: unknown action (summarize)")
+    if args.windows is not None and args.windows < 1:
+        raise Edge0Error(f"--windows {args.windows}: must be at least 1 (decode steps a window)")
     data = load_trace(args.file)
     s = summarize(data)
+    if args.windows:
+        s["windows"] = windows(data, args.windows)
     if args.json:
         print(json.dumps(s))
     else:
         print_summary(s)
+        if args.windows:
+            print_windows(s["windows"])
     if args.plot:
         plot(data, s, args.plot)
     return 0

@@ -62,6 +62,16 @@ def test_fills_run_on_pool_threads_and_trace_matches_json(models, tmp_path, caps
     assert summary["stall_ms_per_token"] == pytest.approx(result["stall_ms_per_token"], rel=1e-3, abs=1e-3)
     assert summary["cold_fraction"] == pytest.approx(result["load_cold_fraction"], abs=1e-6)
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert main(["trace", "summarize", str(trace), "--json", "--windows", "3"]) == 0  # per 3 decode steps
+    rows = json.loads(capsys.readouterr().out)["windows"]
+    assert [w["first_step"] for w in rows] == list(range(1, summary["steps"] + 1, 3))
+    assert sum(w["steps"] for w in rows) == summary["steps"]
+    assert sum(w["loads_per_step"] * w["steps"] for w in rows) == pytest.approx(summary["loads_per_step"] * summary["steps"])
+    assert sum(w["stall_ms_per_step"] * w["steps"] for w in rows) == pytest.approx(
+        summary["stall_ms_per_token"] * summary["steps"], rel=1e-6)
+    assert all(w["min_step_ms"] <= w["step_ms"] <= w["max_step_ms"] for w in rows)
+    assert main(["trace", "summarize", str(trace), "--windows", "2"]) == 0
+    assert "| 1-2 |" in capsys.readouterr().out
 
 
 def test_bad_trace_files(tmp_path, capsys):
@@ -74,6 +84,9 @@ def test_bad_trace_files(tmp_path, capsys):
     assert main(["trace", "summarize", str(foreign)]) == 2
     assert "not an Edge0 trace" in capsys.readouterr().err
     assert main(["trace", "summarize", str(tmp_path / "none.json")]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    assert main(["trace", "summarize", str(bad), "--windows", "0"]) == 2
+    assert "--windows 0: must be at least 1" in capsys.readouterr().err
 
 
 class FakeReader:
