@@ -38,8 +38,9 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
 # the router's top-k, the heads' linears (4 rows at a time, each with a row's own sums) and the batch's per-sequence
 # attention each compute a row as alone. (Streamed predicted routing's batched answers were once seen to part from
 # the solo ones on the edge0 kernels, the cause not pinned down; on the tree that added it here, 24 runs of 8 prompts
-# at batch sizes 2, 4 and 8, with and without reading ahead and a slow disk, found no difference.) None (the default, predicted) and "native" run
-# every expert resident on the demo (auto: they fit); "-staged" streams them into slot banks.
+# at batch sizes 2, 4 and 8, with and without reading ahead and a slow disk, found no difference.) None (the
+# default, predicted) and "native" run every expert resident on the demo (auto: they fit); "-staged" streams them
+# into slot banks.
 AS_ALONE = [(r, "mlx") for r in (None, "predicted-staged", "native", "native-staged", "prefetch")] + [
     (r, "edge0") for r in (None, "predicted-staged", "native", "native-staged", "prefetch") if kernels.available()]
 
