@@ -66,7 +66,8 @@ def test_fills_run_on_pool_threads_and_trace_matches_json(models, tmp_path, caps
     rows = json.loads(capsys.readouterr().out)["windows"]
     assert [w["first_step"] for w in rows] == list(range(1, summary["steps"] + 1, 3))
     assert sum(w["steps"] for w in rows) == summary["steps"]
-    assert sum(w["loads_per_step"] * w["steps"] for w in rows) == pytest.approx(summary["loads_per_step"] * summary["steps"])
+    loads = summary["loads_per_step"] * summary["steps"]
+    assert sum(w["loads_per_step"] * w["steps"] for w in rows) == pytest.approx(loads)
     assert sum(w["stall_ms_per_step"] * w["steps"] for w in rows) == pytest.approx(
         summary["stall_ms_per_token"] * summary["steps"], rel=1e-6)
     assert all(w["min_step_ms"] <= w["step_ms"] <= w["max_step_ms"] for w in rows)
