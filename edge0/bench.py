@@ -27,7 +27,7 @@ from pathlib import Path
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
 from .bench_replay import given_replay, make_replay, text_replay
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
-from .config import READ_AHEAD
+from .config import READ_AHEAD, blas
 from .errors import Edge0Error
 from .io.atomic import write_atomic
 
@@ -107,12 +107,6 @@ def add_bench_flags(p) -> None:
     from .bench_serve import add_bench_serve_flags
 
     add_bench_serve_flags(p)
-
-
-def blas_in_use() -> str:
-    """Which BLAS the MLX CPU backend would call: an LD_PRELOADed one, else the wheel's reference BLAS."""
-    pre = os.environ.get("LD_PRELOAD", "")
-    return f"preloaded {pre}" if "blas" in pre.lower() else "netlib reference BLAS (mlx[cpu] wheel)"
 
 
 def _files(path: Path) -> list[Path]:
@@ -343,7 +337,7 @@ def bench(args) -> int:
                       (f", cgroup peak {res['peak_cgroup_gib']:.2f} GiB" if res["peak_cgroup_gib"] else ""), file=sys.stderr)
     cost = read_cost(Path(args.store), args.io_throttle, io=args.io)
     summary = summarize(runs, cost)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas_in_use(),
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
             "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost, "threads": threads(args),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import Edge0Error
 
@@ -28,6 +29,23 @@ MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is
 def machine_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def blas() -> str:
+    """Which BLAS MLX's float32 matmuls call on the CPU: OpenBLAS where it is loaded into this process (preloaded:
+    MLX's Linux CPU wheel links the reference BLAS), else that reference BLAS; MLX's own off Linux."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return "none (MLX on the GPU)"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "MLX's own BLAS"
+    lib = next((line.split()[-1] for line in maps.splitlines() if "libopenblas" in line), None)
+    if lib is not None:
+        return f"OpenBLAS ({lib}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')})"
+    return "reference BLAS (MLX's Linux CPU wheel)"
 
 
 def _memory_gib() -> float:

@@ -48,7 +48,8 @@ from edge0.train.base_ckpt import (_truncate_log, _write_atomic, latest_checkpoi
                                    read_log, save_checkpoint)  # read_log: the run's curve, for callers
 from edge0.model.tokenizer import save_tokenizer_files
 from edge0.train.corpus import Corpus, prepare_corpus
-from edge0.train.loop import World
+from edge0.config import blas
+from edge0.train.loop import World, blas_notice
 
 EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")
 
@@ -223,10 +224,9 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
             _truncate_log(out / "log.jsonl", state["step"])
     out.mkdir(parents=True, exist_ok=True)
     heldout = _train_loop(model, opt, p, corpus, state, out, world, progress, stop_at)
-    blas = _blas()
     summary = dict(preset=preset, seed=seed, steps=state["step"], tokens=state["tokens"],
                    train_s=round(state["elapsed_s"], 1), heldout_loss=heldout,
-                   heldout_ppl=math.exp(heldout) if heldout else None, blas=blas, config=config, ranks=world.size,
+                   heldout_ppl=math.exp(heldout) if heldout else None, blas=blas(), config=config, ranks=world.size,
                    train_files=len(corpus.train_files), heldout_files=len(corpus.heldout_files),
                    train_tokens=int(corpus.train.size), heldout_tokens=int(corpus.heldout.size))
     if world.writer and export and state["step"] == p.steps:
@@ -268,9 +268,7 @@ def _train_loop(model, opt, p: Preset, corpus: Corpus, state: dict, out: Path, w
 
     windows = eval_windows(corpus.heldout, p.seq_len, p.eval_tokens)
     step_fn = nn.value_and_grad(model, loss_fn)
-    if progress and world.writer and _blas().startswith("mlx default"):
-        print("edge0: MLX's reference BLAS is slow on CPU; preload OpenBLAS (see `edge0 train base --help`)",
-              file=sys.stderr)
+    blas_notice(world, progress)
     bar = tqdm(total=p.steps, initial=state["step"], desc=f"train {state['preset']}",
                disable=not (progress and world.writer), dynamic_ncols=True)
     t_start = time.perf_counter() - state["elapsed_s"]
@@ -315,14 +313,6 @@ def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_tokenizer_files(tmp, corpus.tokenizer_json)
     return out
-
-
-def _blas() -> str:
-    """Which BLAS MLX's fp32 matmuls go through: OpenBLAS when preloaded, else the wheel's reference BLAS."""
-    pre = os.environ.get("LD_PRELOAD", "")
-    if "openblas" in pre.lower():
-        return f"openblas ({pre}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')})"
-    return "mlx default (reference BLAS on Linux CPU)" if mx.default_device() == mx.cpu else "mlx gpu"
 
 
 # CLI -----------------------------------------------------------------------------------------------

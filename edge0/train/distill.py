@@ -27,10 +27,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import blas
 from ..errors import Edge0Error
 from ..model.lora import Adapter, adapted
-from .loop import (World, card, check_out, heldout_windows, load_checkpoint, progress_bar, save_checkpoint, schedule,
-                   write_outputs)
+from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
+                   save_checkpoint, schedule, write_outputs)
 from .student import Student, load_student, mlx_kernel
 
 TOP = 32  # teacher tokens the KL is taken over, besides the tail bucket
@@ -125,6 +126,7 @@ def train_distill(model_dir, out, *, init=None, teacher=None, data=None, heads=N
     report_path = check_out(out, resume, steps)
     world = World.init()
     world.check_batch(batch)
+    blas_notice(world, progress)
     student = load_student(model_dir, heads, top_k, candidates)
     try:
         hp = Hyper(steps, batch, prompt_len, new, top, lr, temp, seed, student.heads.top_k, student.candidates)
@@ -139,7 +141,8 @@ def train_distill(model_dir, out, *, init=None, teacher=None, data=None, heads=N
             run = _fit(student, tutor, hp, stream, held, world, out.with_name(out.name + ".ckpt"), resume, eval_every,
                        progress)
         report = {"model": str(model_dir), "teacher": str(teacher_path), "heads": str(student.heads_file),
-                  "init": str(init_path), **asdict(hp), "ranks": world.size, "prompts": desc, "heldout": held_desc,
+                  "init": str(init_path), **asdict(hp), "ranks": world.size, "blas": blas(), "prompts": desc,
+                  "heldout": held_desc,
                   "heldout_windows": len(held), "heldout_before": before, **run}
         if world.writer:
             adapter.weights = {k: (m.lora_a, m.lora_b) for k, m in adapted(student.model).items()}

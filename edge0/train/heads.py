@@ -25,10 +25,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import blas
 from ..errors import Edge0Error
 from ..model.heads import HIDDEN, HeadSet, multi_hot
 from ..model.routes import recorded_routes
-from .loop import World, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
+from .loop import World, blas_notice, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
 from .student import mlx_kernel
 
 SEQ_LEN = 256
@@ -116,6 +117,7 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
     out = Path(out)
     report_path = check_out(out, resume, steps)
     world = World.init()
+    blas_notice(world, progress)
     store = load_store(model_dir, dtype="float32", executor="staged")
     try:
         run = _prepare(store, Path(model_dir), data, heldout, top_k, seq_len, eval_windows)
@@ -127,7 +129,8 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
             before, after, losses = _fit_heads(run, heads, world, out.with_suffix(".ckpt"), steps=steps, lr=lr,
                                                seed=seed, resume=resume, progress=progress)
         report = {"model": str(model_dir), "top_k": run.top_k, "steps": steps, "seed": seed, "hidden": hidden,
-                  "ranks": world.size, "train": run.train_desc, "heldout": run.held_desc, "data_hash": run.data_hash,
+                  "ranks": world.size, "blas": blas(), "train": run.train_desc, "heldout": run.held_desc,
+                  "data_hash": run.data_hash,
                   "consumers": sorted(heads.owners), "owners": {str(c): o for c, o in heads.owners.items()},
                   "recall_before": before, "recall": after, "losses": losses}
         if world.writer:

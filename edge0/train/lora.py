@@ -26,9 +26,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import blas
 from ..model.lora import ALPHA, RANK
-from .loop import (World, card, check_out, heldout_windows, load_checkpoint, progress_bar, save_checkpoint,
-                   schedule, windows_of, write_outputs)
+from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
+                   save_checkpoint, schedule, windows_of, write_outputs)
 from .distill import TOP, forward_kl, log_softmax
 from .student import Student, load_student, mlx_kernel, new_adapter
 
@@ -119,6 +120,7 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
     hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples, loss=loss, top=top)
     world = World.init()
     world.check_batch(batch)
+    blas_notice(world, progress)
     student = load_student(model_dir, heads, top_k, candidates)
     try:
         hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k, "candidates": student.candidates})
@@ -134,7 +136,8 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
                    out.with_name(out.name + ".ckpt"), resume, eval_every, progress, stop_at)
         report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file), **asdict(hp),
                   "targets": adapter.kinds(),
-                  "ranks": world.size, "train": desc, "heldout": held_desc, "heldout_windows": len(held),
+                  "ranks": world.size, "blas": blas(), "train": desc, "heldout": held_desc,
+                  "heldout_windows": len(held),
                   "heldout_ppl_before": before, **run}
         if world.writer and run["steps_done"] == hp.steps:
             adapter.weights = {k: (m.lora_a, m.lora_b) for k, m in _adapted(student).items()}

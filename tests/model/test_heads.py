@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from edge0.compute import kernels
+from edge0.config import blas
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
@@ -61,6 +62,7 @@ def test_untrained_heads_serve_as_next_router(models, tmp_path):
 
 def test_predicted_routing_reads_nothing_on_demand_at_consumers(trained, tmp_path):
     store, heads, report = trained
+    assert report["blas"] == blas()  # the report names the BLAS it trained on
     trace = tmp_path / "t.json"
     res = run_json(store, "--routing", "predicted", "--executor", "staged", "--heads", str(heads), trace=trace)
     assert res["predictor"] == "heads"

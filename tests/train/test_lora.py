@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, blas
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
@@ -61,7 +61,7 @@ def test_phase2_trains_an_adapter_the_engine_serves(phase):
         r = lora(phase, out)
         assert r["phase"] == 2 and r["steps_done"] == 4 and len(r["losses"]) == 4 and r["top_k"] == k
         assert [s for s, _ in r["heldout_curve"]] == [2, 4] and r["heldout_ppl"] == r["heldout_curve"][-1][1]
-        assert set(r["heldout_ppl_before"]) == {"native", "predicted"}
+        assert set(r["heldout_ppl_before"]) == {"native", "predicted"} and r["blas"] == blas()
         saved = json.loads(out.with_name(out.name + ".json").read_text())
         assert saved["losses"] == r["losses"]
         assert {out.name, out.name + ".json"} <= set(read_manifest(store).files)  # the manifest covers them
@@ -162,7 +162,7 @@ def test_phase3_starts_from_the_phase2_adapter(phase, tmp_path):
         train_distill(store, tmp_path / "d.safetensors", **kw)
     lora(phase, tmp_path / "p2.safetensors")
     r = train_distill(store, tmp_path / "d.safetensors", init=str(tmp_path / "p2.safetensors"), **kw)
-    assert r["phase"] == 3 and len(r["losses"]) == 2 and all(x >= 0 for x in r["losses"])
+    assert r["phase"] == 3 and len(r["losses"]) == 2 and all(x >= 0 for x in r["losses"]) and r["blas"] == blas()
     for figures in (r["heldout_before"], r["heldout_after"]):
         assert set(figures) == {"ppl", "reverse_kl", "top1_agreement"} and figures["reverse_kl"] >= 0
     a = Adapter.read(tmp_path / "d.safetensors")
