@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .compute.dense import step_log_softmax
 from .compute.kernels import host_eval
-from .generation import Figures, GenRequest, TextOut, _counters
+from .generation import Figures, GenRequest, Penalties, TextOut, _counters
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
 
@@ -49,9 +49,16 @@ class Sequence:
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     done: bool = False
+    penalties: Penalties | None = None  # its presence and frequency penalties, if any
 
     def sample(self, logprobs: mx.array) -> mx.array:
-        """(1, V) -> (1,): greedy at temperature 0, else top-k / top-p filtered categorical with its own key."""
+        """(1, V) -> (1,): greedy at temperature 0, else top-k / top-p filtered categorical with its own key; the
+        request's penalties first."""
+        if self.penalties is None:
+            return self._sample(logprobs)
+        return self.penalties.took(self._sample(self.penalties(logprobs)))
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
         r = self.req
         if r.temp == 0:
             return mx.argmax(logprobs, axis=-1)
@@ -97,7 +104,7 @@ class BatchDecoder:
             cache, cached = engine.cached_prefix(req)
             seq = Sequence(req, emit, cancelled, TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit),
                            Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), mx.random.key(seed),
-                           req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
+                           req.prompt[-1], fed=list(req.prompt[:-1]), started=t0, penalties=Penalties.of(req))
             self._prefill(req.prompt[cached:-1], cache)
             first = self._first_step(seq, cache)
         _charge([seq], counters, _counters(engine.store))
@@ -179,7 +186,7 @@ class BatchDecoder:
         """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
         _share_offsets(self.cache)
         logprobs = step_log_softmax(self.engine.store.model(inputs, cache=self.cache))[0]  # (B, V)
-        if all(s.req.temp == 0 for s in self.seqs):
+        if all(s.req.temp == 0 and s.penalties is None for s in self.seqs):
             return mx.argmax(logprobs, axis=-1)
         return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)
 

@@ -25,6 +25,46 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)  # generation ends when the text holds one (trimmed)
     ignore_eos: bool = False  # keep generating past end-of-sequence
     forced: list[int] | None = None  # replay these tokens instead of sampling (benchmarks)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from a token among the last PENALTY_TOKENS
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted for each time a token is among them
+
+
+PENALTY_TOKENS = 20  # the tokens the penalties look back over, the prompt's included (mlx-lm's default window)
+
+
+class Penalties:
+    """A request's presence and frequency penalties, applied to a step's log-probabilities before sampling as
+    mlx-lm's logits processors apply them (mlx_lm.sample_utils, over the last PENALTY_TOKENS tokens), then
+    renormalized; the log-probabilities a caller reports stay the model's. The tokens are an array the graph
+    extends, so that a step can be built before the token before it is on the host (overlapped decode)."""
+
+    def __init__(self, req: GenRequest):
+        from mlx_lm.sample_utils import make_logits_processors
+
+        self.processors = make_logits_processors(
+            presence_penalty=req.presence_penalty or None, presence_context_size=PENALTY_TOKENS,
+            frequency_penalty=req.frequency_penalty or None, frequency_context_size=PENALTY_TOKENS)
+        self.tokens = mx.array(req.prompt[-PENALTY_TOKENS:], dtype=mx.uint32)
+
+    @classmethod
+    def of(cls, req: GenRequest) -> "Penalties | None":
+        """The request's penalties; None when it has none (sampling then costs nothing more)."""
+        return cls(req) if req.presence_penalty or req.frequency_penalty else None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """(1, V) log-probabilities penalized and renormalized."""
+        for processor in self.processors:
+            logprobs = processor(self.tokens, logprobs)
+        return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+    def took(self, token: mx.array) -> mx.array:
+        """token (1,) was sampled: it joins the tokens looked back over; returned."""
+        self.tokens = mx.concatenate([self.tokens, token.astype(mx.uint32).reshape(-1)])[-PENALTY_TOKENS:]
+        return token
+
+    def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        """sample, on penalized log-probabilities, its tokens taken."""
+        return lambda logprobs: self.took(sample(self(logprobs)))
 
 
 @dataclass
@@ -81,6 +121,8 @@ def generate(engine, req: GenRequest, emit: Callable[[str], None], cancelled: Ca
         mx.random.seed(req.seed)
     mx.reset_peak_memory()
     sampler = make_sampler(temp=req.temp, top_p=req.top_p if 0 < req.top_p < 1 else 0.0, top_k=req.top_k)
+    penalties = Penalties.of(req)
+    sampler = penalties.sampler(sampler) if penalties is not None else sampler
     times = StepTimes()
     text = TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit)
     fig = Figures(prompt_tokens=len(req.prompt), cached_tokens=cached)

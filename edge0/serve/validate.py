@@ -31,6 +31,7 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MAX_STOPS = 16
 MAX_SEED = 2**64 - 1  # the generator's seed is an unsigned 64-bit integer
 TEMP_RANGE = (0.0, 2.0)  # OpenAI's range
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range of presence_penalty and frequency_penalty
 
 
 def show(value) -> str:
@@ -89,8 +90,7 @@ def check_fields(body: dict, *, chat: bool) -> None:
     if number(body, "n", int, 1, 1, 128) != 1:
         raise _unsupported("n", "only 1 choice per request is supported")
     for name in ("presence_penalty", "frequency_penalty"):
-        if number(body, name, float, 0.0, -2.0, 2.0) != 0:
-            raise _unsupported(name, "not supported yet (only 0)")
+        number(body, name, float, 0.0, *PENALTY_RANGE)
     bias = body.get("logit_bias")
     if bias is not None and not isinstance(bias, dict):
         raise ApiError(400, f"'logit_bias': expected an object, got {show(bias)}", "invalid_value", param="logit_bias")
@@ -254,7 +254,9 @@ def gen_request(engine, body: dict, prompt: list[int], defaults: dict) -> GenReq
                      top_p=number(body, "top_p", float, defaults["top_p"], 0, 1, lo_open=True),
                      top_k=number(body, "top_k", int, defaults.get("top_k", 0), 0, vocab or None),
                      seed=number(body, "seed", int, defaults["seed"], 0, MAX_SEED), stop=stop,
-                     ignore_eos=flag(body, "ignore_eos"))
+                     ignore_eos=flag(body, "ignore_eos"),
+                     presence_penalty=number(body, "presence_penalty", float, 0.0, *PENALTY_RANGE),
+                     frequency_penalty=number(body, "frequency_penalty", float, 0.0, *PENALTY_RANGE))
     where = "messages" if "messages" in body else "prompt"
     try:
         engine.check(req)

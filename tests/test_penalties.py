@@ -1,0 +1,88 @@
+"""OpenAI's presence and frequency penalties: the tokens mlx-lm's own logits processors give on the same checkpoint,
+a batched sequence's tokens as alone, and the server's routes serving them."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from edge0.batching import BatchDecoder
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.generation import PENALTY_TOKENS, GenRequest
+from edge0.model.load import cast_floats
+
+from tests.test_batching import PROMPTS
+
+STEPS = 24
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5)
+
+
+def test_penalized_tokens_match_mlx_lm(models):
+    """Greedy with both penalties, exact path and native routing on MLX's kernels: mlx-lm's generate_step with its
+    logits processors over the same window is the oracle; the penalties change this looping model's output."""
+    src, store = models("qwen3_moe", "mlx", "src"), models("qwen3_moe")
+    model, tok = load(str(src))
+    cast_floats(model, mx.float32)
+    prompt = tok.encode("def fibonacci(n):\n    return")
+    processors = make_logits_processors(presence_penalty=PENALTIES["presence_penalty"],
+                                        presence_context_size=PENALTY_TOKENS,
+                                        frequency_penalty=PENALTIES["frequency_penalty"],
+                                        frequency_context_size=PENALTY_TOKENS)
+    steps = generate_step(mx.array(prompt), model, sampler=make_sampler(0.0), logits_processors=processors)
+    want = [t for (t, _), _ in zip(steps, range(STEPS))]
+    config = EngineConfig(model=str(store), routing="native", executor="exact", kernel="mlx", dtype="float32",
+                          prompt_cache_gib=0)
+    with open_engine(config) as engine:
+        got = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True, **PENALTIES)).tokens
+        plain = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True)).tokens
+    assert got == want
+    assert plain != want and len(set(want)) > len(set(plain)), "the penalties changed nothing on this prompt"
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_batched_penalized_sequences_answer_as_alone(stagger):
+    """The default engine (predicted routing, its kernels), a batch of 4 where half the requests carry penalties
+    (the batch's greedy shortcut then off) and sequences join together or one per step: each equals its solo run."""
+    with open_engine(EngineConfig(max_batch=4, prompt_cache_gib=0)) as engine:
+        reqs = [GenRequest(prompt=engine.encode_text(p), max_tokens=16, **(PENALTIES if i % 2 else {}))
+                for i, p in enumerate(PROMPTS)]
+        solo = [engine.generate(r).tokens for r in reqs]
+        plain = [engine.generate(GenRequest(prompt=r.prompt, max_tokens=16)).tokens for r in reqs]
+        batch, pending, index, got = BatchDecoder(engine, 4), list(range(len(reqs))), {}, {}
+        while pending or batch.seqs:
+            while pending and batch.room:
+                i = pending.pop(0)
+                index[id(batch.admit(reqs[i], lambda t: None, lambda: False))] = i
+                if stagger:
+                    break
+            for s in batch.step():
+                got[index[id(s)]] = s.fig.tokens
+    assert got == dict(enumerate(solo))
+    assert any(solo[i] != plain[i] for i in range(1, len(reqs), 2)), "the penalties changed nothing"
+
+
+def test_the_server_serves_penalties_as_the_engine_generates_them(tmp_path):
+    """`edge0 serve` with no flags: a completion with both penalties is the engine's penalized generation, and
+    differs from the same request without them; out of range is a 400 naming the field."""
+    from tests.serve.test_serve_input import ServeProcess, request
+
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+        ids = engine.encode_text(PROMPTS[0])
+        want = engine.generate(GenRequest(prompt=ids, max_tokens=STEPS, ignore_eos=True, **PENALTIES)).text
+    srv = ServeProcess(tmp_path / "stderr.txt")
+    try:
+        def complete(**fields):
+            body = {"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True, **fields}
+            return request(srv.url, "POST", "/v1/completions", json.dumps(body).encode())[:2]
+
+        status, got = complete(**PENALTIES)
+        assert status == 200 and got["choices"][0]["text"] == want, got
+        assert complete()[1]["choices"][0]["text"] != want
+        status, err = complete(presence_penalty=2.5)
+        assert status == 400 and "'presence_penalty': 2.5 is out of range [-2.0, 2.0]" in err["error"]["message"]
+    finally:
+        srv.stop()
