@@ -117,6 +117,8 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = 0  # None: continue the random state
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
 
     def check(self) -> "Sampling":
         _int("--max-tokens", self.max_tokens, 1, None)
@@ -124,7 +126,13 @@ class Sampling:
         _float("--top-p", self.top_p, 0.0, 1.0, "", lo_open=True)
         _int("--top-k", self.top_k, 0, None)
         _int("--seed", self.seed, 0, 2**64 - 1)
+        _float("--presence-penalty", self.presence_penalty, -2.0, 2.0, "", lo_open=False)
+        _float("--frequency-penalty", self.frequency_penalty, -2.0, 2.0, "", lo_open=False)
         return self
+
+    def penalties(self) -> dict:
+        """The GenRequest fields of the penalties."""
+        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
 
 
 def _choice(flag: str, value, allowed: tuple, optional: bool = False) -> None:

@@ -82,6 +82,11 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, seed: int
     p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1: off)")
     p.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="subtracted from a token's log-probability once if it is among the last 20 tokens, in "
+                        "[-2, 2] (OpenAI's presence_penalty, as mlx-lm applies it; default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtracted for each time a token is among the last 20, in [-2, 2] (default 0: off)")
 
 
 def add_log_flags(p: argparse.ArgumentParser) -> None:
@@ -102,4 +107,5 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def sampling(args: argparse.Namespace) -> Sampling:
     """The Sampling of `add_sampling_flags`' flags, checked."""
-    return Sampling(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed).check()
+    return Sampling(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty).check()

@@ -67,7 +67,8 @@ def test_batched_penalized_sequences_answer_as_alone(stagger):
 
 def test_the_server_serves_penalties_as_the_engine_generates_them(tmp_path):
     """`edge0 serve` with no flags: a completion with both penalties is the engine's penalized generation, and
-    differs from the same request without them; out of range is a 400 naming the field."""
+    differs from the same request without them; out of range is a 400 naming the field. With the penalties as
+    flags, they are the default of a request that does not name them."""
     from tests.serve.test_serve_input import ServeProcess, request
 
     with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
@@ -86,3 +87,31 @@ def test_the_server_serves_penalties_as_the_engine_generates_them(tmp_path):
         assert status == 400 and "'presence_penalty': 2.5 is out of range [-2.0, 2.0]" in err["error"]["message"]
     finally:
         srv.stop()
+    # the server's own defaults, for requests that do not say
+    srv = ServeProcess(tmp_path / "stderr2.txt", "--presence-penalty", "1.5", "--frequency-penalty", "0.5")
+    try:
+        assert complete()[1]["choices"][0]["text"] == want
+        assert complete(presence_penalty=0, frequency_penalty=0)[1]["choices"][0]["text"] != want
+    finally:
+        srv.stop()
+
+
+def test_run_takes_the_penalties_as_flags():
+    """`edge0 run --presence-penalty --frequency-penalty` (also chat's and serve's defaults): the engine's penalized
+    tokens; a value out of range is one line naming the flag."""
+    import subprocess
+    import sys
+
+    from tests.helpers import run_json
+
+    prompt = PROMPTS[0]
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+        want = engine.generate(GenRequest(prompt=engine.encode_text(prompt), max_tokens=STEPS, ignore_eos=True,
+                                          **PENALTIES)).tokens
+    got = run_json("--prompt", prompt, "--max-tokens", str(STEPS), "--ignore-eos", "--presence-penalty", "1.5",
+                   "--frequency-penalty", "0.5")
+    assert got["tokens"] == want
+    bad = subprocess.run([sys.executable, "-m", "edge0.run", "--frequency-penalty", "-3"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
+        "edge0: error: --frequency-penalty -3.0: must be at least -2"]

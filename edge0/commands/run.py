@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             trace.meta.update(routing=engine.config.routing, predictor=engine.config.predictor)
         load_s = time.perf_counter() - t0
         req = GenRequest(prompt=_prompt(engine, args, replay), max_tokens=samp.max_tokens, temp=samp.temp,
-                         top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos,
+                         top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)
         engine.check(req, what=args.replay if replay else "--prompt")
         if not args.json and replay is None and not args.chat:

@@ -57,7 +57,7 @@ class Conversation:
             self.messages.pop()
             return
         req = GenRequest(prompt=prompt, max_tokens=min(samp.max_tokens, room), temp=samp.temp, top_p=samp.top_p,
-                         seed=samp.seed if self.last is None else None)
+                         seed=samp.seed if self.last is None else None, **samp.penalties())
 
         def emit(piece: str) -> None:
             out.write(piece)

@@ -325,7 +325,8 @@ class Server:
         c, d = self.config, self.sampling
         names = {c.model} if c.model else set()
         api = Api(self.engine, self.jobs, model_names=names,
-                  defaults={"temp": d.temp, "top_p": d.top_p, "seed": d.seed, "max_tokens": d.max_tokens})
+                  defaults={"temp": d.temp, "top_p": d.top_p, "seed": d.seed, "max_tokens": d.max_tokens,
+                            **d.penalties()})
         self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, logger=http_logger(),
                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()

@@ -234,7 +234,8 @@ def completion_prompt(engine, body: dict) -> list[int]:
 
 
 def gen_request(engine, body: dict, prompt: list[int], defaults: dict) -> GenRequest:
-    """The GenRequest of a checked body. defaults: temp, top_p, top_k, seed, max_tokens of the command line."""
+    """The GenRequest of a checked body. defaults: temp, top_p, top_k, seed, max_tokens and the penalties of the
+    command line."""
     if not prompt:
         raise ApiError(400, "the prompt is empty", "invalid_value", param="prompt")
     context = engine.context
@@ -255,8 +256,10 @@ def gen_request(engine, body: dict, prompt: list[int], defaults: dict) -> GenReq
                      top_k=number(body, "top_k", int, defaults.get("top_k", 0), 0, vocab or None),
                      seed=number(body, "seed", int, defaults["seed"], 0, MAX_SEED), stop=stop,
                      ignore_eos=flag(body, "ignore_eos"),
-                     presence_penalty=number(body, "presence_penalty", float, 0.0, *PENALTY_RANGE),
-                     frequency_penalty=number(body, "frequency_penalty", float, 0.0, *PENALTY_RANGE))
+                     presence_penalty=number(body, "presence_penalty", float, defaults.get("presence_penalty", 0.0),
+                                             *PENALTY_RANGE),
+                     frequency_penalty=number(body, "frequency_penalty", float,
+                                              defaults.get("frequency_penalty", 0.0), *PENALTY_RANGE))
     where = "messages" if "messages" in body else "prompt"
     try:
         engine.check(req)
