@@ -27,21 +27,24 @@ class GenRequest:
     forced: list[int] | None = None  # replay these tokens instead of sampling (benchmarks)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from a token among the last PENALTY_TOKENS
     frequency_penalty: float = 0.0  # OpenAI's: subtracted for each time a token is among them
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its log-probability
 
 
 PENALTY_TOKENS = 20  # the tokens the penalties look back over, the prompt's included (mlx-lm's default window)
 
 
 class Penalties:
-    """A request's presence and frequency penalties, applied to a step's log-probabilities before sampling as
-    mlx-lm's logits processors apply them (mlx_lm.sample_utils, over the last PENALTY_TOKENS tokens), then
-    renormalized; the log-probabilities a caller reports stay the model's. The tokens are an array the graph
-    extends, so that a step can be built before the token before it is on the host (overlapped decode)."""
+    """A request's logit bias and presence and frequency penalties, applied to a step's log-probabilities before
+    sampling as mlx-lm's logits processors apply them (mlx_lm.sample_utils; the penalties over the last
+    PENALTY_TOKENS tokens), then renormalized; the log-probabilities a caller reports stay the model's. All three
+    add to log-probabilities, so applying them there or to the logits samples alike. The tokens are an array the
+    graph extends, so that a step can be built before the token before it is on the host (overlapped decode)."""
 
     def __init__(self, req: GenRequest):
         from mlx_lm.sample_utils import make_logits_processors
 
         self.processors = make_logits_processors(
+            logit_bias=req.logit_bias or None,
             presence_penalty=req.presence_penalty or None, presence_context_size=PENALTY_TOKENS,
             frequency_penalty=req.frequency_penalty or None, frequency_context_size=PENALTY_TOKENS)
         self.tokens = mx.array(req.prompt[-PENALTY_TOKENS:], dtype=mx.uint32)
@@ -49,10 +52,10 @@ class Penalties:
     @classmethod
     def of(cls, req: GenRequest) -> "Penalties | None":
         """The request's penalties; None when it has none (sampling then costs nothing more)."""
-        return cls(req) if req.presence_penalty or req.frequency_penalty else None
+        return cls(req) if req.presence_penalty or req.frequency_penalty or req.logit_bias else None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        """(1, V) log-probabilities penalized and renormalized."""
+        """(1, V) log-probabilities biased, penalized and renormalized."""
         for processor in self.processors:
             logprobs = processor(self.tokens, logprobs)
         return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)

@@ -41,6 +41,14 @@ def test_penalized_tokens_match_mlx_lm(models):
         plain = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True)).tokens
     assert got == want
     assert plain != want and len(set(want)) > len(set(plain)), "the penalties changed nothing on this prompt"
+    # OpenAI's logit_bias through mlx-lm's processor of it: the unbiased first token forbidden, another favoured
+    bias = {plain[0]: -100.0, plain[3]: 5.0}
+    steps = generate_step(mx.array(prompt), model, sampler=make_sampler(0.0),
+                          logits_processors=make_logits_processors(logit_bias=bias))
+    want = [t for (t, _), _ in zip(steps, range(STEPS))]
+    with open_engine(config) as engine:
+        got = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True, logit_bias=bias)).tokens
+    assert got == want and got[0] != plain[0]
 
 
 @pytest.mark.parametrize("stagger", [False, True])
@@ -65,15 +73,26 @@ def test_batched_penalized_sequences_answer_as_alone(stagger):
     assert any(solo[i] != plain[i] for i in range(1, len(reqs), 2)), "the penalties changed nothing"
 
 
+def engine_ids(text: str) -> list[int]:
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+        return engine.encode_text(text)
+
+
+def engine_text(ids: list[int], **fields) -> str:
+    """The default engine's greedy text for ids (EOS ignored, STEPS tokens)."""
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+        return engine.generate(GenRequest(prompt=ids, max_tokens=STEPS, ignore_eos=True, **fields)).text
+
+
 def test_the_server_serves_penalties_as_the_engine_generates_them(tmp_path):
-    """`edge0 serve` with no flags: a completion with both penalties is the engine's penalized generation, and
-    differs from the same request without them; out of range is a 400 naming the field. With the penalties as
+    """`edge0 serve` with no flags: a completion with both penalties, or with a logit bias, is the engine's
+    generation with them, and differs from the same request without; out of range is a 400 naming the field. With
+    the penalties as
     flags, they are the default of a request that does not name them."""
     from tests.serve.test_serve_input import ServeProcess, request
 
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
-        ids = engine.encode_text(PROMPTS[0])
-        want = engine.generate(GenRequest(prompt=ids, max_tokens=STEPS, ignore_eos=True, **PENALTIES)).text
+    ids = engine_ids(PROMPTS[0])
+    want = engine_text(ids, **PENALTIES)
     srv = ServeProcess(tmp_path / "stderr.txt")
     try:
         def complete(**fields):
@@ -83,6 +102,8 @@ def test_the_server_serves_penalties_as_the_engine_generates_them(tmp_path):
         status, got = complete(**PENALTIES)
         assert status == 200 and got["choices"][0]["text"] == want, got
         assert complete()[1]["choices"][0]["text"] != want
+        biased = engine_text(ids, logit_bias={ids[-1]: 8.0})
+        assert complete(logit_bias={str(ids[-1]): 8})[1]["choices"][0]["text"] == biased != want
         status, err = complete(presence_penalty=2.5)
         assert status == 400 and "'presence_penalty': 2.5 is out of range [-2.0, 2.0]" in err["error"]["message"]
     finally:

@@ -32,6 +32,8 @@ MAX_STOPS = 16
 MAX_SEED = 2**64 - 1  # the generator's seed is an unsigned 64-bit integer
 TEMP_RANGE = (0.0, 2.0)  # OpenAI's range
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range of presence_penalty and frequency_penalty
+BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a logit_bias value
+MAX_BIASES = 1024  # token ids in one logit_bias
 
 
 def show(value) -> str:
@@ -91,11 +93,6 @@ def check_fields(body: dict, *, chat: bool) -> None:
         raise _unsupported("n", "only 1 choice per request is supported")
     for name in ("presence_penalty", "frequency_penalty"):
         number(body, name, float, 0.0, *PENALTY_RANGE)
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise ApiError(400, f"'logit_bias': expected an object, got {show(bias)}", "invalid_value", param="logit_bias")
-    if bias:
-        raise _unsupported("logit_bias", "not supported yet")
     check_logprobs(body, chat=chat)
     if chat:
         _check_tools(body)
@@ -259,7 +256,8 @@ def gen_request(engine, body: dict, prompt: list[int], defaults: dict) -> GenReq
                      presence_penalty=number(body, "presence_penalty", float, defaults.get("presence_penalty", 0.0),
                                              *PENALTY_RANGE),
                      frequency_penalty=number(body, "frequency_penalty", float,
-                                              defaults.get("frequency_penalty", 0.0), *PENALTY_RANGE))
+                                              defaults.get("frequency_penalty", 0.0), *PENALTY_RANGE),
+                     logit_bias=logit_bias(body, engine.vocab))
     where = "messages" if "messages" in body else "prompt"
     try:
         engine.check(req)
@@ -268,6 +266,31 @@ def gen_request(engine, body: dict, prompt: list[int], defaults: dict) -> GenReq
     except Edge0Error as e:
         raise ApiError(400, str(e), "invalid_value", param=where) from None
     return req
+
+
+def logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id (a string of digits): bias in [-100, 100]}, at most MAX_BIASES of them."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_BIASES:
+        raise ApiError(400, f"'logit_bias': expected an object of at most {MAX_BIASES} token ids, got {show(bias)}",
+                       "invalid_value", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and (vocab is None or int(key) < vocab)):
+            raise ApiError(400, f"'logit_bias': {show(key)} is not a token id (0 to {(vocab or 0) - 1})",
+                           "invalid_value", param="logit_bias")
+        out[int(key)] = _bias(key, value)
+    return out or None
+
+
+def _bias(key: str, value) -> float:
+    """One logit_bias value, checked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not BIAS_RANGE[0] <= value <= BIAS_RANGE[1]:
+        raise ApiError(400, f"'logit_bias': the bias of token {key} must be a number in [-100, 100], got "
+                            f"{show(value)}", "invalid_value", param="logit_bias")
+    return float(value)
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -164,7 +164,11 @@ CASES = [
     ("POST", C, chat(top_logprobs=2), None, 400, "'top_logprobs': needs 'logprobs': true", None),
     ("POST", P, comp(logprobs=3), None, 400, "'logprobs': not supported yet", "unsupported_value"),
     ("POST", P, comp(logprobs=0), None, 400, "'logprobs': not supported yet", "unsupported_value"),
-    ("POST", P, comp(logit_bias={"5": 10}), None, 400, "'logit_bias': not supported yet", "unsupported_value"),
+    ("POST", P, comp(logit_bias={"x": 10}), None, 400, f"'logit_bias': 'x' is not a token id (0 to {VOCAB - 1})", None),
+    ("POST", P, comp(logit_bias={str(VOCAB): 1}), None, 400, f"'logit_bias': '{VOCAB}' is not a token id", None),
+    ("POST", C, chat(logit_bias={"5": 101}), None, 400, "'logit_bias': the bias of token 5 must be a number in", None),
+    ("POST", C, chat(logit_bias={"5": "1"}), None, 400, "'logit_bias': the bias of token 5 must be a number", None),
+    ("POST", P, comp(logit_bias=[5]), None, 400, "'logit_bias': expected an object of at most 1024 token ids", None),
     ("POST", C, chat(user=5), None, 400, "'user': expected a string", None),
     ("POST", C, chat(metadata="x"), None, 400, "'metadata': expected an object", None),
     # types and ranges of numbers and flags
