@@ -49,11 +49,11 @@ class Sequence:
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     done: bool = False
-    penalties: Penalties | None = None  # its presence and frequency penalties, if any
+    penalties: Penalties | None = None  # its logit bias and presence and frequency penalties, if any
 
     def sample(self, logprobs: mx.array) -> mx.array:
         """(1, V) -> (1,): greedy at temperature 0, else top-k / top-p filtered categorical with its own key; the
-        request's penalties first."""
+        request's bias and penalties first."""
         if self.penalties is None:
             return self._sample(logprobs)
         return self.penalties.took(self._sample(self.penalties(logprobs)))
