@@ -146,13 +146,17 @@ class Engine:
         return tok.encode(text + "assistant:")
 
     def check(self, req: GenRequest, what: str = "the prompt") -> None:
-        """The request fits the model: a non-empty prompt of known token ids within the context."""
+        """The request fits the model: a non-empty prompt of known token ids within the context; its logit bias
+        names known tokens."""
         if not req.prompt:
             raise Edge0Error(f"{what} is empty (it encodes to no tokens)")
         ids = list(req.prompt) + list(req.forced or [])
         bad = [t for t in ids if not 0 <= t < (self.vocab or float("inf"))]
         if bad:
             raise Edge0Error(f"{what}: token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
+        bad = [t for t in (req.logit_bias or {}) if not 0 <= t < (self.vocab or float("inf"))]
+        if bad:
+            raise Edge0Error(f"logit_bias: token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
         if self.context and len(req.prompt) + req.max_tokens > self.context:
             raise ContextExceeded(f"{what}'s {len(req.prompt)} tokens + max_tokens {req.max_tokens} exceed the "
                                   f"model's context of {self.context} tokens")

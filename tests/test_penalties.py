@@ -136,3 +136,12 @@ def test_run_takes_the_penalties_as_flags():
                          text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
         "edge0: error: --frequency-penalty -3.0: must be at least -2"]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused():
+    """The engine's own check, for callers other than the server (which refuses it first, as a 400)."""
+    from edge0.errors import Edge0Error
+
+    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+        with pytest.raises(Edge0Error, match=f"logit_bias: token id {engine.vocab} is outside the model's vocabulary"):
+            engine.generate(GenRequest(prompt=[1, 2], max_tokens=2, logit_bias={5: 1.0, engine.vocab: 1.0}))

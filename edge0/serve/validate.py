@@ -46,19 +46,21 @@ def show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def number(body: dict, name: str, kind, default, lo=None, hi=None, *, lo_open: bool = False):
-    """body[name] as `kind` (int or float) within [lo, hi] ((lo, hi] if lo_open); null is as absent."""
+def number(body: dict, name: str, kind, default, lo=None, hi=None, *, lo_open: bool = False, where: str = ""):
+    """body[name] as `kind` (int or float) within [lo, hi] ((lo, hi] if lo_open); null is as absent. where: the
+    enclosing field's name and a dot, for a value inside an object (logit_bias)."""
     value = body.get(name)
     if value is None:
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not math.isfinite(value))
             or (kind is int and isinstance(value, float) and not value.is_integer())):
-        raise ApiError(400, f"'{name}': expected {'an integer' if kind is int else 'a number'}, got {show(value)}",
-                       "invalid_value", param=name)
+        raise ApiError(400, f"'{where}{name}': expected {'an integer' if kind is int else 'a number'}, got "
+                            f"{show(value)}", "invalid_value", param=where.rstrip(".") or name)
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         span = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise ApiError(400, f"'{name}': {show(value)} is out of range {span}", "invalid_value", param=name)
+        raise ApiError(400, f"'{where}{name}': {show(value)} is out of range {span}", "invalid_value",
+                       param=where.rstrip(".") or name)
     return kind(value)
 
 
@@ -91,8 +93,6 @@ def check_fields(body: dict, *, chat: bool) -> None:
             raise ApiError(400, f"'{name}': expected {what}, got {show(body[name])}", "invalid_value", param=name)
     if number(body, "n", int, 1, 1, 128) != 1:
         raise _unsupported("n", "only 1 choice per request is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        number(body, name, float, 0.0, *PENALTY_RANGE)
     check_logprobs(body, chat=chat)
     if chat:
         _check_tools(body)
@@ -281,16 +281,8 @@ def logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
         if not (isinstance(key, str) and key.isdigit() and (vocab is None or int(key) < vocab)):
             raise ApiError(400, f"'logit_bias': {show(key)} is not a token id (0 to {(vocab or 0) - 1})",
                            "invalid_value", param="logit_bias")
-        out[int(key)] = _bias(key, value)
+        out[int(key)] = number(bias, key, float, 0.0, *BIAS_RANGE, where="logit_bias.")
     return out or None
-
-
-def _bias(key: str, value) -> float:
-    """One logit_bias value, checked."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not BIAS_RANGE[0] <= value <= BIAS_RANGE[1]:
-        raise ApiError(400, f"'logit_bias': the bias of token {key} must be a number in [-100, 100], got "
-                            f"{show(value)}", "invalid_value", param="logit_bias")
-    return float(value)
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
