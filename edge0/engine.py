@@ -69,6 +69,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
             routing = "predicted"
             log.info("routing predicted by the prerouter heads", heads=str(found),
                      hint="--routing native to use the model's own router")
+    if routing is None and heads is not None and predictor is None and c.executor in ("auto", "staged", "resident"):
+        routing = "predicted"  # the heads named route, as the store's own do by default
     if heads is not None and routing == "prefetch" and predictor is None:
         predictor = "heads"  # --heads names what to read ahead with
     if heads is not None and routing == "prefetch" and predictor != "heads":

@@ -34,8 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
                         "router on layer N's input; default), heads (the trained prerouter heads, --heads)")
     p.add_argument("--heads", metavar="FILE", default=None,
-                   help="prerouter heads (default: heads-k{K}.safetensors next to the store); implies --predictor heads "
-                        "with --routing prefetch")
+                   help="prerouter heads (default: heads-k{K}.safetensors next to the store); without --routing they "
+                        "route (--routing predicted); implies --predictor heads with --routing prefetch")
     p.add_argument("--guesses", type=int, default=None, metavar="N",
                    help="--routing prefetch: read ahead only the predictor's N likeliest experts of each set, at "
                         "most K (default: all K); fewer guesses read less on a busy disk, and miss more")

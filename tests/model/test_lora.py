@@ -156,6 +156,8 @@ def test_default_adapter_is_the_one_beside_the_store_with_its_heads(served, tmp_
         other = tmp_path / "other-heads.safetensors"
         shutil.copy(heads, other)  # heads of one's own: the store's adapter is not theirs
         assert resolve(EngineConfig(model=str(store), routing="predicted", heads=str(other))).lora == "none"
+        named = resolve(EngineConfig(model=str(store), heads=str(other)))  # the heads named route by default too
+        assert (named.routing, named.heads, named.lora) == ("predicted", str(other), "none")
         with pytest.raises(Edge0Error, match="--routing native does not apply"):
             resolve(EngineConfig(model=str(store), routing="native", lora=str(rand)))
         out = helpers.run_json("--model", str(store), "--max-tokens", "4", "--prompt", "def f(x):")
