@@ -63,7 +63,7 @@ def resolve(config: EngineConfig) -> EngineConfig:
     c = config
     path = Path(c.model) if c.model else demo_store()
     routing, predictor, heads = c.routing, c.predictor, c.heads
-    if routing is None and heads is None and predictor is None and c.executor in ("auto", "staged"):
+    if routing is None and heads is None and predictor is None and c.executor in ("auto", "staged", "resident"):
         found = default_heads(path, c.top_k)
         if found is not None:
             routing = "predicted"

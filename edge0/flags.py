@@ -21,7 +21,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="native: the model's router, experts read on demand; prefetch: the model's router decides, "
                         "predicted experts are read one token ahead by the I/O pool (same output as native); "
                         "predicted: trained prerouter heads route the consumer layers (default when the store has "
-                        "heads-k{K}.safetensors and the executor is auto or staged, else native)")
+                        "heads-k{K}.safetensors and the executor is auto, staged or resident, else native)")
     p.add_argument("--executor", choices=EXECUTORS, default="auto",
                    help="exact: read the routed experts into fresh arrays every step; staged: per-layer slot banks, "
                         "only changed slots read; hot: one LRU of bundles shared by all layers within "

@@ -37,3 +37,15 @@ def test_the_summary_line_says_what_was_read():
         assert proc.returncode == 0, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith("[edge0] predicted routing, ") and said in line, line
+
+
+def test_naming_the_default_executor_keeps_the_default_routing():
+    """`--executor resident` is what auto chooses for the demo store: naming it changes nothing (it ran native)."""
+    from edge0.config import EngineConfig
+    from edge0.engine import resolve
+
+    auto, named = resolve(EngineConfig()), resolve(EngineConfig(executor="resident"))
+    assert (named.routing, named.heads, named.lora) == (auto.routing, auto.heads, auto.lora) == (
+        "predicted", auto.heads, auto.lora) and auto.heads and auto.lora != "none"
+    r = run_json("--max-tokens", "6", "--ignore-eos", "--executor", "resident")
+    assert r["routing"] == "predicted" and r["tokens"] == run_json("--max-tokens", "6", "--ignore-eos")["tokens"]
