@@ -68,9 +68,12 @@ def _arm_flags(arm: str) -> list[str]:
 
 
 def add_bench_flags(p) -> None:
-    p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm)")
-    p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it")
-    p.add_argument("--arms", default="mlx-lm,exact", help=f"comma-separated arms from {', '.join(ARMS)}; "
+    p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm; default with the built-in "
+                                                   "model: its bf16 checkpoint, which its store was converted from)")
+    p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it (default: the built-in model)")
+    p.add_argument("--arms", default=None, help=f"comma-separated arms from {', '.join(ARMS)} (default mlx-lm,exact; "
+                   "on the built-in model mlx-lm:f32,resident,predicted:resident: mlx-lm on its bf16 checkpoint in float32, "
+                   "which MLX's CPU needs, and Edge0 as `edge0 run` runs it, with and without the heads); "
                    "prefetch:PREDICTOR/N reads ahead N guesses per set (--guesses N); ARM+MODE runs a prefetch or "
                    "streamed predicted arm with --read-ahead MODE (always, never; e.g. predicted+never)")
     p.add_argument("--lora", metavar="FILE", help="the predicted arm's adapter (default: lora-k{K}.safetensors beside "
@@ -257,6 +260,15 @@ def bench_cli(args) -> int:
 
 def check_args(args) -> tuple[list[str], list[str]]:
     """(arms, cache states) of the flags, checked before anything runs."""
+    from .model.demo import DEMO_FP, DEMO_STORE
+
+    if not args.store and not args.source:  # the built-in model, as `edge0 run` and `edge0 eval` default to
+        args.store = str(DEMO_STORE)
+    if not args.source and Path(args.store or "").resolve() == DEMO_STORE.resolve():
+        args.source = str(DEMO_FP)
+    if args.arms is None:
+        demo = Path(args.source or "").resolve() == DEMO_FP.resolve()
+        args.arms = "mlx-lm:f32,resident,predicted:resident" if demo else "mlx-lm,exact"
     arms = [a for a in args.arms.split(",") if a]
     caches = [c for c in args.cache.split(",") if c]
     for a in arms:

@@ -34,6 +34,21 @@ def test_bench_replays_the_same_work_in_every_arm(models, tmp_path):
     assert "| staged | float32 |" in (out / "results.md").read_text()
 
 
+def test_bench_with_no_model_flags_runs_the_built_in_model(tmp_path):
+    """`edge0 bench` as a user first types it: mlx-lm (in float32: MLX's CPU has no bf16 expert product) on the
+    bf16 checkpoint the built-in store was converted from, against Edge0 as `edge0 run` runs that store (every
+    expert resident, native and predicted routing); the default arms needed --source and --store before."""
+    from edge0.model.demo import DEMO_FP, DEMO_STORE
+
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "bench", "--rounds", "1", "--max-tokens", "4",
+                           "--prompt-tokens", "16", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (out,) = tmp_path.iterdir()
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["median"]) == {"mlx-lm:f32/warm", "resident/warm", "predicted:resident/warm"}
+    assert (results["meta"]["store"], results["meta"]["source"]) == (str(DEMO_STORE), str(DEMO_FP))
+
+
 def test_bench_refuses_unknown_arms(capsys, tmp_path):
     assert main(["bench", "--store", str(tmp_path), "--arms", "warp-drive"]) == 2
     assert "unknown arm 'warp-drive'" in capsys.readouterr().err
