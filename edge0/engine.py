@@ -92,7 +92,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
         raise Edge0Error(f"--routing predicted fills staged slot banks (or, --executor resident, routes every "
                          f"expert in memory); --executor {c.executor} does not apply")
     if heads is not None and routing == "native":
-        raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads")
+        why = "" if c.routing else f" (heads route with --executor auto, staged or resident, not {c.executor})"
+        raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads" + why)
     if routing != "native":
         predictor = "heads" if routing == "predicted" else predictor or "next-router"
         if predictor == "heads" and heads is None:
