@@ -197,7 +197,8 @@ def test_routing_flags_that_cannot_apply(models, capsys):
     store = models("qwen3_moe", "mlx")
     for flags, message in ((["--routing", "predicted"], "no prerouter heads next to this store"),
                            (["--routing", "prefetch", "--predictor", "heads"], "no prerouter heads next to this store"),
-                           (["--heads", "h.safetensors"], "--heads: used with --routing predicted"),
+                           (["--heads", "h.safetensors"], "h.safetensors: no such head file"),  # they would route
+                           (["--routing", "native", "--heads", "h.safetensors"], "--heads: used with --routing predicted"),
                            (["--routing", "predicted", "--heads", "missing.safetensors"], "no such head file"),
                            (["--routing", "prefetch", "--executor", "hot"], "does not apply"),
                            (["--k", "99"], "--k 99: must be between 1")):
