@@ -110,7 +110,8 @@ COMMANDS = {
     "export-gguf": ("store -> GGUF file for llama.cpp (q4_1: the same 4-bit weights)",
                     "Write a store as a GGUF file that llama.cpp runs, tensor by tensor.", _export_gguf_flags),
     "verify": ("check every file of a store against its manifest", "Check a store's files, checksums and manifest.",
-               lambda p: p.add_argument("store", metavar="STORE")),
+               lambda p: p.add_argument("store", metavar="STORE", nargs="?", default=None,
+                                        help="the store (default: the built-in model's)")),
     "make-model": ("write a random-weight MoE checkpoint of a real architecture",
                    "Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.", _make_model_flags),
     "make-workload": ("a store where reads matter: a trained model's experts widened, heads on every layer",
@@ -192,11 +193,12 @@ def _convert(args) -> int:
     return 0
 
 
-def verify(store: str) -> int:
+def verify(store: str | None) -> int:
     from .io.verify import verify_cli
     from .model.consistency import config_problems
+    from .model.demo import DEMO_STORE
 
-    return verify_cli(store, config_problems)
+    return verify_cli(store or str(DEMO_STORE), config_problems)
 
 
 def _train(args) -> int:

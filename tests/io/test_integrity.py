@@ -54,6 +54,8 @@ def test_sound_stores_verify_clean(models, capsys):
         assert report.files == len(manifest.layers) + len(manifest.files)
     code, err = cli(capsys, "verify", models("qwen3_moe"))
     assert code == 0 and "9 files (4 expert layer files, 64 bundles) verified" in err
+    code, err = cli(capsys, "verify")  # no STORE: the built-in model's, as run and eval default to
+    assert code == 0 and "demo/store: " in err and "(6 expert layer files, 192 bundles) verified" in err
 
 
 def layer_offset(store, what):
