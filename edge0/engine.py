@@ -43,6 +43,15 @@ def demo_store() -> Path:
     return DEMO_STORE
 
 
+DEMO_NAME = "edge0-demo"  # the built-in model's name for clients (its store directory is called "store")
+
+
+def model_name(store: Path) -> str:
+    """The name clients use for a store's model when --model-id names none: the directory's name; the built-in
+    model's is DEMO_NAME."""
+    return DEMO_NAME if store.resolve() == DEMO_STORE.resolve() else store.name
+
+
 def default_heads(store: Path, k: int | None) -> Path | None:
     """heads-k{K}.safetensors next to the store (K: --k or the model's own), if present."""
     from .io.manifest import read_manifest
@@ -113,7 +122,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, store, kernel: Kernel):
         self.config, self.store, self.kernel = config, store, kernel
-        self.model_id = config.model_id or store.path.name
+        self.model_id = config.model_id or model_name(store.path)
         self.tokenizer = store.tokenizer
         self.eos = set(self.tokenizer.eos_token_ids)
         self.context = text_config(store.config).get("max_position_embeddings")

@@ -53,9 +53,9 @@ def server():
 
 def complete(client, prompt: str, stream: bool) -> str:
     if not stream:
-        r = client.completions.create(model="store", prompt=prompt, max_tokens=N, temperature=0)
+        r = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0)
         return r.choices[0].text
-    chunks = client.completions.create(model="store", prompt=prompt, max_tokens=N, temperature=0, stream=True)
+    chunks = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0, stream=True)
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
@@ -86,8 +86,8 @@ def test_serve_concurrent_streaming_clients(server, solo):
     with ThreadPoolExecutor(CLIENTS) as pool:
         answers = list(pool.map(lambda p: complete(client, p, stream=True), prompts))
     assert answers == [solo[p] for p in prompts]
-    models = client.models.list()
-    assert models.data and client.models.retrieve(models.data[0].id).id == models.data[0].id
+    models = client.models.list()  # the built-in model's name for clients, not its directory's ("store")
+    assert [m.id for m in models.data] == ["edge0-demo"] and client.models.retrieve("edge0-demo").id == "edge0-demo"
 
 
 def test_chat_second_turn_and_reset():

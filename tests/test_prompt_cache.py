@@ -91,7 +91,7 @@ def test_second_chat_turn_over_http_prefills_only_the_new_tokens():
             messages, usages = [], []
             for q in TURNS[:2]:
                 messages.append({"role": "user", "content": q})
-                r = client.chat.completions.create(model="store", messages=messages, max_tokens=12, temperature=0)
+                r = client.chat.completions.create(model="edge0-demo", messages=messages, max_tokens=12, temperature=0)
                 messages.append({"role": "assistant", "content": r.choices[0].message.content})
                 usages.append(r.usage)
             answers[gib] = [m["content"] for m in messages]

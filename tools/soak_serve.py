@@ -26,10 +26,10 @@ def main() -> int:
     def ask(i: int):
         try:
             if i % 2 == 0:
-                stream = client.chat.completions.create(model="store", max_tokens=16, stream=True,
+                stream = client.chat.completions.create(model="edge0-demo", max_tokens=16, stream=True,
                                                         messages=[{"role": "user", "content": PROMPTS[i % 5]}])
                 return "".join((c.choices[0].delta.content or "") for c in stream if c.choices)
-            return client.completions.create(model="store", prompt=PROMPTS[i % 5], max_tokens=16).choices[0].text
+            return client.completions.create(model="edge0-demo", prompt=PROMPTS[i % 5], max_tokens=16).choices[0].text
         except Exception as e:  # a failed request is counted, not raised
             return e
 

@@ -48,7 +48,7 @@ def _serve_one(log: Path, env: dict) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
 
     def ask():
-        return client.completions.create(model="store", prompt="import os\nimport sys\n" * 8, max_tokens=12,
+        return client.completions.create(model="edge0-demo", prompt="import os\nimport sys\n" * 8, max_tokens=12,
                                          temperature=0).choices[0].text
     try:
         if env:
