@@ -388,6 +388,9 @@ static void adapt(const float* xd, int64_t R, int64_t D, const W* a, const W* b,
   }, spread(R));
 }
 
+static void adapt_arrays(const float* xd, int64_t R, int64_t D, const mx::array& a, const mx::array& b, float scale,
+                         float* y);
+
 // The projection of R rows xd of D values; its weights in[w], in[w + 1], in[w + 2][, adapter in[w + 3], in[w + 4]].
 static void project_rows(const float* xd, int64_t R, int64_t D, const std::vector<mx::array>& in, size_t w,
                          const Projection& p, float* y) {
@@ -397,15 +400,19 @@ static void project_rows(const float* xd, int64_t R, int64_t D, const std::vecto
   for (int64_t o = 0; o < R; o++) pairs[o] = {0, o, o};
   qmv(q, xd, R, pairs, y, spread(R));
   if (p.inputs < 6) return;
-  const int64_t N = q.N;
-  if (in[w + 3].dtype() == mx::bfloat16) {
+  adapt_arrays(xd, R, D, in[w + 3], in[w + 4], p.scale, y);
+}
+
+// y (R, N) += scale * (xd A) B, A and B arrays (D, r) and (r, N) of float32 or bfloat16: a branch beside a block
+static void adapt_arrays(const float* xd, int64_t R, int64_t D, const mx::array& a, const mx::array& b, float scale,
+                         float* y) {
+  const int64_t N = b.shape(-1), r = a.shape(-1);
+  if (a.dtype() == mx::bfloat16) {
     std::vector<uint16_t> at, bt;
-    adapt(xd, R, D, dense_data<uint16_t>(in[w + 3], at), dense_data<uint16_t>(in[w + 4], bt), N,
-          in[w + 3].shape(-1), p.scale, y);
+    adapt(xd, R, D, dense_data<uint16_t>(a, at), dense_data<uint16_t>(b, bt), N, r, scale, y);
   } else {
     std::vector<float> at, bt;
-    adapt(xd, R, D, dense_data<float>(in[w + 3], at), dense_data<float>(in[w + 4], bt), N, in[w + 3].shape(-1),
-          p.scale, y);
+    adapt(xd, R, D, dense_data<float>(a, at), dense_data<float>(b, bt), N, r, scale, y);
   }
 }
 
@@ -970,24 +977,32 @@ class AddRMSNormOp : public MultiOp {
 // softmax top-k (among the candidates, a last input, when given), the routed experts' SwiGLU, their weighted sum and
 // the residual add with the RMS norm after it. Each part runs the function its own node runs (QMV, SoftmaxTopK,
 // GLU+Combine, AddRMSNorm), in that order on the same values, so the bits of those four nodes, from one.
-// Inputs: x, router (w, scales, biases), gate, up, down (w, scales, biases each), h, norm weight[, among];
-// outputs: h + the experts' sum, its norm, the routed ids (T.., k) and their weights.
+// With a recovery adapter's branch beside the block (lora_a, lora_b: two last inputs, and its scale), the experts' sum
+// then takes the branch as AdaptAdd adds it (the same function), before the add-norm.
+// Inputs: x, router (w, scales, biases), gate, up, down (w, scales, biases each), h, norm weight[, among][, lora_a,
+// lora_b]; outputs: h + the experts' sum, its norm, the routed ids (T.., k) and their weights.
 class MoeBlockOp : public MultiOp {
  public:
-  MoeBlockOp(mx::Stream s, int router_gs, int k, bool norm_topk, bool among, int gs, float eps)
-      : MultiOp(s), router_gs_(router_gs), k_(k), norm_topk_(norm_topk), among_(among), gs_(gs), eps_(eps) {}
+  MoeBlockOp(mx::Stream s, int router_gs, int k, bool norm_topk, bool among, int gs, float eps, float branch)
+      : MultiOp(s), router_gs_(router_gs), k_(k), norm_topk_(norm_topk), among_(among), gs_(gs), eps_(eps),
+        branch_(branch) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs, [rgs = router_gs_, k = k_, norm = norm_topk_, among = among_, gs = gs_, eps = eps_](
-                                  const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    dispatch(inputs, outputs, [rgs = router_gs_, k = k_, norm = norm_topk_, among = among_, gs = gs_, eps = eps_,
+                               branch = branch_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       const int64_t D = in[0].shape(-1), T = in[0].size() / D, E = in[1].shape(-2), N = in[10].shape(-2);
       std::vector<float> logits(T * E), y(T * N), ht, wt;
       QMV::run({in[0], in[1], in[2], in[3]}, logits.data(), T * E, rgs, 1, false, false, false);
       std::vector<uint32_t> ct;
       softmax_topk(logits.data(), T, E, k, norm, out[2].data<uint32_t>(), out[3].data<float>(),
-                   among ? dense_data<uint32_t>(in.back(), ct) : nullptr, among ? in.back().shape(-1) : 0);
+                   among ? dense_data<uint32_t>(in[15], ct) : nullptr, among ? in[15].shape(-1) : 0);
       std::vector<mx::array> glu{in[0], in[4], in[5], in[6], in[7], in[8], in[9], in[10], in[11], in[12], out[2],
                                  out[3]};
       QMV::run(glu, y.data(), T * N, gs, k, true, true, true);
+      if (branch != 0.f) {
+        std::vector<float> xt;
+        const size_t at = in.size() - 2;
+        adapt_arrays(dense_data<float>(in[0], xt), T, D, in[at], in[at + 1], branch, y.data());
+      }
       AddRMSNormOp::add_norm(dense_data<float>(in[13], ht), y.data(), dense_data<float>(in[14], wt), eps, T * N, N,
                              out[0].data<float>(), out[1].data<float>());
     });
@@ -996,14 +1011,45 @@ class MoeBlockOp : public MultiOp {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const MoeBlockOp&>(other);
     return router_gs_ == o.router_gs_ && k_ == o.k_ && norm_topk_ == o.norm_topk_ && among_ == o.among_ &&
-           gs_ == o.gs_ && eps_ == o.eps_;
+           gs_ == o.gs_ && eps_ == o.eps_ && branch_ == o.branch_;
   }
 
  private:
   int router_gs_, k_;
   bool norm_topk_, among_;
   int gs_;
-  float eps_;
+  float eps_, branch_;  // branch_: the adapter branch's scale (0: none)
+};
+
+// y + scale * (x A) B for rows of y (N) and x (D): a recovery adapter's branch beside a block whose output is y
+// (an MoE block's experts' sum), added in y's place by the function qmv_lora adds its branch with.
+class AdaptAdd : public mx::UnaryPrimitive {
+ public:
+  AdaptAdd(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, scale = scale_]() mutable {
+      ProfileScope scope([] { return std::string("Edge0AdaptAdd"); });
+      std::vector<float> yt, xt;
+      const int64_t D = inputs[1].shape(-1), R = inputs[1].size() / D;
+      const float* y = dense_data<float>(inputs[0], yt);
+      std::copy(y, y + out.size(), out.data<float>());
+      adapt_arrays(dense_data<float>(inputs[1], xt), R, D, inputs[2], inputs[3], scale, out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels: CPU only");
+  }
+  const char* name() const override { return "Edge0AdaptAdd"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const AdaptAdd&>(other).scale_;
+  }
+
+ private:
+  float scale_;
 };
 
 // One new token's attention in a decoder layer, of one sequence or of each of a batch, as three nodes where
@@ -1585,6 +1631,17 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
       std::move(in));
 }
 
+static mx::array adapt_add_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
+                              float scale) {
+  need_f32(y, "adapt_add", "y");
+  need_f32(x, "adapt_add", "x");
+  const int64_t D = x.shape(-1), N = y.shape(-1);
+  if (D == 0 || N == 0 || x.size() / D != y.size() / N || !lora_fits(a, b, D, N))
+    fail("adapt_add: x (R, D), y (R, N), lora_a (D, r) and lora_b (r, N), both float32 or both bfloat16");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(y.shape(), mx::float32, std::make_shared<AdaptAdd>(s, scale), {y, x, a, b});
+}
+
 // One new token's MoE block for each of its rows (one sequence, or a served batch) with every expert resident: the
 // router's product, its softmax top-k (chosen among `among`, predicted routing's candidates, when given), the routed
 // experts' SwiGLU, their weighted sum and the residual add with the RMS norm after it, as one node (MoeBlockOp) with
@@ -1594,7 +1651,9 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
                                            int router_group_size, int k, bool norm_topk,
                                            const std::optional<mx::array>& among, const std::vector<mx::array>& gate,
                                            const std::vector<mx::array>& up, const std::vector<mx::array>& down,
-                                           int group_size, const mx::array& norm, float eps) {
+                                           int group_size, const mx::array& norm, float eps,
+                                           const std::optional<mx::array>& lora_a,
+                                           const std::optional<mx::array>& lora_b, float lora_scale) {
   if (router.size() != 3) fail("moe_block: the router is (w, scales, biases)");
   const int64_t T = check_x(x, router_group_size), D = x.shape(-1);
   check_x(x, group_size);
@@ -1613,12 +1672,19 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
   in.push_back(h);
   in.push_back(norm);
   if (among) in.push_back(*among);
+  if (lora_a.has_value() != lora_b.has_value()) fail("moe_block: lora_a and lora_b come together");
+  if (lora_a) {
+    if (!lora_fits(*lora_a, *lora_b, D, D) || lora_scale == 0.f)
+      fail("moe_block: the branch must be lora_a (D, r) and lora_b (r, D), both float32 or both bfloat16, scale not 0");
+    in.push_back(*lora_a);
+    in.push_back(*lora_b);
+  }
   mx::Shape ids(x.shape().begin(), x.shape().end());
   ids.back() = k;
   auto s = mx::default_stream(mx::Device::cpu);
   auto out = mx::array::make_arrays({x.shape(), x.shape(), ids, ids}, {mx::float32, mx::float32, mx::uint32, mx::float32},
                                     std::make_shared<MoeBlockOp>(s, router_group_size, k, norm_topk, (bool)among,
-                                                                 group_size, eps),
+                                                                 group_size, eps, lora_a ? lora_scale : 0.f),
                                     std::move(in));
   return {out[0], out[1], out[2]};
 }
@@ -1793,10 +1859,15 @@ NB_MODULE(_kernels, m) {
         "lora_a, lora_b]), kv_write of k and v, decode_attention, the o projection, add_rms_norm with h, as one node "
         "with the bits of the nodes those calls build. Returns [h + attention, its norm, keys, values].");
   m.def("moe_block", &edge0::moe_block_op, "x"_a, "h"_a, "router"_a, "router_group_size"_a, "k"_a, "norm_topk"_a,
-        "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a,
+        "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a, "lora_a"_a = nb::none(),
+        "lora_b"_a = nb::none(), "lora_scale"_a = 0.f,
         "A new token (one a row) through an MoE block of resident experts: qmv of the router, softmax_topk (among "
-        "the candidates when given), glu, combine, add_rms_norm with h, as one node with the bits of the nodes those "
-        "calls build. Returns [h + the experts' sum, its norm, the routed ids].");
+        "the candidates when given), glu, combine, adapt_add of the adapter's branch when given, add_rms_norm with "
+        "h, as one node with the bits of the nodes those calls build. Returns [h + the experts' sum, its norm, the "
+        "routed ids].");
+  m.def("adapt_add", &edge0::adapt_add_op, "y"_a, "x"_a, "lora_a"_a, "lora_b"_a, "scale"_a,
+        "y + scale * (x lora_a) lora_b: an adapter's branch beside a block whose output is y, with the bits qmv_lora "
+        "adds its branch with.");
   m.def("log_softmax", &edge0::log_softmax_op, "x"_a,
         "x - logsumexp(x) over the last axis as one node, the bits of MLX's x - mx.logsumexp(x, axis=-1, keepdims=True) "
         "(float32).");

@@ -118,6 +118,16 @@ def lora_linear(x: mx.array, linear: nn.Module, lora_a: mx.array, lora_b: mx.arr
     return run(x) if run is not None else None
 
 
+def lora_add(y: mx.array, x: mx.array, lora_a: mx.array, lora_b: mx.array, scale: float) -> mx.array | None:
+    """y + scale * (x @ lora_a) @ lora_b in one node of the edge0 kernel (an adapter's branch beside a block whose
+    output is y), with the operations qmv_lora adds its branch with; None where that kernel does not cover it."""
+    ext = current().ext
+    if (ext is None or y.dtype != mx.float32 or x.dtype != mx.float32 or lora_a.dtype != lora_b.dtype
+            or lora_a.dtype not in (mx.float32, mx.bfloat16)):
+        return None
+    return ext.adapt_add(y, x, lora_a, lora_b, float(scale))
+
+
 def _lora_product(ext, linear, x, lora_a, lora_b, scale):
     """x -> the adapted product's node, for inputs like x, or None where the edge0 kernel does not cover it."""
     w, s, b = linear["weight"], linear["scales"], linear.get("biases")

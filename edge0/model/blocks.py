@@ -54,6 +54,8 @@ class SoftmaxMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = _routing(self, x)
         y = combine(self.executor(x, inds), scores, cast_back=self.cast_back)  # (T, D)
+        if "branch" in self:  # the recovery adapter's branch beside the block (model/lora.py LoRABranch)
+            y = self["branch"].add(y, x)
         if self.shared:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
@@ -79,8 +81,11 @@ class SoftmaxMoeBlock(nn.Module):
         if among is not None and among.dtype != mx.uint32:
             return None
         router, router_gs, parts, gs = args
+        branch = self["branch"].arrays() if "branch" in self else (None, None, 0.0)
+        if branch[0] is not None and branch[0].dtype not in (mx.float32, mx.bfloat16):
+            return None
         h, x_out, inds = ext.moe_block(x, h, router, router_gs, self.top_k, self.norm_topk_prob, among, *parts, gs, w,
-                                       norm.eps)
+                                       norm.eps, *branch)
         self.executor.routed(x, inds)
         return h, x_out
 
@@ -119,6 +124,8 @@ class SigmoidGroupMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = _routing(self, x)
         out = combine_compiled(self.executor(x, inds), scores)
+        if "branch" in self:  # the recovery adapter's branch beside the block (model/lora.py LoRABranch)
+            out = self["branch"].add(out, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

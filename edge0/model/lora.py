@@ -3,7 +3,10 @@
     y = W_int4 x + (alpha / r) B A x
 
 as a parallel branch of every dense projection of a decoder layer: attention (q/k/v/o), linear
-attention, shared experts and dense MLPs. Routers and the streamed routed experts never carry one.
+attention, shared experts and dense MLPs; and beside each MoE block of Edge0's own, a branch from the
+block's input to its output (kind moe_block: `layers.{i}.mlp.branch`), added to the experts' weighted sum,
+so that what routing by prediction (or at a smaller K) changes in the block's output is repaid where it
+happens. Routers and the streamed routed experts never carry one.
 Merging the delta into W and requantizing would erase most of it (the delta is far below the int4
 step), so it stays a separate low-rank product. An adapter is trained on the served path, predicted
 routing by one set of heads included (`edge0 train lora`), so a file is bound to its store and its head
@@ -23,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compute.qmm import lora_linear
+from ..compute.qmm import lora_add, lora_linear
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
 from .heads import model_fingerprint
@@ -56,6 +59,42 @@ class LoRALinear(nn.Module):
         return mx.addmm(base(x), x @ a, b, alpha=self.scale)  # MLX: two more nodes
 
 
+class LoRABranch(nn.Module):
+    """The branch beside an MoE block (`block.branch`): its output y becomes y + scale * (x @ lora_a) @ lora_b, x the
+    block's input. The block has no weight of its own to carry the product, so the branch is all there is."""
+
+    def __init__(self, lora_a: mx.array, lora_b: mx.array, scale: float):
+        super().__init__()
+        self.lora_a = lora_a  # (D, r)
+        self.lora_b = lora_b  # (r, D)
+        self.scale = scale
+        self.rounds_to = None  # as LoRALinear's
+
+    def add(self, y: mx.array, x: mx.array) -> mx.array:
+        a, b = self["lora_a"], self["lora_b"]
+        if self.rounds_to is not None and self.rounds_to != a.dtype:
+            a, b = (w + mx.stop_gradient(w.astype(self.rounds_to).astype(w.dtype) - w) for w in (a, b))
+        fused = lora_add(y, x, a, b, self.scale)  # one node (edge0 kernel)
+        if fused is not None:
+            return fused
+        return mx.addmm(y, x @ a, b, alpha=self.scale)
+
+    def arrays(self) -> tuple[mx.array, mx.array, float]:
+        """(lora_a, lora_b, scale) as served, for a block node that adds the branch itself."""
+        return self["lora_a"], self["lora_b"], float(self.scale)
+
+
+def moe_branch_dims(block: nn.Module) -> int | None:
+    """The hidden width of an Edge0 MoE block that can carry a branch (its router's input), None for other modules."""
+    from .blocks import SigmoidGroupMoeBlock, SoftmaxMoeBlock
+
+    if isinstance(block, SoftmaxMoeBlock):
+        return _dims(block["gate"])[0]
+    if isinstance(block, SigmoidGroupMoeBlock):
+        return _dims(block["gate"]["gate_proj"])[0]
+    return None
+
+
 def kind_of(rel: str) -> str | None:
     """What a projection at `rel` (a path inside a decoder layer) is, or None when it takes no adapter."""
     parts = rel.split(".")
@@ -66,6 +105,8 @@ def kind_of(rel: str) -> str | None:
     if parts[0] == "mlp" and len(parts) > 1:
         if parts[1] in ROUTERS:
             return None
+        if parts[1] == "branch":
+            return "moe_block"
         return "shared_expert" if parts[1].startswith("shared_expert") else "dense_mlp"
     return None
 
@@ -79,11 +120,15 @@ def targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
                 kind = kind_of(rel)
                 if kind is not None:
                     out[f"layers.{i}.{rel}"] = (m, kind)
+        if "mlp" in layer and moe_branch_dims(layer["mlp"]) is not None:
+            out[f"layers.{i}.mlp.branch"] = (layer["mlp"], "moe_block")
     return out
 
 
 def _dims(m: nn.Module) -> tuple[int, int]:
-    """(D_in, D_out) of a dense or quantized linear."""
+    """(D_in, D_out) of a dense or quantized linear, or of an MoE block's branch (D, D)."""
+    if "weight" not in m and (d := moe_branch_dims(m)) is not None:
+        return d, d
     out_dims, packed = m.weight.shape
     return (packed * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else packed), out_dims
 
@@ -204,7 +249,8 @@ class Adapter:
                 raise Edge0Error(f"adapter: {name} is {a.shape[0]} -> {b.shape[1]}, the model's is "
                                  f"{' -> '.join(map(str, _dims(base)))}")
             a, b = (w.astype(dtype) for w in (a, b)) if dtype is not None else (a, b)
-            put_projection(model, name, LoRALinear(base, a, b, self.scale))
+            branch = kind_of(name.split(".", 2)[2]) == "moe_block"
+            put_projection(model, name, LoRABranch(a, b, self.scale) if branch else LoRALinear(base, a, b, self.scale))
         mx.eval([m.parameters() for m in adapted(model).values()])
         return len(self.weights)
 
@@ -217,7 +263,7 @@ class Adapter:
         return mx.bfloat16 if compute == mx.float32 else compute
 
     def kinds(self) -> dict[str, int]:
-        """Adapted projections per kind (attention, linear_attention, shared_expert, dense_mlp)."""
+        """Adapted projections per kind (attention, linear_attention, shared_expert, dense_mlp, moe_block)."""
         out: dict[str, int] = {}
         for name in self.weights:
             kind = kind_of(name.split(".", 2)[2])
@@ -225,12 +271,12 @@ class Adapter:
         return out
 
 
-def adapted(model: nn.Module) -> dict[str, LoRALinear]:
-    """{"layers.{i}.{path}": LoRALinear} of the model's adapted projections."""
+def adapted(model: nn.Module) -> dict[str, LoRALinear | LoRABranch]:
+    """{"layers.{i}.{path}": LoRALinear or LoRABranch} of the model's adapted projections and MoE blocks."""
     out = {}
     for i, layer in enumerate(model.layers):
         for rel, m in layer.named_modules():
-            if isinstance(m, LoRALinear):
+            if isinstance(m, (LoRALinear, LoRABranch)):
                 out[f"layers.{i}.{rel}"] = m
     return out
 

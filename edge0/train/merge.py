@@ -5,7 +5,8 @@
 B is the int4 base, U the base with the adapter unmerged (W_int4 + delta), M the merge requantized
 (quantize(W_int4 + delta) at the store's bits and group size). The surviving fraction is
 1 - |U - M| / |U - B| (Frobenius norms): per projection kind at the weight level, and at the logits of
-held-out windows on the student path (routing predicted by the heads, as served).
+held-out windows on the student path (routing predicted by the heads, as served). A branch beside an MoE
+block (kind moe_block) has no weight to merge into: it is left out of both, and stays in the merged model.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def merge_survival(model_dir, lora, *, heads=None, windows: int = 4, seq_len: in
     try:
         for name, (a, b) in adapter.weights.items():
             _, i, *path = name.split(".")
+            if kind_of(".".join(path)) == "moe_block":
+                continue
             q = store.model.layers[int(i)]
             for p in path:
                 q = q[p]
@@ -64,7 +67,8 @@ def merge_survival(model_dir, lora, *, heads=None, windows: int = 4, seq_len: in
         student.adapter(adapter)
         unmerged = student.logits(tokens)
         for name, m in adapted(student.model).items():
-            m.base.weight, m.lora_b = merged[name], mx.zeros_like(m.lora_b)  # the merge, served without a branch
+            if name in merged:  # the merge, served without a branch
+                m.base.weight, m.lora_b = merged[name], mx.zeros_like(m.lora_b)
         merged_logits = student.logits(tokens)
     finally:
         student.close()

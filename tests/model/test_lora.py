@@ -61,15 +61,17 @@ def test_adapters_go_on_dense_projections_never_routers_or_routed_experts(models
         s.close()
     assert not any(n.endswith((".mlp.gate", ".gate_proj.gate_proj", "shared_expert_gate")) or "mlp.gate." in n
                    or "switch" in n for n in names), names
-    if arch == "qwen3_moe":  # every layer MoE without a shared expert: attention only
+    if arch == "qwen3_moe":  # every layer MoE without a shared expert: attention, and a branch beside each block
         layers = s.config["num_hidden_layers"]
-        assert names == {f"layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkvo"}
+        assert names == ({f"layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkvo"}
+                         | {f"layers.{i}.mlp.branch" for i in range(layers)})
     elif arch == "qwen3_5_moe":
-        assert kinds == {"attention", "linear_attention", "shared_expert"}
+        assert kinds == {"attention", "linear_attention", "shared_expert", "moe_block"}
         assert "layers.0.linear_attn.out_proj" in names and "layers.0.mlp.shared_expert.down_proj" in names
-    else:  # bailing: its first layer is dense
-        assert kinds == {"attention", "shared_expert", "dense_mlp"}
+    else:  # bailing: its first layer is dense (no block, no branch)
+        assert kinds == {"attention", "shared_expert", "dense_mlp", "moe_block"}
         assert "layers.0.mlp.up_proj" in names and "layers.1.attention.query_key_value" in names
+        assert "layers.1.mlp.branch" in names and "layers.0.mlp.branch" not in names
 
 
 def test_zero_adapter_changes_nothing_and_no_adapter_costs_nothing(served):
@@ -79,7 +81,7 @@ def test_zero_adapter_changes_nothing_and_no_adapter_costs_nothing(served):
     for name, lora in (("none", "none"), ("zero", str(zero)), ("rand", str(rand))):
         with open_engine(EngineConfig(model=str(store), kernel="mlx", lora=lora)) as e:
             assert e.config.routing == "predicted"
-            assert len(adapted(e.store.model)) == (0 if lora == "none" else 4 * e.store.config["num_hidden_layers"])
+            assert len(adapted(e.store.model)) == (0 if lora == "none" else 5 * e.store.config["num_hidden_layers"])
             out[name] = np.array(e.forced_logprobs(tokens))
     assert np.array_equal(out["none"], out["zero"])  # a zero branch adds exact zeros
     assert np.abs(out["rand"] - out["none"]).max() > 1e-2
@@ -202,3 +204,33 @@ def test_student_path_follows_the_heads_routes(served, tmp_path):
     finally:
         student.close()
     assert np.allclose(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), want, atol=1e-5)
+
+
+def test_moe_branch_in_the_block_node_and_as_its_own_node_agree(tmp_path):
+    """The branch beside each MoE block (kind moe_block) on the built-in model: added inside the block's one node
+    (resident: Edge0MoeBlock) and as a node of its own after the experts (staged: Edge0AdaptAdd), the same bits; and
+    it changes the output. (MLX's kernels run it too: test_training_graph_is_the_served_graph.)"""
+    from edge0.model.demo import DEMO_STORE
+
+    m, config = read_manifest(DEMO_STORE), read_config(DEMO_STORE)
+    heads = DEMO_STORE / f"heads-k{m.top_k}.safetensors"
+    s = load_store(DEMO_STORE)
+    try:
+        a = Adapter.create(s.model, fingerprint=model_fingerprint(m, config), heads=heads_fingerprint(heads),
+                           top_k=m.top_k, seed=1)
+    finally:
+        s.close()
+    layers = config["num_hidden_layers"]
+    assert a.kinds() == {"attention": 4 * layers, "moe_block": layers}
+    a.weights = {k: (w_a, mx.random.normal(w_b.shape, key=mx.random.key(2)) * 0.05 if k.endswith(".branch") else w_b)
+                 for k, (w_a, w_b) in a.weights.items()}  # only the branches do anything
+    a.save(tmp_path / "branch.safetensors")
+    tokens = list(range(100, 150))
+    out = {}
+    for name, ex, lora in (("fused", "resident", "branch"), ("nodes", "staged", "branch"), ("none", "resident", "none")):
+        c = EngineConfig(executor=ex, kernel="edge0", candidates=2 * m.top_k,
+                         lora=str(tmp_path / "branch.safetensors") if lora == "branch" else "none")
+        with open_engine(c) as e:
+            out[name] = np.array(e.forced_logprobs(tokens))
+    assert np.array_equal(out["fused"], out["nodes"])
+    assert np.abs(out["fused"] - out["none"]).max() > 1e-2

@@ -142,7 +142,7 @@ def test_phase2_distills_the_teacher_with_loss_kd(phase, tmp_path):
             norm = sum((g * g).sum() for _, g in tree_flatten(grads)).item() ** 0.5
             assert norm > 0
             params = student.model.trainable_parameters()
-            student.model.update(tree_map(lambda p, g: p - (1e-2 / norm) * g, params, grads))
+            student.model.update(tree_map(lambda p, g: p - (1e-3 / norm) * g, params, grads))
             l1, _ = loss_grad(student.model)
         assert l1.item() < l0.item()
     finally:
