@@ -6,7 +6,8 @@ for docs/results/cpu-kernels.md.
 
 Each round runs every arm once on the same prompt (--prompt-tokens ids of Python's json/decoder.py) and the same
 forced tokens (the ids after it: routing varies as in use, and every arm does the same work); the arms swap the
-model's adapted projections in place (model/lora.py LoRALinear, or the bare projection). Printed: each arm's median
+model's adapted projections in place (model/lora.py LoRALinear, or the bare projection; an MoE block's
+LoRABranch, or none). Printed: each arm's median
 prefill and decode tok/s and, for each, the median over rounds of its ratio to `none` within the round (paired: the
 host's drift cancels). The store must have an adapter (the built-in model's is lora-k4.safetensors).
 """
@@ -28,6 +29,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per arm (default 9)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=257)
+    p.add_argument("--lora", default=None, metavar="FILE", help="the adapter (default: the one the store serves)")
     a = p.parse_args()
     if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
@@ -37,18 +39,31 @@ def main() -> int:
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
     from edge0.generation import GenRequest
-    from edge0.model.lora import Adapter, LoRALinear, adapted, put_projection
+    from edge0.model.lora import Adapter, LoRABranch, LoRALinear, adapted, put_projection
+
+    def place(model, name: str, m) -> None:
+        """An arm's module at `name`; None: no branch beside the MoE block there."""
+        if m is not None:
+            put_projection(model, name, m)
+        else:
+            block = model.layers[int(name.split(".")[1])]["mlp"]
+            if "branch" in block:
+                del block["branch"]
+
+    def float32(k, m):
+        a_, b_ = originals[k]
+        return LoRABranch(a_, b_, m.scale) if isinstance(m, LoRABranch) else LoRALinear(m["base"], a_, b_, m.scale)
 
     try:
-        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0, lora=a.lora)) as engine:
             served = adapted(engine.store.model)
             if not served:
                 raise Edge0Error(f"{engine.config.model}: the engine serves no adapter (--lora none, or none beside the "
                                  "store)")
             originals = Adapter.read(engine.config.lora).weights
             arms = {"bfloat16": served,
-                    "float32": {k: LoRALinear(m["base"], *originals[k], m.scale) for k, m in served.items()},
-                    "none": {k: m["base"] for k, m in served.items()}}
+                    "float32": {k: float32(k, m) for k, m in served.items()},
+                    "none": {k: None if isinstance(m, LoRABranch) else m["base"] for k, m in served.items()}}
             mx.eval([m.parameters() for m in arms["float32"].values()])
             ids = engine.encode_text(inspect.getsource(decoder))
             if len(ids) < a.prompt_tokens + a.max_tokens:
@@ -61,11 +76,11 @@ def main() -> int:
                 for _ in range(a.rounds):
                     for arm in ARMS:
                         for name, m in arms[arm].items():
-                            put_projection(engine.store.model, name, m)
+                            place(engine.store.model, name, m)
                         figs[arm].append(engine.generate(req))
             finally:
                 for name, m in served.items():
-                    put_projection(engine.store.model, name, m)
+                    place(engine.store.model, name, m)
     except Edge0Error as e:
         sys.exit(f"adapter_ab: {e}")
     print(f"{engine.config.lora}: {len(served)} adapted projections, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "
