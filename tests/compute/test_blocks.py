@@ -106,7 +106,7 @@ def test_the_blocks_arguments_follow_replaced_weights(monkeypatch):
 def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe_block():
     """The default step's graph: per layer one Edge0AttentionBlock (both cache writes, the attention, its output
     projection with the adapter's branches, served in bfloat16, the add-norm) and one Edge0MoeBlock (router, top-k,
-    experts, add-norm); no other node of a layer."""
+    experts, the adapter's branch beside the block, add-norm); no other node of a layer."""
     from edge0.bench_kernels import node_counts
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
@@ -116,7 +116,8 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
             engine.kernel.active():
         model, cache = engine.store.model, None
         served = adapted(model)
-        assert len(served) == 24 and {m["lora_a"].dtype for m in served.values()} == {mx.bfloat16}
+        assert len(served) == 24 + 6 and {m["lora_a"].dtype for m in served.values()} == {mx.bfloat16}
+        assert sum(name.endswith(".mlp.branch") for name in served) == 6
         cache = [KVCache() for _ in model.layers]
         mx.eval(model(mx.array([engine.encode_text("def f(x):\n    return")], dtype=mx.uint32), cache=cache))
         nodes = node_counts(model(mx.array([[7]], dtype=mx.uint32), cache=cache))
@@ -130,6 +131,8 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
     (dict(among=mx.zeros((1, 1, 8), dtype=mx.int32)), "among must be uint32"),
     (dict(k=33), "1 <= k <= E"),
     (dict(h=mx.zeros((1, 1, 128))), "h must be x's shape"),
+    (dict(lora=(mx.zeros((256, 16)), mx.zeros((16, 128)), 2.0)), "the branch must be lora_a"),
+    (dict(lora=(mx.zeros((256, 16)), None, 2.0)), "lora_a and lora_b come together"),
 ])
 def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
     """ext.moe_block names what is wrong (the extension's message), never a crash in the kernel."""
@@ -140,11 +143,11 @@ def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
         block = engine.store.model.model.layers[0].mlp
         args = blocks._moe_args(EXT, block, block.executor.resident, mx.ones((256,)), mx.zeros((1, 1, 256)))
         router, router_gs, parts, gs = args
-        call = dict(x=mx.zeros((1, 1, 256)), h=mx.zeros((1, 1, 256)), k=4, among=None)
+        call = dict(x=mx.zeros((1, 1, 256)), h=mx.zeros((1, 1, 256)), k=4, among=None, lora=(None, None, 0.0))
         call.update(bad)
         with pytest.raises(ValueError, match=f"moe_block: .*{match}"):
             EXT.moe_block(call["x"], call["h"], router, router_gs, call["k"], True, call["among"], *parts, gs,
-                          mx.ones((256,)), 1e-6)
+                          mx.ones((256,)), 1e-6, *call["lora"])
 
 
 def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
