@@ -81,9 +81,7 @@ class SoftmaxMoeBlock(nn.Module):
         if among is not None and among.dtype != mx.uint32:
             return None
         router, router_gs, parts, gs = args
-        branch = self["branch"].arrays() if "branch" in self else (None, None, 0.0)
-        if branch[0] is not None and branch[0].dtype not in (mx.float32, mx.bfloat16):
-            return None
+        branch = self["branch"].arrays() if "branch" in self else (None, None, 0.0)  # served bf16 under float32 x
         h, x_out, inds = ext.moe_block(x, h, router, router_gs, self.top_k, self.norm_topk_prob, among, *parts, gs, w,
                                        norm.eps, *branch)
         self.executor.routed(x, inds)

@@ -248,3 +248,28 @@ def test_candidates_out_of_range_are_refused(phase, tmp_path, candidates):
     with pytest.raises(Edge0Error, match=f"--candidates {candidates}: must be between K = 4 and the model's 16"):
         lora(phase, tmp_path / "a.safetensors", candidates=candidates)
     assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_merge_measures_the_projections_and_keeps_the_blocks_branches(phase):
+    """python -m edge0.train.merge on an adapter with a branch beside each MoE block: the branches have no weight to
+    merge into, so the weight-level figures are the projections' alone, and the merged model keeps its branches."""
+    from edge0.model.heads import model_fingerprint
+    from edge0.model.load import load_store
+    from edge0.model.lora import heads_fingerprint
+    from edge0.train.merge import merge_survival
+
+    store, _, _ = phase
+    m, config = read_manifest(store), read_config(store)
+    s = load_store(store)
+    try:
+        a = Adapter.create(s.model, rank=4, alpha=8.0, fingerprint=model_fingerprint(m, config),
+                           heads=heads_fingerprint(store / f"heads-k{m.top_k}.safetensors"), top_k=m.top_k)
+    finally:
+        s.close()
+    layers = config["num_hidden_layers"]
+    assert a.kinds() == {"attention": 4 * layers, "moe_block": layers}
+    a.weights = {k: (w_a, mx.random.normal(w_b.shape, key=mx.random.key(3))) for k, (w_a, w_b) in a.weights.items()}
+    a.save(store.parent / "merge.safetensors")
+    r = merge_survival(store, store.parent / "merge.safetensors", windows=1, seq_len=32)
+    assert set(r["weights"]) == {"attention"} and r["weights"]["attention"]["projections"] == 4 * layers
+    assert -1.0 < r["logits"] < 1.0 and r["windows"] == 1
