@@ -112,7 +112,8 @@ def test_server_batches_concurrent_streaming_clients():
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
         def ask(prompt, client=client):
-            chunks = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0, stream=True)
+            chunks = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0,
+                                               stream=True)
             return "".join(c.choices[0].text for c in chunks if c.choices)
 
         try:
@@ -139,7 +140,8 @@ def test_a_full_batch_stays_inside_the_memory_budget():
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def ask(prompt):
-        chunks = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0, stream=True)
+        chunks = client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0,
+                                           stream=True)
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
     try:
@@ -169,7 +171,8 @@ def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypat
     real = engine.store.model
 
     def ask(prompt):
-        return client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N, temperature=0).choices[0].text
+        return client.completions.create(model="edge0-demo", prompt=prompt, max_tokens=N,
+                                         temperature=0).choices[0].text
 
     try:
         ref = ask(PROMPTS[1])

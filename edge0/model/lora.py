@@ -112,8 +112,9 @@ def kind_of(rel: str) -> str | None:
 
 
 def targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """{"layers.{i}.{path}": (linear, kind)} of every projection that takes an adapter, in layer order."""
-    out = {}
+    """{"layers.{i}.{path}": (linear, kind)} of every projection that takes an adapter, in layer order, then the
+    MoE blocks' branches {"layers.{i}.mlp.branch": (block, "moe_block")} (the order a fresh adapter draws them in)."""
+    out, branches = {}, {}
     for i, layer in enumerate(model.layers):
         for rel, m in layer.named_modules():
             if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not rel.endswith(".base"):
@@ -121,8 +122,8 @@ def targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
                 if kind is not None:
                     out[f"layers.{i}.{rel}"] = (m, kind)
         if "mlp" in layer and moe_branch_dims(layer["mlp"]) is not None:
-            out[f"layers.{i}.mlp.branch"] = (layer["mlp"], "moe_block")
-    return out
+            branches[f"layers.{i}.mlp.branch"] = (layer["mlp"], "moe_block")
+    return out | branches
 
 
 def _dims(m: nn.Module) -> tuple[int, int]:
@@ -250,7 +251,8 @@ class Adapter:
                                  f"{' -> '.join(map(str, _dims(base)))}")
             a, b = (w.astype(dtype) for w in (a, b)) if dtype is not None else (a, b)
             branch = kind_of(name.split(".", 2)[2]) == "moe_block"
-            put_projection(model, name, LoRABranch(a, b, self.scale) if branch else LoRALinear(base, a, b, self.scale))
+            put_projection(model, name,
+                           LoRABranch(a, b, self.scale) if branch else LoRALinear(base, a, b, self.scale))
         mx.eval([m.parameters() for m in adapted(model).values()])
         return len(self.weights)
 

@@ -42,7 +42,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "each answer token for token as alone); the staged banks hold 2K slots per sequence, up to "
                         f"E (default {DEFAULT_MAX_BATCH}; 1: one generation at a time)")
     p.add_argument("--model-id", default=None, metavar="NAME",
-                   help="the model name clients use (default: the store directory's name; edge0-demo for the built-in model)")
+                   help="the model name clients use (default: the store directory's name; edge0-demo for the "
+                        "built-in model)")
 
 
 def serve_cli(args) -> int:

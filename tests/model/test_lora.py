@@ -227,7 +227,8 @@ def test_moe_branch_in_the_block_node_and_as_its_own_node_agree(tmp_path):
     a.save(tmp_path / "branch.safetensors")
     tokens = list(range(100, 150))
     out = {}
-    for name, ex, lora in (("fused", "resident", "branch"), ("nodes", "staged", "branch"), ("none", "resident", "none")):
+    arms = (("fused", "resident", "branch"), ("nodes", "staged", "branch"), ("none", "resident", "none"))
+    for name, ex, lora in arms:
         c = EngineConfig(executor=ex, kernel="edge0", candidates=2 * m.top_k,
                          lora=str(tmp_path / "branch.safetensors") if lora == "branch" else "none")
         with open_engine(c) as e:
