@@ -67,6 +67,12 @@ def _arm_flags(arm: str) -> list[str]:
     return ["--routing", "native", "--executor", arm]
 
 
+def streams_staged(arm: str) -> bool:
+    """The arms whose experts stream through staged banks: the ones --slots sizes."""
+    base = split_arm(arm)[0]
+    return base in ("native", "staged", "predicted", "predicted:no-lora") or base.startswith("prefetch:")
+
+
 def add_bench_flags(p) -> None:
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm; default with the built-in "
                                                    "model: its bf16 checkpoint, which its store was converted from)")
@@ -83,6 +89,9 @@ def add_bench_flags(p) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="slots per staged bank, passed to the arms that stream through one (native, staged, predicted, "
+                        "prefetch:*); more slots keep more of a layer's recent experts (default 2K)")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
     p.add_argument("--io", default=None, choices=("pread", "mmap", "direct"),
                    help="passed to the Edge0 arms (direct: every read from the disk); also how the read cost is measured")
@@ -176,6 +185,8 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
            "--kernel-threads", str(threads(args))]
     if args.memory_budget is not None:
         cmd += ["--memory-budget", str(args.memory_budget)]
+    if getattr(args, "slots", None) is not None and streams_staged(arm):
+        cmd += ["--slots", str(args.slots)]
     if getattr(args, "lora", None) and split_arm(arm)[0] in ("predicted", "predicted:resident"):
         cmd += ["--lora", args.lora]
     if args.io_throttle is not None:
@@ -309,6 +320,16 @@ def check_args(args) -> tuple[list[str], list[str]]:
     return arms, caches
 
 
+def check_slots(slots: int, arms: list[str], m) -> None:
+    """--slots S: between the store's K and its experts, and some arm streams through staged banks."""
+    if not any(map(streams_staged, arms)):
+        raise Edge0Error(f"--slots {slots}: no arm streams through staged banks (native, staged, predicted, "
+                         "prefetch:*)")
+    if not m.top_k <= slots <= m.num_experts:
+        raise Edge0Error(f"--slots {slots}: a staged bank holds between K = {m.top_k} and the model's "
+                         f"{m.num_experts} experts")
+
+
 def results_dir(root: str) -> Path:
     out = Path(root) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     try:
@@ -326,7 +347,9 @@ def bench(args) -> int:
     llama_version = check_llama_arm(args) if any(map(is_llama, arms)) else None
     from .io.manifest import read_manifest
 
-    read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
+    m = read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
+    if getattr(args, "slots", None) is not None:
+        check_slots(args.slots, arms, m)
     if args.replay:
         given_replay(args.replay)
     if getattr(args, "replay_text", None):  # a short or unreadable text is said before anything is written
@@ -352,7 +375,7 @@ def bench(args) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
-            "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost, "threads": threads(args),
+            "slots": getattr(args, "slots", None), "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost, "threads": threads(args),
             "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
             "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
             "replay": args.replay}

@@ -52,7 +52,8 @@ def table(summary: dict, meta: dict) -> list[str]:
              f"{capped}; one bundle read: {cost['cold_ms']:.2f} ms cold, {cost['warm_ms']:.2f} ms warm"
              + (f" alone, {cost['cold_parallel_ms']:.2f} / {cost['warm_parallel_ms']:.2f} ms per bundle K at a time "
                 f"on the I/O pool (the limit's rate)" if "cold_parallel_ms" in cost else "")
-             + (f", --io {meta['io']}" if meta.get("io") else "") + "; "
+             + (f", --io {meta['io']}" if meta.get("io") else "")
+             + (f", --slots {meta['slots']} (the streamed arms' banks)" if meta.get("slots") else "") + "; "
              f"threads: the edge0 kernels' and llama.cpp's (- : MLX's own kernels)", "",
              "| arm | dtype | kernel | threads | cache | decode tok/s | step ms | limit ms | stall ms/tok | recall | loads/step | "
              "prefill tok/s | peak MLX GiB | peak RSS GiB | peak cgroup GiB | major faults | MiB from disk | MiB read | "

@@ -266,3 +266,19 @@ def test_the_adapter_pairs_differ_only_by_the_adapter():
     for arm in ("predicted", "predicted:resident"):
         assert f"{arm}:no-lora" in ARMS
         assert arm_flags(f"{arm}:no-lora") == arm_flags(arm) + ["--lora", "none"]
+
+
+def test_bench_slots_size_the_streamed_arms_banks_alone(models, tmp_path, capsys):
+    """--slots S reaches the arms that stream through staged banks and no other; out of [K, E] or with no such
+    arm it is refused before anything is written."""
+    store = models("qwen3_moe")
+    results, _ = _bench(store, tmp_path / "out", "--arms", "staged,exact", "--slots", "6")
+    assert results["meta"]["slots"] == 6
+    assert results["runs"]["staged/warm"][0]["slots"] == 6 and results["runs"]["exact/warm"][0]["slots"] is None
+    for bad, message in (("1", "--slots 1: a staged bank holds between K = 4 and the model's 16 experts"), ("99", "--slots 99: "),
+                         ("4 --arms exact", "--slots 4: no arm streams through staged banks")):
+        argv = ["bench", "--store", str(store), "--arms", "staged", "--out", str(tmp_path / "bad"), "--slots", *bad.split()]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
