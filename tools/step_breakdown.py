@@ -1,6 +1,6 @@
 """Where a decode step's time goes, for docs/results/cpu-kernels.md (issue #19).
 
-    python tools/step_breakdown.py --store S [--replay R] [--threads 1] [--steps 48] [--routing native]
+    python tools/step_breakdown.py --store S [--replay R] [--threads 1] [--steps 48] [--routing native] [--slots N]
 
 Runs one generation (the replay's prompt, then its tokens forced, or a prompt of Python source and greedy
 tokens) and splits each decode step of the graph-building thread into
@@ -62,6 +62,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=48, help="decode steps timed (default 48)")
     p.add_argument("--routing", default="native", choices=("native", "prefetch", "predicted"))
     p.add_argument("--executor", default="auto", help="--executor (default auto: staged)")
+    p.add_argument("--slots", type=int, default=None, help="--slots: slots per staged bank (default 2K)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.steps < 1:
@@ -104,7 +105,7 @@ def breakdown(args) -> int:
         sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
     prompt, forced = read_replay(args.replay) if args.replay else (None, None)
     config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
-                          executor=args.executor, prompt_cache_gib=0)
+                          executor=args.executor, slots=args.slots, prompt_cache_gib=0)
     with open_engine(config) as engine:
         if prompt is None:
             prompt = engine.encode_text(Path(argparse.__file__).read_text())[:256]
