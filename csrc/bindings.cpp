@@ -140,9 +140,10 @@ static bool same(const DataRef& ref, const mx::array& a) {
 }
 
 static std::shared_ptr<const Packed> find_packed(const mx::array& w, const mx::array& s, const mx::array& b,
-                                                 const QWeights& q) {
-  // every product asks: those that cannot have a copy leave before the lock
-  if (q.bits != 4 || packs_held.load(std::memory_order_relaxed) == 0 || !packed_on() || !w.flags().row_contiguous ||
+                                                 const QWeights& q, bool any = false) {
+  // every product asks: those that cannot have a copy leave before the lock (any: whether products use it or not)
+  if (q.bits != 4 || packs_held.load(std::memory_order_relaxed) == 0 || (!any && !packed_on()) ||
+      !w.flags().row_contiguous ||
       !s.flags().row_contiguous || !b.flags().row_contiguous)
     return nullptr;
   std::lock_guard<std::mutex> lk(packs_mu);
@@ -206,6 +207,22 @@ static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
   packs_[w.data<void>()] = PackEntry{w.data_shared_ptr(), s.data_shared_ptr(), b.data_shared_ptr(), s.data<void>(),
                                      b.data<void>(), std::move(p)};
   packs_held.store(packs_.size(), std::memory_order_relaxed);
+  return true;
+}
+
+// A slot bank's fills: the experts `slots` of (w, scales, biases), packed by pack_weights, were written again; their
+// packed copy follows. Only while no product reads those experts (the bank's rule for its slots); products of other
+// experts may run meanwhile (they read other rows of the copy). False where the arrays have no packed copy.
+static bool repack_weights(mx::array w, mx::array s, mx::array b, int gs, const std::vector<int64_t>& slots) {
+  QTemps t;
+  QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
+  const auto packed = find_packed(w, s, b, q, true);  // kept up to date while products do not use it too
+  if (packed == nullptr) return false;
+  Packed& p = const_cast<Packed&>(*packed);  // made by pack_weights, never shared as const data elsewhere
+  for (const int64_t e : slots) {
+    if (e < 0 || e >= q.E) throw std::invalid_argument("edge0 repack: slot " + std::to_string(e) + " out of range");
+    pack_experts(q, e, e + 1, p);
+  }
   return true;
 }
 
@@ -1885,6 +1902,9 @@ NB_MODULE(_kernels, m) {
   m.def("pack", &edge0::pack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "Keep a packed copy of these 4-bit weights (which must never change) for the products that read them: 16\n"
         "outputs a vector, the same bits. False where the layout does not apply (they keep the row layout).");
+  m.def("repack", &edge0::repack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "slots"_a,
+        "The experts `slots` of packed weights were written again (a bank's fills): their packed copy follows. Only\n"
+        "while no product reads those experts. False where the weights have no packed copy.");
   m.def("packed", &edge0::is_packed, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "Whether products of these 4-bit weights run on a packed copy.");
   m.def("set_packed", &edge0::set_packed, "on"_a,
         "Whether products run on packed copies where weights have one (default True); off: the row layout, the same\n"

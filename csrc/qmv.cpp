@@ -874,26 +874,20 @@ static void run_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, con
 }
 #endif
 
-std::shared_ptr<const Packed> pack(const QWeights& q) {
 #if defined(EDGE0_VNNI)
+static bool packable(const QWeights& q) {
   const int64_t G = q.D / q.group_size;
-  if (q.bits != 4 || q.N % 16 || q.D % 128 || q.D > PACK_MAX_D || G > PACK_MAX_GROUPS ||
-      (q.group_size != 32 && q.group_size != 64 && q.group_size != 128))
-    return nullptr;
-  auto p = std::make_shared<Packed>();
-  p->E = q.E, p->N = q.N, p->D = q.D, p->group_size = q.group_size;
-  const int64_t NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
-  p->w.resize(q.E * q.N * (q.D / 8));
+  return q.bits == 4 && q.N % 16 == 0 && q.D % 128 == 0 && q.D <= PACK_MAX_D && G <= PACK_MAX_GROUPS &&
+         (q.group_size == 32 || q.group_size == 64 || q.group_size == 128);
+}
+#endif
+
+void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p) {
+#if defined(EDGE0_VNNI)
+  const int64_t G = q.D / q.group_size, NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
   const bool bf16 = q.scales16 != nullptr;  // kept as stored: half the bytes a product reads for them
-  if (bf16) {
-    p->s16.resize(q.E * q.N * G);
-    p->b16.resize(q.E * q.N * G);
-  } else {
-    p->s.resize(q.E * q.N * G);
-    p->b.resize(q.E * q.N * G);
-  }
-  for (int64_t blk = 0; blk < q.E * NB; blk++) {
-    uint32_t* dst = p->w.data() + blk * 16 * steps * 16;
+  for (int64_t blk = e0 * NB; blk < e1 * NB; blk++) {
+    uint32_t* dst = p.w.data() + blk * 16 * steps * 16;
     for (int j = 0; j < 16; j++) {
       const int64_t row = blk * 16 + j;  // rows of all experts in order: expert e's block b is blk e * NB + b
       const uint8_t* src = q.w + row * row_bytes;
@@ -902,15 +896,35 @@ std::shared_ptr<const Packed> pack(const QWeights& q) {
       for (int64_t g = 0; g < G; g++) {
         const int64_t at_ = (blk * G + g) * 16 + j;
         if (bf16) {
-          p->s16[at_] = q.scales16[row * G + g];
-          p->b16[at_] = q.biases16[row * G + g];
+          p.s16[at_] = q.scales16[row * G + g];
+          p.b16[at_] = q.biases16[row * G + g];
         } else {
-          p->s[at_] = q.scales[row * G + g];
-          p->b[at_] = q.biases[row * G + g];
+          p.s[at_] = q.scales[row * G + g];
+          p.b[at_] = q.biases[row * G + g];
         }
       }
     }
   }
+#else
+  (void)q, (void)e0, (void)e1, (void)p;
+#endif
+}
+
+std::shared_ptr<const Packed> pack(const QWeights& q) {
+#if defined(EDGE0_VNNI)
+  if (!packable(q)) return nullptr;
+  const int64_t G = q.D / q.group_size;
+  auto p = std::make_shared<Packed>();
+  p->E = q.E, p->N = q.N, p->D = q.D, p->group_size = q.group_size;
+  p->w.resize(q.E * q.N * (q.D / 8));
+  if (q.scales16 != nullptr) {
+    p->s16.resize(q.E * q.N * G);
+    p->b16.resize(q.E * q.N * G);
+  } else {
+    p->s.resize(q.E * q.N * G);
+    p->b.resize(q.E * q.N * G);
+  }
+  pack_experts(q, 0, q.E, *p);
   return p;
 #else
   (void)q;

@@ -51,8 +51,11 @@ class Bank:
     straight from disk into the bank. The edge0 kernel reads them as stored: no staging, no widening.
     """
 
-    def __init__(self, pieces, slots: int, fence: Fence, compute_dtype: mx.Dtype | None = None):
+    def __init__(self, pieces, slots: int, fence: Fence, compute_dtype: mx.Dtype | None = None,
+                 pack_group_size: int | None = None):
         self.pieces, self.slots, self.fence = pieces, slots, fence
+        self.pack_group_size = pack_group_size  # 4-bit experts of this group size: keep the kernel's packed copy
+        self._packed: list[tuple[mx.array, mx.array, mx.array]] = []  # (w, scales, biases) with a packed copy
         self.widen = self.widened(pieces, compute_dtype)
         self._arrays: dict[str, mx.array] | None = None  # allocated on first use (decode banks wait for decode)
         widened = [p for p, w in zip(pieces, self.widen) if w]
@@ -81,7 +84,27 @@ class Bank:
             self._widen_views = [(self._stage_at[i] // 2, p.nbytes // 2,
                                   np.frombuffer(self._flat[i], dtype=np.uint32).reshape(self.slots, -1))
                                  for i, p in enumerate(self.pieces) if self.widen[i]]
+            self._pack()
         return self._arrays
+
+    def _pack(self) -> None:
+        """The edge0 kernel's packed copy of each projection whose layout pays for it (csrc/qmv.h Packed: the same
+        bits, faster products), kept up to date slot by slot as fills land (commit): bank products then run as fast
+        as resident experts'. Costs the packed projections' bytes again; the runtime asks for it where they fit."""
+        ext = current().ext if self.pack_group_size else None
+        if ext is None:
+            return
+        a = self._arrays
+        for proj in sorted({p.name.rsplit(".", 1)[0] for p in self.pieces}):
+            triple = tuple(a.get(f"{proj}.{k}") for k in ("weight", "scales", "biases"))
+            if all(t is not None for t in triple) and ext.pack(*triple, self.pack_group_size):
+                self._packed.append(triple)
+        self._ext = ext  # commit runs on I/O threads, outside the graph-building thread's kernel context
+
+    @property
+    def packed(self) -> int:
+        """How many of the bank's projections keep a packed copy."""
+        return len(self._packed)
 
     @property
     def allocated(self) -> bool:
@@ -127,7 +150,12 @@ class Bank:
         return out
 
     def commit(self, slots) -> None:
-        """Widen the staged bf16 pieces of `slots` into the float32 bank (numpy on the bank's memory, no MLX op)."""
+        """The bytes of `slots` landed: widen the staged bf16 pieces into the float32 bank (numpy on the bank's
+        memory, no MLX op) and bring the packed copies up to date (on the thread the read ran on)."""
+        if self._packed:
+            at = [int(x) for x in np.asarray(slots).reshape(-1)]
+            for w, sc, b in self._packed:
+                self._ext.repack(w, sc, b, self.pack_group_size, at)
         if not self._stage_bytes:
             return
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)

@@ -184,8 +184,12 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
                          f"({s} slots x {len(layers)} layers); raise it, or use --executor hot")
     if budget is None or 2 * m.num_experts * per_slot <= budget - need:
         rt.prefill = WholeLayer(reader, fence, cdtype)
+    left = (available_memory() // 2 if budget is None else
+            budget - (2 * m.num_experts * per_slot if rt.prefill is not None else 0)) - need
+    quant = next(iter(exact.values())).quant if exact else None
+    pack = quant.group_size if quant is not None and quant.bits == 4 and need <= left else None  # packed copies fit
     for layer in layers:
-        bank = Bank(m.pieces, s, fence, cdtype)
+        bank = Bank(m.pieces, s, fence, cdtype, pack_group_size=pack)
         rt.banks.append(bank)
         cache = SlotCache(bank, rt.stats, m.num_experts)
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=False)

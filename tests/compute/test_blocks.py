@@ -210,10 +210,10 @@ def _triples(bank: dict) -> list[tuple]:
 
 @pytest.mark.skipif(not kernels.available() or kernels.load().impl() != "avx512",
                     reason="the packed layout is the AVX-512 VNNI path's")
-def test_the_default_run_packs_fixed_weights_and_never_a_slot_bank():
+def test_the_default_run_packs_fixed_weights_and_decode_slot_banks():
     """The default engine on the demo packs its 4-bit dense linears and its resident experts (weights that never
-    change) for the kernel, and the tokens are those of the row layout; a staged engine's slot banks, whose
-    contents change as slots fill, are never packed."""
+    change) for the kernel, and the tokens are those of the row layout; a staged engine's decode banks keep a packed
+    copy too (rewritten slot by slot as fills land, test_executors), its whole-layer prefill banks none."""
     import gc
 
     from edge0.compute.banks import Bank
@@ -247,9 +247,10 @@ def test_the_default_run_packs_fixed_weights_and_never_a_slot_bank():
         banks = [m.executor.resident for _, m in engine.store.model.named_modules() if hasattr(m, "executor")]
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
-        assert engine.generate(req).tokens
-        slot_banks = [o for o in gc.get_objects()
-                      if isinstance(o, Bank) and o._arrays is not None and id(o) not in before]
-        assert slot_banks
-        assert not any(ext.packed(*t, gs)
-                       for bank in slot_banks for t in _triples(bank._arrays) for gs in (32, 64, 128))
+        assert engine.generate(req).tokens == packed_tokens
+        decode = {id(b) for b in engine.store.runtime.banks}
+        assert decode and all(b.packed == 3 for b in engine.store.runtime.banks)  # kept in step with their fills
+        prefill = [o for o in gc.get_objects() if isinstance(o, Bank) and o._arrays is not None
+                   and id(o) not in before and id(o) not in decode]  # whole-layer prefill: refilled whole, not packed
+        assert prefill
+        assert not any(ext.packed(*t, gs) for bank in prefill for t in _triples(bank._arrays) for gs in (32, 64, 128))

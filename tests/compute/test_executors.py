@@ -294,3 +294,37 @@ def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypat
         runs.append(out)
     assert runs[0] == runs[1]
     assert sum(o is None for o in runs[0][:-1]) > 10 and sum(bool(o and o[1]) for o in runs[0][:-1]) > 100
+
+
+@pytest.mark.parametrize("slots", ["K", "E"])
+def test_a_bank_keeps_its_packed_copy_in_step_with_its_fills(slots):
+    """Staged banks of 4-bit experts keep the edge0 kernel's packed copy (faster products), rewritten slot by slot as
+    fills land: on the built-in model (every projection packable) native routing through a bank of K slots (refilled
+    at every token) or of every expert gives the resident experts' log-probabilities bit for bit, and so does the
+    row layout (packed copies off); a copy left stale by a refill would not."""
+    from edge0.engine import EngineConfig, open_engine
+    from edge0.io.manifest import read_manifest
+    from edge0.model.demo import DEMO_STORE
+
+    ext = kernels.load()
+    if ext is None or not ext.packed_on():
+        pytest.skip("no edge0 kernels")
+    m = read_manifest(DEMO_STORE)
+    tokens = list(range(100, 160))
+    n = m.top_k if slots == "K" else m.num_experts
+    out = {}
+    for name, ex in (("resident", "resident"), ("staged", "staged")):
+        c = EngineConfig(routing="native", executor=ex, slots=n if ex == "staged" else None, kernel="edge0",
+                         lora="none")
+        with open_engine(c) as e:
+            out[name] = np.array(e.forced_logprobs(tokens))
+            if ex == "staged":
+                banks = e.store.runtime.banks
+                assert all(b.packed == 3 for b in banks if b.allocated) and any(b.allocated for b in banks)
+                ext.set_packed(False)
+                try:
+                    out["rows"] = np.array(e.forced_logprobs(tokens))
+                finally:
+                    ext.set_packed(True)
+    assert np.array_equal(out["staged"], out["resident"])
+    assert np.array_equal(out["rows"], out["resident"])
