@@ -261,7 +261,7 @@ def test_a_memory_cap_leaves_auto_less_room(tmp_path):
 
 def test_the_adapter_pairs_differ_only_by_the_adapter():
     """Each arm without the adapter is its partner's flags plus --lora none (what the adapter costs is their ratio)."""
-    from edge0.bench import ARMS, arm_flags
+    from edge0.bench_arms import ARMS, arm_flags
 
     for arm in ("predicted", "predicted:resident"):
         assert f"{arm}:no-lora" in ARMS
