@@ -193,13 +193,13 @@ static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
 // where the layout does not apply (its products keep the row layout, with the same bits). Entries of freed
 // weights are dropped here.
-static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
+static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs, bool zeros) {
   mx::eval({w, s, b});
   if (!four_bit(w, s, b, gs)) return false;
   QTemps t;
   QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
   if (q.packed != nullptr) return true;  // already
-  auto p = pack(q);
+  auto p = pack(q, !zeros);
   if (p == nullptr) return false;
   std::lock_guard<std::mutex> lk(packs_mu);
   for (auto it = packs_.begin(); it != packs_.end();)
@@ -214,6 +214,7 @@ static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs) {
 // packed copy follows. Only while no product reads those experts (the bank's rule for its slots); products of other
 // experts may run meanwhile (they read other rows of the copy). False where the arrays have no packed copy.
 static bool repack_weights(mx::array w, mx::array s, mx::array b, int gs, const std::vector<int64_t>& slots) {
+  nb::gil_scoped_release nogil;  // on an I/O thread, about 0.5 ms a 5 MiB bundle: the graph-building thread goes on
   QTemps t;
   QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
   const auto packed = find_packed(w, s, b, q, true);  // kept up to date while products do not use it too
@@ -1899,9 +1900,10 @@ NB_MODULE(_kernels, m) {
         "queued before released, none after.");
   m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
         "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
-  m.def("pack", &edge0::pack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "Keep a packed copy of these 4-bit weights (which must never change) for the products that read them: 16\n"
-        "outputs a vector, the same bits. False where the layout does not apply (they keep the row layout).");
+  m.def("pack", &edge0::pack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "zeros"_a = false,
+        "Keep a packed copy of these 4-bit weights (which must never change, or change only through repack) for the\n"
+        "products that read them: 16 outputs a vector, the same bits. False where the layout does not apply (they keep\n"
+        "the row layout). zeros: the arrays are all zeros (a new slot bank): the copy is made zeroed, without reading them.");
   m.def("repack", &edge0::repack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "slots"_a,
         "The experts `slots` of packed weights were written again (a bank's fills): their packed copy follows. Only\n"
         "while no product reads those experts. False where the weights have no packed copy.");

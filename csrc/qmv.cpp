@@ -910,7 +910,7 @@ void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p) {
 #endif
 }
 
-std::shared_ptr<const Packed> pack(const QWeights& q) {
+std::shared_ptr<const Packed> pack(const QWeights& q, bool fill) {
 #if defined(EDGE0_VNNI)
   if (!packable(q)) return nullptr;
   const int64_t G = q.D / q.group_size;
@@ -924,10 +924,10 @@ std::shared_ptr<const Packed> pack(const QWeights& q) {
     p->s.resize(q.E * q.N * G);
     p->b.resize(q.E * q.N * G);
   }
-  pack_experts(q, 0, q.E, *p);
+  if (fill) pack_experts(q, 0, q.E, *p);  // else all zeros, as zero weights, scales and biases pack
   return p;
 #else
-  (void)q;
+  (void)q, (void)fill;
   return nullptr;
 #endif
 }

@@ -60,7 +60,8 @@ constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
 
 // q's packed copy; null where the layout does not apply (not 4-bit, N % 16, D % 128, D > PACK_MAX_D, more than
 // PACK_MAX_GROUPS groups, or no VNNI path built).
-std::shared_ptr<const Packed> pack(const QWeights& q);
+// fill false: q is all zeros (a new slot bank), so is its copy, made without reading q.
+std::shared_ptr<const Packed> pack(const QWeights& q, bool fill = true);
 
 // Experts e0..e1-1 of q written again into p, q's packed copy: for weights that change only expert by expert, while
 // no product reads those experts (a slot bank's fills, compute/banks.py).

@@ -222,7 +222,8 @@ class Engine:
         return {"routing": c.routing, "predictor": c.predictor if c.routing != "native" else None,
                 "heads": c.heads if c.predictor == "heads" else None,
                 "lora": None if c.lora in (None, "none") else c.lora, "top_k": self.top_k,
-                "executor": rt.executor, "slots": rt.banks[0].slots if rt.banks else None,  # per bank (staged, hot)
+                "executor": rt.executor,
+                "slots": rt.banks[0].slots if rt.banks and rt.executor in ("staged", "hot") else None,
                 "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
                 "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
                 "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":

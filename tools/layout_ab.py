@@ -2,7 +2,8 @@
 of the engine's own generations on real text, the two layouts alternating round by round (kernels' set_packed:
 the same tokens, only the time differs), for docs/results/cpu-kernels.md.
 
-    python tools/layout_ab.py [--store S] [--routing native] [--rounds 9] [--prompt-tokens 256] [--max-tokens 65]
+    python tools/layout_ab.py [--store S] [--routing native] [--executor staged] [--slots N] [--rounds 9]
+        [--prompt-tokens 256] [--max-tokens 65]
 
 Each round generates --max-tokens tokens after a --prompt-tokens prompt cut from Python's json/decoder.py (greedy,
 EOS ignored) once packed and once in the row layout; printed: each layout's median prefill and decode tok/s and the
@@ -22,6 +23,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default=None, help="an Edge0 store (default: the built-in model)")
     p.add_argument("--routing", default=None, help="--routing (default: the engine's)")
+    p.add_argument("--executor", default="auto", help="--executor (default auto); staged: the slot banks' packed copies")
+    p.add_argument("--slots", type=int, default=None, help="--slots, slots per staged bank (default 2K)")
     p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per layout (default 9)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=65)
@@ -38,7 +41,8 @@ def main() -> int:
     if ext is None or not hasattr(ext, "set_packed"):
         sys.exit(f"layout_ab: the edge0 CPU kernels are {kernels.reason() or 'without a packed layout'}")
     try:
-        with open_engine(EngineConfig(model=a.store, routing=a.routing, kernel="edge0", prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=a.store, routing=a.routing, executor=a.executor, slots=a.slots,
+                                      kernel="edge0", prompt_cache_gib=0)) as engine:
             ids = engine.encode_text(inspect.getsource(decoder))[:a.prompt_tokens]
             req = GenRequest(prompt=ids, max_tokens=a.max_tokens, ignore_eos=True)
             engine.generate(req)  # warm-up

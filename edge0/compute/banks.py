@@ -97,7 +97,7 @@ class Bank:
         a = self._arrays
         for proj in sorted({p.name.rsplit(".", 1)[0] for p in self.pieces}):
             triple = tuple(a.get(f"{proj}.{k}") for k in ("weight", "scales", "biases"))
-            if all(t is not None for t in triple) and ext.pack(*triple, self.pack_group_size):
+            if all(t is not None for t in triple) and ext.pack(*triple, self.pack_group_size, zeros=True):  # new
                 self._packed.append(triple)
         self._ext = ext  # commit runs on I/O threads, outside the graph-building thread's kernel context
 

@@ -320,7 +320,8 @@ def test_a_bank_keeps_its_packed_copy_in_step_with_its_fills(slots):
             out[name] = np.array(e.forced_logprobs(tokens))
             if ex == "staged":
                 banks = e.store.runtime.banks
-                assert all(b.packed == 3 for b in banks if b.allocated) and any(b.allocated for b in banks)
+                copies = 3 if ext.impl() == "avx512" else 0  # the packed layout is the VNNI path's
+                assert all(b.packed == copies for b in banks if b.allocated) and any(b.allocated for b in banks)
                 ext.set_packed(False)
                 try:
                     out["rows"] = np.array(e.forced_logprobs(tokens))
