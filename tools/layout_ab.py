@@ -23,7 +23,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default=None, help="an Edge0 store (default: the built-in model)")
     p.add_argument("--routing", default=None, help="--routing (default: the engine's)")
-    p.add_argument("--executor", default="auto", help="--executor (default auto); staged: the slot banks' packed copies")
+    p.add_argument("--executor", default="auto",
+                   help="--executor (default auto); staged: the slot banks' packed copies")
     p.add_argument("--slots", type=int, default=None, help="--slots, slots per staged bank (default 2K)")
     p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per layout (default 9)")
     p.add_argument("--prompt-tokens", type=int, default=256)
