@@ -5,7 +5,8 @@ from __future__ import annotations
 from .errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:no-lora", "predicted:resident",
+        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",
+        "predicted:resident",
         "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 
 
@@ -27,6 +28,8 @@ def _arm_flags(arm: str) -> list[str]:
         return ["--routing", "native", "--executor", "staged"]
     if arm == "predicted":  # streamed, as native: the heads next to the store, for its K (and its adapter, if any)
         return ["--routing", "predicted", "--executor", "staged"]
+    if arm == "predicted:even":  # every layer the same slots: the layers no head routes stream too (--placement)
+        return ["--routing", "predicted", "--executor", "staged", "--placement", "even"]
     if arm == "predicted:no-lora":
         return ["--routing", "predicted", "--executor", "staged", "--lora", "none"]  # without the recovery adapter
     if arm == "predicted:resident":  # every expert in memory, the heads route inside the graph
@@ -42,7 +45,8 @@ def _arm_flags(arm: str) -> list[str]:
 def streams_staged(arm: str) -> bool:
     """The arms whose experts stream through staged banks: the ones --slots sizes."""
     base = split_arm(arm)[0]
-    return base in ("native", "staged", "predicted", "predicted:no-lora") or base.startswith("prefetch:")
+    return (base in ("native", "staged", "predicted", "predicted:even", "predicted:no-lora")
+            or base.startswith("prefetch:"))
 
 
 def check_slots(slots: int, arms: list[str], m) -> None:

@@ -18,6 +18,7 @@ PREDICTORS = ("repeat", "next-router", "heads")
 EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
 IO_MODES = ("pread", "mmap", "direct")
 READ_AHEAD = ("measured", "always", "never")
+PLACEMENTS = ("auto", "even")
 DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
 IO_WORKERS = 8  # I/O pool threads (every read): they block in the kernel, so more than cores (docs/results/pipeline.md)
@@ -70,6 +71,7 @@ class EngineConfig:
     top_k: int | None = None  # routed experts per token; None: the model's own
     executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
     slots: int | None = None  # slots per staged bank; None: 2K
+    placement: str = "auto"  # streamed, with heads: auto holds every expert of the layers no head routes | even
     memory_budget_gib: float | None = None  # most expert bytes held resident
     io: str = "pread"  # pread | mmap | direct
     io_workers: int = IO_WORKERS  # I/O pool threads
@@ -90,6 +92,7 @@ class EngineConfig:
         _choice("--executor", self.executor, EXECUTORS)
         _choice("--io", self.io, IO_MODES)
         _choice("--read-ahead", self.read_ahead, READ_AHEAD)
+        _choice("--placement", self.placement, PLACEMENTS)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kernel", self.kernel, KERNELS, optional=True)
         _int("--k", self.top_k, 1, None)

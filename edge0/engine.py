@@ -224,6 +224,7 @@ class Engine:
                 "lora": None if c.lora in (None, "none") else c.lora, "top_k": self.top_k,
                 "executor": rt.executor,
                 "slots": rt.banks[0].slots if rt.banks and rt.executor in ("staged", "hot") else None,
+                "held_layers": sorted(rt.held) if rt.held else None,
                 "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
                 "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
                 "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":
@@ -302,7 +303,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
         return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
                                       slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
                                       predicted_routing=c.routing == "predicted", candidates=candidates,
-                                      read_ahead=c.read_ahead)
+                                      read_ahead=c.read_ahead, placement=c.placement)
     return build
 
 

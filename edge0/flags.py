@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PREDICTORS, READ_AHEAD, ROUTINGS, EngineConfig,
-                     Sampling)
+from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
+                     EngineConfig, Sampling)
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
@@ -50,16 +50,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
                         "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")
     p.add_argument("--k", type=int, default=None, metavar="K", help="routed experts per token (default: the model's)")
-    p.add_argument("--slots", type=int, default=None, metavar="S",
-                   help="slots per staged bank, at most the model's experts (default 2K)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
-                   help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
-    p.add_argument("--io", choices=IO_MODES, default="pread",
-                   help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
-    p.add_argument("--io-workers", type=int, default=IO_WORKERS, metavar="N",
-                   help=f"I/O pool threads, every read of the store (default {IO_WORKERS})")
-    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
-                   help="cap read bandwidth at MBPS MB/s, more than 0 (an experiment knob: a slow disk on a fast machine)")
+    _add_memory_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype of non-quantized tensors: auto (float32 on CPU), source, float32, bfloat16, float16")
     p.add_argument("--kernel", choices=KERNELS, default=None,
@@ -74,6 +65,26 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
     p.add_argument("--verify", action="store_true",
                    help="check the resident files' checksums at load and every bundle's checksum as it is read")
 
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """Where the experts wait and how they are read: slots, placement, budget, I/O."""
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="slots per staged bank, at most the model's experts (default 2K)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="auto",
+                   help="streamed routing with heads (predicted; prefetch --predictor heads): auto (default) keeps "
+                        "every expert of the layers no head routes in memory (they route by their own router: no read "
+                        "and no host sync inside a step), the other "
+                        "layers' banks sharing the rest of S slots a layer, where that leaves them 2M slots each and S "
+                        "is under the model's experts; even: S slots every layer")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
+    p.add_argument("--io", choices=IO_MODES, default="pread",
+                   help="pread: preadv into the banks (default); mmap: copy from a mapping; direct: O_DIRECT")
+    p.add_argument("--io-workers", type=int, default=IO_WORKERS, metavar="N",
+                   help=f"I/O pool threads, every read of the store (default {IO_WORKERS})")
+    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
+                   help="cap read bandwidth at MBPS MB/s, more than 0 (an experiment knob: a slow disk on a fast machine)")
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | None = 0,
                        seed_help: str = "random seed (default 0)") -> None:
@@ -98,7 +109,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
         guesses=args.guesses, candidates=args.candidates, read_ahead=args.read_ahead,
-        executor=args.executor, slots=args.slots, memory_budget_gib=args.memory_budget, io=args.io,
+        executor=args.executor, slots=args.slots, placement=args.placement, memory_budget_gib=args.memory_budget,
+        io=args.io,
         io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
         model_id=getattr(args, "model_id", None), prompt_cache_gib=args.prompt_cache_gib,

@@ -26,13 +26,14 @@ class Runtime:
     fence: Fence
     executors: dict  # layer -> executor callable (x, inds) -> (T, K, D)
     banks: list = field(default_factory=list)  # persistent slot banks (staged: 1 per layer; hot: 1 shared)
+    held: dict = field(default_factory=dict)  # staged: layer -> the bank holding every expert of a held layer
     stats: SlotStats = field(default_factory=SlotStats)
     prefill: WholeLayer | None = None
 
     @property
     def resident_expert_bytes(self) -> int:
         """Expert bytes held in banks now (decode banks are allocated at their first use), prefill banks included."""
-        held = sum(b.nbytes for b in self.banks if b.allocated)
+        held = sum(b.nbytes for b in [*self.banks, *self.held.values()] if b.allocated)
         if self.prefill is not None:
             held += sum(b.nbytes for b in self.prefill.banks if b.allocated)
         return held
@@ -97,11 +98,13 @@ class Runtime:
 
 
 def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memory_budget_gib: float | None = None,
-                  slots: int | None = None) -> Runtime:
+                  slots: int | None = None, held: tuple = ()) -> Runtime:
     """Executors for every MoE layer of the store behind `reader`.
 
     staged: one bank of `slots` (default 2K) per layer; hot: one LRU bank shared by all layers, as large
     as the budget allows. Whole-layer prefill (staged, hot) is used when two layers of experts fit the budget.
+    held (staged): layers that hold every expert, loaded now (ResidentExperts), the other layers' banks sharing
+    what `slots` per layer would take (streamed_slots).
     """
     if executor != "auto" and executor not in EXECUTORS:
         raise Edge0Error(f"--executor {executor}: choose auto, {', '.join(EXECUTORS)}")
@@ -130,7 +133,7 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
         return rt
 
     if executor == "staged":
-        return _staged(rt, reader, exact, budget, slots, memory_budget_gib)
+        return _staged(rt, reader, exact, budget, slots, memory_budget_gib, held)
     return _hot(rt, reader, exact, budget)
 
 
@@ -170,8 +173,16 @@ def available_memory() -> int:
     return max(room if capped is None else min(room, capped), 0)
 
 
-def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib) -> Runtime:
-    """One bank of `slots` (default 2K) per layer; whole-layer prefill when two layers fit what is left."""
+def streamed_slots(slots: int, layers: int, held: int, experts: int) -> int:
+    """Slots per bank of the streamed layers when `held` of `layers` hold all their `experts` within the memory of
+    `slots` per layer (0 when every layer is held)."""
+    return 0 if held >= layers else min(experts, (slots * layers - experts * held) // (layers - held))
+
+
+def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib,
+            held: tuple = ()) -> Runtime:
+    """One bank of `slots` (default 2K) per layer, or every expert for the held layers and what is left shared by
+    the others; whole-layer prefill when two layers fit what is left."""
     m, fence, cdtype = reader.manifest, rt.fence, _dtype(exact)
     layers = list(exact)
     per_slot = Bank.slot_bytes(m.pieces, cdtype)  # memory per resident bundle
@@ -188,8 +199,19 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
             budget - (2 * m.num_experts * per_slot if rt.prefill is not None else 0)) - need
     quant = next(iter(exact.values())).quant if exact else None
     pack = quant.group_size if quant is not None and quant.bits == 4 and need <= left else None  # packed copies fit
+    held = [layer for layer in layers if layer in held]
+    per_bank = streamed_slots(s, len(layers), len(held), m.num_experts)
+    if len(held) * m.num_experts > s * len(layers) or (per_bank < m.top_k and len(held) < len(layers)):
+        raise Edge0Error(f"layers {held} cannot hold every expert within {s} slots a layer")
     for layer in layers:
-        bank = Bank(m.pieces, s, fence, cdtype, pack_group_size=pack)
+        if layer in held:  # every expert, loaded now: no read and no host sync at decode
+            bank = Bank(m.pieces, m.num_experts, fence, cdtype)
+            reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
+            bank.commit(range(m.num_experts))
+            rt.held[layer] = bank
+            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=pack is not None)
+            continue
+        bank = Bank(m.pieces, per_bank, fence, cdtype, pack_group_size=pack)
         rt.banks.append(bank)
         cache = SlotCache(bank, rt.stats, m.num_experts)
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=False)

@@ -18,7 +18,9 @@ experts) and brought to the host by the next MoE layer (`pull`), by which time t
 computed it, or at the end of the step. Pulling an already scheduled array waits for that array only,
 never for the work queued after it. A layer whose routing its owner's
 head decided a step ahead (predicted routing) knows its ids and slots on the host already: its graph is
-built with no host round trip at all. Only layers that route with their own router sync (`SYNC`).
+built with no host round trip at all. Only layers that route with their own router sync (`SYNC`), and not
+those that hold every expert (`held`, --placement: pipeline/runtime.py held_layers): their graph gathers
+from all of them by the routed ids, as resident experts do.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.executors import SlotCache, WholeLayer, held_first
-from ..compute.experts import ExactExperts, bank_positions, switch_glu, unique_ids
+from ..compute.experts import ExactExperts, ResidentExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel import current
 from ..compute.kernels import host_eval, queue
 from ..sched.trace import now_us
@@ -60,10 +62,11 @@ class Prediction:
 class PrefetchExperts:
     """One MoE layer under the scheduler: gather from its bank, prefetched during the step before."""
 
-    def __init__(self, layer: int, cache: SlotCache, rt, exact: ExactExperts,
-                 prefill: WholeLayer | None, predictor: str, staged=None):
+    def __init__(self, layer: int, cache: SlotCache | None, rt, exact: ExactExperts,
+                 prefill: WholeLayer | None, predictor: str, staged=None, *, held: ResidentExperts | None = None):
         self.layer, self.cache, self.rt = layer, cache, rt
         self.staged = staged  # the staged executor on the same bank: the whole layer while prefetch is paused
+        self.held = held  # every expert of this layer in memory (--placement): no bank, no read, no host sync
         self.exact, self.prefill, self.predictor = exact, prefill, predictor
         self.quant = exact.quant
         self.num_experts = exact.num_experts
@@ -96,7 +99,24 @@ class PrefetchExperts:
         self.answered = step
         return d.inds, d.plan
 
+    @property
+    def resident(self) -> ResidentExperts | None:
+        """A held layer's experts, which a block may run its whole decode step over (model/blocks.py add_norm)."""
+        return self.held
+
+    def routed(self, x: mx.array, inds: mx.array) -> None:
+        """A held layer's experts `inds` for input x are chosen (here, or by a fused block step): the heads it owns
+        predict their consumers' next step, and inds become the previous token's."""
+        self.ran = self.rt.sched.step
+        predictions = self._predict(x, inds, None) if inds.shape[-2] == 1 else []
+        self.prev_inds = inds[..., -1:, :]
+        if predictions:  # scheduled apart, before the experts
+            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        if self.held is not None:
+            self.routed(x, inds)
+            return self.held(x, inds)
         if self.prefill is not None and self.prefill.wants(inds):
             self.prev_inds = inds[..., -1:, :]
             return self.prefill(self.layer, x, inds)
@@ -199,7 +219,8 @@ class PrefetchExperts:
         owned = {c.layer for _, c in self.heads}
         if rt.paused:
             pass
-        elif self.next is not None and self.next.layer not in owned and self.predictor in ("next-router", "heads"):
+        elif (self.next is not None and self.next.layer not in owned and self.next.held is None
+              and self.predictor in ("next-router", "heads")):
             blk = self.next.block
             p_inds = blk.route(x)[0] if n is None else _likeliest(blk.logits(x), n)
             out.append(Prediction(self.next, step + 1, p_inds, None))  # (B, T, K or n)

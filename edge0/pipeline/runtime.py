@@ -10,9 +10,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from ..compute.experts import unique_ids
+from ..compute.experts import ExactExperts, unique_ids
 from ..compute.kernels import host_eval
-from ..compute.runtime import Runtime, build_runtime
+from ..compute.runtime import Runtime, build_runtime, streamed_slots
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
@@ -244,8 +244,10 @@ class PrefetchRuntime(Runtime):
             if owner not in self.executors or consumer not in self.executors:
                 raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")
             ex = self.executors[consumer]
-            self.executors[owner].heads.append((self.heads.heads[consumer], ex))
             routes = self.heads.routes is None or consumer in self.heads.routes  # else the head only reads ahead
+            if ex.held is not None and not (routes and self.predicted_routing):
+                continue  # every expert held: nothing to read ahead
+            self.executors[owner].heads.append((self.heads.heads[consumer], ex))
             ex.predicted_routing = self.predicted_routing and routes
             if ex.predicted_routing:
                 blocks[consumer].planned = ex.planned
@@ -293,14 +295,16 @@ class _Scheduling:
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
                            slots: int | None = None, queue_depth: int = QUEUE_DEPTH, trace=NULL, heads=None,
                            predicted_routing: bool = False, guesses: int | None = None, top_k: int | None = None,
-                           candidates: int | None = None, read_ahead: str = "measured", **_) -> PrefetchRuntime:
+                           candidates: int | None = None, read_ahead: str = "measured", placement: str = "auto",
+                           **_) -> PrefetchRuntime:
     """One bank per MoE layer (as staged) filled through the store's I/O pool, whole-layer prefill.
 
     heads: a HeadSet (predictor "heads" and predicted routing need one). guesses: read ahead only the predictor's
     N likeliest experts of each predicted set (None: all K). top_k: the K routed (None: the model's).
     candidates: predicted routing reads ahead each head's M likeliest experts, its consumer's router choosing K
     of them (None: K). read_ahead: measured (pause while not reading ahead is faster, or the page cache
-    serves every read), always or never."""
+    serves every read), always or never. placement: auto holds every expert of the layers no head routes, where
+    that fits (held_layers); even gives every layer `slots`."""
     if predictor not in PREDICTORS:
         raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
@@ -309,8 +313,10 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     if guesses is not None and (predicted_routing or not 1 <= guesses <= k):
         why = "predicted routing reads what its heads route" if predicted_routing else f"between 1 and K = {k}"
         raise Edge0Error(f"--guesses {guesses}: {why}")
-    base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots)
-    rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, stats=base.stats, prefill=base.prefill)
+    held = held_layers(reader.manifest, heads, slots, candidates or k) if heads and placement == "auto" else ()
+    base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots, held=held)
+    rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, held=base.held, stats=base.stats,
+                         prefill=base.prefill)
     rt.pending = []
     rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
     reader.pool.trace = trace
@@ -321,5 +327,24 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.guesses = None if guesses == k else guesses
     rt.gate = read_ahead_gate(read_ahead)
     for layer, staged in base.executors.items():
+        if layer in base.held:
+            exact = ExactExperts(reader, layer, compute_dtype)  # its quantization and experts (nothing is read)
+            rt.executors[layer] = PrefetchExperts(layer, None, rt, exact, None, predictor, held=staged)
+            continue
         rt.executors[layer] = PrefetchExperts(layer, staged.cache, rt, staged.exact, base.prefill, predictor, staged)
     return rt
+
+
+def held_layers(m, heads, slots: int | None, candidates: int) -> tuple:
+    """--placement auto with heads: the layers no head routes (under predicted routing their own router decides,
+    so their reads can only be guessed ahead, and each costs a host sync and a wait for the disk inside the step;
+    under prefetch routing their heads are the weak ones) hold every expert, where that fits in the memory of
+    `slots` per layer (default 2K) and leaves each other layer at least twice its candidates (a step's and the
+    next's). Else none; none either where S slots hold every expert already (the banks fill as they are used)."""
+    layers = [e.layer for e in m.layers]
+    routed = set(heads.owners if heads.routes is None else heads.routes) & set(heads.owners)
+    own = tuple(layer for layer in layers if layer not in routed)
+    s = slots or 2 * m.top_k
+    if not own or len(own) == len(layers) or s >= m.num_experts:
+        return ()
+    return own if streamed_slots(s, len(layers), len(own), m.num_experts) >= 2 * candidates else ()

@@ -1,0 +1,94 @@
+"""--placement under streamed predicted routing: the layers no head routes hold every expert within the memory the
+even banks would take, route by their own router with no read and no host sync, and answer bit for bit as the
+even placement does."""
+
+import numpy as np
+import pytest
+
+from edge0.compute.runtime import streamed_slots
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.errors import Edge0Error
+from edge0.pipeline.prefetch import PrefetchExperts
+
+from .test_identity import real_text
+
+ON_HOST = PrefetchExperts._on_host  # the routed ids to the host: a layer's sync inside a step
+ROUTED = {2, 3, 4}  # the demo's heads route layers 2-4; layers 0, 1 and 5 route by their own router
+
+
+def _run(ids, monkeypatch, **config) -> tuple[np.ndarray, dict, set, set]:
+    """Forced log-probabilities, describe(), and the layers that synced with the host / read on demand."""
+    synced, demanded = set(), set()
+
+    def record_sync(self, inds):
+        synced.add(self.layer)
+        return ON_HOST(self, inds)
+
+    monkeypatch.setattr(PrefetchExperts, "_on_host", record_sync)
+    with open_engine(EngineConfig(**({"routing": "predicted", "executor": "staged"} | config))) as engine:
+        sched = engine.store.runtime.sched
+        begin = sched.demand_begin
+
+        def record_demand(layer, cache, ids):
+            demanded.add(layer)
+            return begin(layer, cache, ids)
+
+        sched.demand_begin = record_demand
+        lp = np.array(engine.forced_logprobs(ids))
+        return lp, engine.describe() | {"bytes": engine.store.runtime.resident_expert_bytes}, synced, demanded
+
+
+def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step(monkeypatch):
+    """20 slots a layer: layers 0, 1, 5 hold their 32 experts, layers 2-4 share the rest (8 slots each), the same
+    bytes as 20 everywhere. The same log-probabilities bit for bit on real text; the held layers never wait for the
+    host or the disk, where with even banks they do both."""
+    ids = real_text()
+    held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, slots=20)
+    even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, slots=20, placement="even")
+    assert d_held["held_layers"] == [0, 1, 5] and d_held["slots"] == 8
+    assert d_even["held_layers"] is None and d_even["slots"] == 20
+    assert d_held["bytes"] == d_even["bytes"]  # the same memory, placed otherwise
+    assert held.shape == even.shape and np.array_equal(held, even)
+    assert {0, 1, 5} <= synced_even and {0, 1, 5} <= demanded_even
+    assert not synced_held & {0, 1, 5} and not demanded_held & {0, 1, 5}
+    assert demanded_held <= ROUTED
+
+
+@pytest.mark.parametrize("config", [{"slots": 16}, {"slots": 20, "candidates": 8}, {"slots": 20, "routing": "prefetch",
+                                                                                      "predictor": "next-router"},
+                                    {"slots": 32}],
+                         ids=["too-few-slots-left", "too-few-for-2M", "no-heads", "every-expert-everywhere"])
+def test_no_layer_is_held_where_the_rest_would_be_starved_or_no_head_tells_the_layers_apart(config):
+    """16 slots a layer leave none to the routed layers once three hold 32; 20 leave 8, under twice 8 candidates;
+    prefetch by the next layer's router has no heads to tell which layers read ahead well; 32 slots hold every expert
+    in every layer already."""
+    c = {"routing": "predicted", "executor": "staged"} | config
+    with open_engine(EngineConfig(**c)) as engine:
+        assert engine.describe()["held_layers"] is None
+        assert engine.describe()["slots"] == config["slots"]
+
+
+def test_prefetch_by_heads_holds_the_layers_of_weak_heads_and_stays_token_identical_to_native(monkeypatch):
+    """Under prefetch routing every layer's router decides; the heads that would not route (none for layers 0, 1, 5 on
+    the demo) name the layers to hold: the log-probabilities stay native's bit for bit, the held layers never sync."""
+    ids = real_text()
+    lp, described, synced, demanded = _run(ids, monkeypatch, slots=20, routing="prefetch", predictor="heads")
+    assert described["held_layers"] == [0, 1, 5]
+    assert not synced & {0, 1, 5} and not demanded & {0, 1, 5} and synced == ROUTED
+    with open_engine(EngineConfig(routing="native", executor="resident", lora="none")) as engine:
+        native = np.array(engine.forced_logprobs(ids))
+    assert np.array_equal(lp, native)
+
+
+def test_streamed_slots_share_what_the_held_layers_leave():
+    assert streamed_slots(20, 6, 3, 32) == 8
+    assert streamed_slots(24, 6, 2, 32) == 20
+    assert streamed_slots(32, 6, 3, 32) == 32  # every expert everywhere: nothing changes
+    assert streamed_slots(30, 4, 1, 32) == 29
+    assert streamed_slots(8, 6, 6, 32) == 0
+
+
+def test_a_bad_placement_is_refused_by_name():
+    with pytest.raises(Edge0Error, match="--placement"):
+        EngineConfig(placement="uneven").check()
