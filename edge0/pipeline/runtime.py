@@ -16,7 +16,7 @@ from ..compute.runtime import Runtime, build_runtime, streamed_slots
 from ..errors import Edge0Error
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
-from .gate import ReadAheadGate, read_ahead_gate
+from .gate import CertainReads, ReadAheadGate, read_ahead_gate
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
@@ -240,6 +240,13 @@ class PrefetchRuntime(Runtime):
             self.executors[a].next = self.executors[b]
         if self.heads is None:
             return
+        self._link_heads(blocks)
+        if type(self.gate) is ReadAheadGate and self.predicted_routing and all(
+                ex.held is not None or ex.predicted_routing for ex in self.executors.values()):
+            self.gate = CertainReads()  # nothing is guessed: every read ahead is one the step makes
+
+    def _link_heads(self, blocks: dict) -> None:
+        """Each head to its owner's executor, but a held layer's that only reads ahead; routing heads to their blocks."""
         for consumer, owner in sorted(self.heads.owners.items()):
             if owner not in self.executors or consumer not in self.executors:
                 raise Edge0Error(f"head for layer {consumer} (owned by layer {owner}): the store has no such MoE layer")

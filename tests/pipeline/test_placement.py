@@ -9,6 +9,7 @@ from edge0.compute.runtime import streamed_slots
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
+from edge0.pipeline.gate import CertainReads
 from edge0.pipeline.prefetch import PrefetchExperts
 
 from .test_identity import real_text
@@ -79,6 +80,19 @@ def test_prefetch_by_heads_holds_the_layers_of_weak_heads_and_stays_token_identi
     with open_engine(EngineConfig(routing="native", executor="resident", lora="none")) as engine:
         native = np.array(engine.forced_logprobs(ids))
     assert np.array_equal(lp, native)
+
+
+@pytest.mark.parametrize("placement", ["auto", "even"])
+def test_with_nothing_guessed_every_step_reads_ahead_from_the_disk(placement):
+    """Held layers leave predicted routing nothing to guess: each read ahead is one the step makes, so the measured
+    gate does not pause (pausing would only start the reads at the step's end); with even banks layers 0, 1 and 5 are
+    guessed ahead and the gate measures a paused window."""
+    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, placement=placement, io="direct",
+                                  cold=True)) as engine:
+        rt = engine.store.runtime
+        engine.forced_logprobs(real_text()[:48])
+        assert isinstance(rt.gate, CertainReads) == (placement == "auto")
+        assert (rt.paused_steps == 0) == (placement == "auto") and rt.flushed_steps >= 40
 
 
 def test_streamed_slots_share_what_the_held_layers_leave():
