@@ -25,13 +25,15 @@ def test_run_with_defaults():
 
 def test_the_summary_line_says_what_was_read():
     """Without --json the run ends with one line on stderr: resident experts say so (nothing read per token);
-    streamed ones give the reads and the slot hit rate, and scheduled ones how many steps read ahead."""
+    streamed ones give the reads and the slot hit rate, and scheduled ones how many steps read ahead (and which layers
+    hold every expert, --placement)."""
     import subprocess
     import sys
 
     for flags, said in (((), "every expert resident ("), (("--executor", "staged"), "% cold), slot hit rate "),
                         (("--executor", "staged", "--read-ahead", "never"), "read ahead at 0 of 4 steps"),
-                        (("--executor", "staged", "--read-ahead", "always"), "read ahead at 4 of 4 steps")):
+                        (("--executor", "staged", "--read-ahead", "always"), "read ahead at 4 of 4 steps"),
+                        (("--executor", "staged", "--slots", "20"), "layers 0, 1, 5 holding every expert")):
         proc = subprocess.run([sys.executable, "-m", "edge0.run", "--max-tokens", "4", *flags], capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

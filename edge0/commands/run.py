@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
                  if result["executor"] == "resident" else
                  f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
                  f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
+        if result.get("held_layers"):  # --placement: layers that route by their own router with every expert held
+            reads += f", layers {', '.join(map(str, result['held_layers']))} holding every expert"
         if result.get("paused_steps") is not None:  # scheduled routing: how often the step read ahead (the gate)
             reads += f", read ahead at {result['read_ahead_steps']} of {result['flushed_steps']} steps"
         print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
