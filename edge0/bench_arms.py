@@ -6,8 +6,7 @@ from .errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
         "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",
-        "predicted:resident",
-        "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
+        "predicted:resident", "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 
 
 def split_arm(arm: str) -> tuple[str, str, str]:

@@ -66,7 +66,6 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                    help="check the resident files' checksums at load and every bundle's checksum as it is read")
 
 
-
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     """Where the experts wait and how they are read: slots, placement, budget, I/O."""
     p.add_argument("--slots", type=int, default=None, metavar="S",
@@ -74,9 +73,9 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="streamed routing with heads (predicted; prefetch --predictor heads): auto (default) keeps "
                         "every expert of the layers no head routes in memory (they route by their own router: no read "
-                        "and no host sync inside a step), the other "
-                        "layers' banks sharing the rest of S slots a layer, where that leaves them 2M slots each and S "
-                        "is under the model's experts; even: S slots every layer")
+                        "and no host sync inside a step), the other layers' banks sharing the rest of S slots a layer, "
+                        "where that leaves them 2M slots each and S is under the model's experts; even: S slots every "
+                        "layer")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
     p.add_argument("--io", choices=IO_MODES, default="pread",
@@ -85,6 +84,7 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help=f"I/O pool threads, every read of the store (default {IO_WORKERS})")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS",
                    help="cap read bandwidth at MBPS MB/s, more than 0 (an experiment knob: a slow disk on a fast machine)")
+
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | None = 0,
                        seed_help: str = "random seed (default 0)") -> None:
@@ -110,8 +110,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
         guesses=args.guesses, candidates=args.candidates, read_ahead=args.read_ahead,
         executor=args.executor, slots=args.slots, placement=args.placement, memory_budget_gib=args.memory_budget,
-        io=args.io,
-        io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
+        io=args.io, io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
         model_id=getattr(args, "model_id", None), prompt_cache_gib=args.prompt_cache_gib,
         max_batch=getattr(args, "max_batch", 1), **overrides).check()
