@@ -327,7 +327,8 @@ def bench(args) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas(),
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
-            "slots": getattr(args, "slots", None), "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost, "threads": threads(args),
+            "slots": getattr(args, "slots", None), "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost,
+            "threads": threads(args),
             "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
             "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
             "replay": args.replay}

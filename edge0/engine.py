@@ -89,6 +89,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
         raise Edge0Error(f"--guesses {c.guesses}: only used with --routing prefetch (other routings read what they route)")
     if c.read_ahead != "measured" and routing == "native":
         raise Edge0Error(f"--read-ahead {c.read_ahead}: only used with --routing prefetch or predicted")
+    if c.placement != "auto" and routing == "native":
+        raise Edge0Error(f"--placement {c.placement}: only used with --routing prefetch or predicted (and heads)")
     if c.candidates is not None and routing != "predicted":
         raise Edge0Error(f"--candidates {c.candidates}: only used with --routing predicted")
     if predictor is not None and routing == "native":

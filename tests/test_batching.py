@@ -40,9 +40,10 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
 # the solo ones on the edge0 kernels, the cause not pinned down; on the tree that added it here, 24 runs of 8 prompts
 # at batch sizes 2, 4 and 8, with and without reading ahead and a slow disk, found no difference.) None (the
 # default, predicted) and "native" run every expert resident on the demo (auto: they fit); "-staged" streams them
-# into slot banks.
+# into slot banks; "-staged:20" into 20 slots a layer, where layers 0, 1 and 5 hold every expert (--placement).
 AS_ALONE = [(r, "mlx") for r in (None, "predicted-staged", "native", "native-staged", "prefetch")] + [
-    (r, "edge0") for r in (None, "predicted-staged", "native", "native-staged", "prefetch") if kernels.available()]
+    (r, "edge0") for r in (None, "predicted-staged", "predicted-staged:20", "native", "native-staged", "prefetch")
+    if kernels.available()]
 
 
 @pytest.mark.parametrize("routing,kernel", AS_ALONE)
@@ -53,8 +54,10 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
     the heads' history follows the rows."""
     lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
     routing, _, executor = (routing or "").partition("-")
+    executor, _, slots = executor.partition(":")
     with open_engine(EngineConfig(routing=routing or None, executor=executor or "auto", max_batch=4, kernel=kernel,
-                                  prompt_cache_gib=0)) as engine:
+                                  slots=int(slots) if slots else None, prompt_cache_gib=0)) as engine:
+        assert bool(slots) == bool(engine.describe()["held_layers"])
         solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=stagger, max_tokens=lengths)
     for p in PROMPTS:

@@ -124,17 +124,22 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     if executor == "resident":
         packable = packed_copies_fit(m, compute_dtype, budget)
         for layer in layers:
-            bank = Bank(m.pieces, m.num_experts, fence, compute_dtype)
-            reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
-            bank.commit(range(m.num_experts))
+            bank, rt.executors[layer] = _resident(reader, layer, fence, compute_dtype, exact[layer].quant, packable)
             rt.banks.append(bank)
-            # never written again
-            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=packable)
         return rt
 
     if executor == "staged":
         return _staged(rt, reader, exact, budget, slots, memory_budget_gib, held)
     return _hot(rt, reader, exact, budget)
+
+
+def _resident(reader, layer: int, fence: Fence, compute_dtype, quant, packable: bool) -> tuple[Bank, ResidentExperts]:
+    """Every expert of `layer` read into a bank of E slots, never written again, and its executor."""
+    m = reader.manifest
+    bank = Bank(m.pieces, m.num_experts, fence, compute_dtype)
+    reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
+    bank.commit(range(m.num_experts))
+    return bank, ResidentExperts(bank.arrays, quant, packable=packable)
 
 
 def auto_executor(m, compute_dtype, budget: int | None) -> str:
@@ -205,11 +210,8 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
         raise Edge0Error(f"layers {held} cannot hold every expert within {s} slots a layer")
     for layer in layers:
         if layer in held:  # every expert, loaded now: no read and no host sync at decode
-            bank = Bank(m.pieces, m.num_experts, fence, cdtype)
-            reader.read_layer_into(layer, [bank.write_buffers(e) for e in range(m.num_experts)])
-            bank.commit(range(m.num_experts))
-            rt.held[layer] = bank
-            rt.executors[layer] = ResidentExperts(bank.arrays, exact[layer].quant, packable=pack is not None)
+            rt.held[layer], rt.executors[layer] = _resident(reader, layer, fence, cdtype, exact[layer].quant,
+                                                            pack is not None)
             continue
         bank = Bank(m.pieces, per_bank, fence, cdtype, pack_group_size=pack)
         rt.banks.append(bank)

@@ -110,8 +110,7 @@ class PrefetchExperts:
         self.ran = self.rt.sched.step
         predictions = self._predict(x, inds, None) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
-        if predictions:  # scheduled apart, before the experts
-            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+        self._schedule(predictions)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self.held is not None:
@@ -143,6 +142,7 @@ class PrefetchExperts:
                 got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             host, ids = self._on_host(inds) if chosen else (host, ids)
+            self._schedule(self._predict(x, inds, ids) if inds.shape[-2] == 1 else [])  # its heads still decide
             self.prev_inds = inds[..., -1:, :]
             return self.exact.compute(x, host, ids)
         slots, reads = got
@@ -166,11 +166,17 @@ class PrefetchExperts:
         where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
         y = early() if early is not None else switch_glu(x, where, arrays, self.quant, owner=self)
         t0 = now_us()
-        if predictions:  # scheduled apart, before the experts: one async_eval runs its outputs' graphs interleaved
-            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+        self._schedule(predictions)
         queue(y)  # returns once MLX's queue has room: a long wait means the stream is busy (good)
         rt.span(f"queue L{self.layer}", "compute", t0)
         return y
+
+    @staticmethod
+    def _schedule(predictions: list) -> None:
+        """Predictions' graphs evaluated apart, before the experts (one async_eval runs its outputs' graphs
+        interleaved, so the predictions would wait for the experts)."""
+        if predictions:
+            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
 
     def _on_host(self, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
         """The routed ids on the host, and their unique values."""
@@ -187,8 +193,7 @@ class PrefetchExperts:
         self.ran = step
         predictions = self._predict(x, inds, None) if self.routes_ahead and inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
-        if predictions:
-            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+        self._schedule(predictions)
         return self.staged(x, inds)
 
     def plan_waiting(self) -> None:

@@ -103,6 +103,12 @@ def test_streamed_slots_share_what_the_held_layers_leave():
     assert streamed_slots(8, 6, 6, 32) == 0
 
 
-def test_a_bad_placement_is_refused_by_name():
+def test_a_bad_placement_is_refused_by_name(capsys):
+    """Not a placement, or one given where nothing is placed (native routing): one line naming the flag."""
+    from edge0.cli import main
+
     with pytest.raises(Edge0Error, match="--placement"):
         EngineConfig(placement="uneven").check()
+    assert main(["run", "--routing", "native", "--placement", "even", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--placement even: only used with --routing prefetch or predicted" in err and "Traceback" not in err
