@@ -3,6 +3,7 @@ with the adapter as served (bfloat16), the adapter in float32, and no adapter, t
 for docs/results/cpu-kernels.md.
 
     python tools/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
+        [--executor staged] [--slots N]
 
 Each round runs every arm once on the same prompt (--prompt-tokens ids of Python's json/decoder.py) and the same
 forced tokens (the ids after it: routing varies as in use, and every arm does the same work); the arms swap the
@@ -30,6 +31,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=257)
     p.add_argument("--lora", default=None, metavar="FILE", help="the adapter (default: the one the store serves)")
+    p.add_argument("--executor", default="auto", help="--executor (default auto); staged: the streamed pipeline")
+    p.add_argument("--slots", type=int, default=None, help="--slots, slots per staged bank (default 2K)")
     a = p.parse_args()
     if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
@@ -55,7 +58,8 @@ def main() -> int:
         return LoRABranch(a_, b_, m.scale) if isinstance(m, LoRABranch) else LoRALinear(m["base"], a_, b_, m.scale)
 
     try:
-        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0, lora=a.lora)) as engine:
+        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0, lora=a.lora, executor=a.executor,
+                                      slots=a.slots)) as engine:
             served = adapted(engine.store.model)
             if not served:
                 raise Edge0Error(f"{engine.config.model}: the engine serves no adapter (--lora none, or none beside the "
