@@ -280,8 +280,9 @@ class QMV : public mx::UnaryPrimitive, public Computes {
     run(in, out, size, group_size_, ratio_, has_idx_, glu_, combine_);
   }
 
+  // remap (optional): each index's position in the weights (a slot bank's table of expert id -> slot)
   static void run(const std::vector<mx::array>& inputs, float* out, int64_t size, int gs, int64_t ratio, bool has_idx,
-                  bool glu, bool combine) {
+                  bool glu, bool combine, const uint32_t* remap = nullptr) {
     const auto& x = inputs[0];
     const int64_t D = x.shape(-1), Rx = x.size() / D;
     const size_t nw = glu ? 9 : 3;
@@ -296,7 +297,7 @@ class QMV : public mx::UnaryPrimitive, public Computes {
     const int64_t N = q.back().N, R = has_idx ? inputs[1 + nw].size() : size / N;
     const uint32_t* idx = has_idx ? dense_data<uint32_t>(inputs[1 + nw], it) : nullptr;
     std::vector<Pair> pairs(R);
-    for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)idx[o] : 0, o / ratio, o};
+    for (int64_t o = 0; o < R; o++) pairs[o] = {idx ? (int64_t)(remap ? remap[idx[o]] : idx[o]) : 0, o / ratio, o};
     const float* xd = dense_data<float>(x, xt);
     const bool prompt = spread(Rx);  // token rows: a prompt chunk or a batch's step
     if (!glu) {
@@ -996,17 +997,21 @@ class AddRMSNormOp : public MultiOp {
 // the residual add with the RMS norm after it. Each part runs the function its own node runs (QMV, SoftmaxTopK,
 // GLU+Combine, AddRMSNorm), in that order on the same values, so the bits of those four nodes, from one.
 // With a recovery adapter's branch beside the block (lora_a, lora_b: two last inputs, and its scale), the experts' sum
-// then takes the branch as AdaptAdd adds it (the same function), before the add-norm.
-// Inputs: x, router (w, scales, biases), gate, up, down (w, scales, biases each), h, norm weight[, among][, lora_a,
-// lora_b]; outputs: h + the experts' sum, its norm, the routed ids (T.., k) and their weights.
+// then takes the branch as AdaptAdd adds it (the same function), before the add-norm. With a table (E,) uint32, the
+// experts are a slot bank's S slots and table[id] is the slot holding expert id (a streamed layer whose candidates
+// were read a step ahead): the routed ids stay expert ids, their products read the slots.
+// Inputs: x, router (w, scales, biases), gate, up, down (w, scales, biases each), h, norm weight[, among][, table]
+// [, lora_a, lora_b]; outputs: h + the experts' sum, its norm, the routed ids (T.., k) and their weights.
 class MoeBlockOp : public MultiOp {
  public:
-  MoeBlockOp(mx::Stream s, int router_gs, int k, bool norm_topk, bool among, int gs, float eps, float branch)
-      : MultiOp(s), router_gs_(router_gs), k_(k), norm_topk_(norm_topk), among_(among), gs_(gs), eps_(eps),
-        branch_(branch) {}
+  MoeBlockOp(mx::Stream s, int router_gs, int k, bool norm_topk, bool among, bool table, int gs, float eps,
+             float branch)
+      : MultiOp(s), router_gs_(router_gs), k_(k), norm_topk_(norm_topk), among_(among), table_(table), gs_(gs),
+        eps_(eps), branch_(branch) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs, [rgs = router_gs_, k = k_, norm = norm_topk_, among = among_, gs = gs_, eps = eps_,
-                               branch = branch_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    dispatch(inputs, outputs, [rgs = router_gs_, k = k_, norm = norm_topk_, among = among_, table = table_, gs = gs_,
+                               eps = eps_, branch = branch_](const std::vector<mx::array>& in,
+                                                             std::vector<mx::array>& out) {
       const int64_t D = in[0].shape(-1), T = in[0].size() / D, E = in[1].shape(-2), N = in[10].shape(-2);
       std::vector<float> logits(T * E), y(T * N), ht, wt;
       QMV::run({in[0], in[1], in[2], in[3]}, logits.data(), T * E, rgs, 1, false, false, false);
@@ -1015,7 +1020,9 @@ class MoeBlockOp : public MultiOp {
                    among ? dense_data<uint32_t>(in[15], ct) : nullptr, among ? in[15].shape(-1) : 0);
       std::vector<mx::array> glu{in[0], in[4], in[5], in[6], in[7], in[8], in[9], in[10], in[11], in[12], out[2],
                                  out[3]};
-      QMV::run(glu, y.data(), T * N, gs, k, true, true, true);
+      std::vector<uint32_t> tt;
+      QMV::run(glu, y.data(), T * N, gs, k, true, true, true,
+               table ? dense_data<uint32_t>(in[15 + among], tt) : nullptr);
       if (branch != 0.f) {
         std::vector<float> xt;
         const size_t at = in.size() - 2;
@@ -1029,12 +1036,12 @@ class MoeBlockOp : public MultiOp {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const MoeBlockOp&>(other);
     return router_gs_ == o.router_gs_ && k_ == o.k_ && norm_topk_ == o.norm_topk_ && among_ == o.among_ &&
-           gs_ == o.gs_ && eps_ == o.eps_ && branch_ == o.branch_;
+           table_ == o.table_ && gs_ == o.gs_ && eps_ == o.eps_ && branch_ == o.branch_;
   }
 
  private:
   int router_gs_, k_;
-  bool norm_topk_, among_;
+  bool norm_topk_, among_, table_;
   int gs_;
   float eps_, branch_;  // branch_: the adapter branch's scale (0: none)
 };
@@ -1664,21 +1671,24 @@ static mx::array adapt_add_op(const mx::array& y, const mx::array& x, const mx::
 // router's product, its softmax top-k (chosen among `among`, predicted routing's candidates, when given), the routed
 // experts' SwiGLU, their weighted sum and the residual add with the RMS norm after it, as one node (MoeBlockOp) with
 // the bits of the nodes SoftmaxMoeBlock, compute/qmm.py gather_glu, compute/routing.py and add_norm build one by one.
-// Returns (h + the experts' sum, its norm, the routed ids).
+// With `table`, the experts are a slot bank (see MoeBlockOp). Returns (h + the experts' sum, its norm, the routed ids).
 static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& h, const std::vector<mx::array>& router,
                                            int router_group_size, int k, bool norm_topk,
                                            const std::optional<mx::array>& among, const std::vector<mx::array>& gate,
                                            const std::vector<mx::array>& up, const std::vector<mx::array>& down,
                                            int group_size, const mx::array& norm, float eps,
                                            const std::optional<mx::array>& lora_a,
-                                           const std::optional<mx::array>& lora_b, float lora_scale) {
+                                           const std::optional<mx::array>& lora_b, float lora_scale,
+                                           const std::optional<mx::array>& table) {
   if (router.size() != 3) fail("moe_block: the router is (w, scales, biases)");
   const int64_t T = check_x(x, router_group_size), D = x.shape(-1);
   check_x(x, group_size);
   const int64_t E = check_weights(router[0], router[1], router[2], D, router_group_size);
   if (router[0].ndim() != 2 || k < 1 || k > E) fail("moe_block: the router must be (E, D*bits/32) and 1 <= k <= E");
-  if (check_glu(gate, up, down, D, group_size) != D || gate[0].shape(0) != E)
+  if (check_glu(gate, up, down, D, group_size) != D || (!table && gate[0].shape(0) != E))
     fail("moe_block: the experts must be the router's E, their down projection back to D");
+  if (table && (table->dtype() != mx::uint32 || table->ndim() != 1 || table->shape(0) != E))
+    fail("moe_block: the table must be uint32 (E,): each expert's slot in the bank");
   need_f32(h, "moe_block", "h");
   need_f32(norm, "moe_block", "the norm weight");
   if (h.shape() != x.shape() || norm.ndim() != 1 || norm.shape(0) != D)
@@ -1690,6 +1700,7 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
   in.push_back(h);
   in.push_back(norm);
   if (among) in.push_back(*among);
+  if (table) in.push_back(*table);
   if (lora_a.has_value() != lora_b.has_value()) fail("moe_block: lora_a and lora_b come together");
   if (lora_a) {
     if (!lora_fits(*lora_a, *lora_b, D, D) || lora_scale == 0.f)
@@ -1702,7 +1713,8 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
   auto s = mx::default_stream(mx::Device::cpu);
   auto out = mx::array::make_arrays({x.shape(), x.shape(), ids, ids}, {mx::float32, mx::float32, mx::uint32, mx::float32},
                                     std::make_shared<MoeBlockOp>(s, router_group_size, k, norm_topk, (bool)among,
-                                                                 group_size, eps, lora_a ? lora_scale : 0.f),
+                                                                 (bool)table, group_size, eps,
+                                                                 lora_a ? lora_scale : 0.f),
                                     std::move(in));
   return {out[0], out[1], out[2]};
 }
@@ -1878,11 +1890,11 @@ NB_MODULE(_kernels, m) {
         "with the bits of the nodes those calls build. Returns [h + attention, its norm, keys, values].");
   m.def("moe_block", &edge0::moe_block_op, "x"_a, "h"_a, "router"_a, "router_group_size"_a, "k"_a, "norm_topk"_a,
         "among"_a.none(), "gate"_a, "up"_a, "down"_a, "group_size"_a, "norm"_a, "eps"_a, "lora_a"_a = nb::none(),
-        "lora_b"_a = nb::none(), "lora_scale"_a = 0.f,
+        "lora_b"_a = nb::none(), "lora_scale"_a = 0.f, "table"_a = nb::none(),
         "A new token (one a row) through an MoE block of resident experts: qmv of the router, softmax_topk (among "
         "the candidates when given), glu, combine, adapt_add of the adapter's branch when given, add_rms_norm with "
-        "h, as one node with the bits of the nodes those calls build. Returns [h + the experts' sum, its norm, the "
-        "routed ids].");
+        "h, as one node with the bits of the nodes those calls build. With table (E,) uint32 the experts are a slot "
+        "bank and table[id] the slot of expert id. Returns [h + the experts' sum, its norm, the routed ids].");
   m.def("adapt_add", &edge0::adapt_add_op, "y"_a, "x"_a, "lora_a"_a, "lora_b"_a, "scale"_a,
         "y + scale * (x lora_a) lora_b: an adapter's branch beside a block whose output is y, with the bits qmv_lora "
         "adds its branch with.");

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from ..compute import expert_math
 from ..compute.kernel import current, remembered
+from ..compute.kernels import queue
 from ..compute.qmm import KernelQuantizedLinear, fits, glu_parts
 from ..compute.routing import choose_among, combine, combine_compiled, sigmoid_group_topk, softmax_topk
 
@@ -65,26 +66,46 @@ class SoftmaxMoeBlock(nn.Module):
         expert resident, on the edge0 kernel: the router, its top-k (among the candidates decided ahead, under
         predicted routing), the experts' SwiGLU, their weighted sum and the add-norm as one node (Edge0MoeBlock)
         from one call into the extension, with the bits of the nodes those build one by one; None where that does
-        not apply (the caller runs self(x) and add_norm)."""
+        not apply (the caller runs self(x) and add_norm). A streamed layer whose candidates were decided a step ahead
+        (predicted routing) runs the same node over its slot bank, with the table of each candidate's slot
+        (pipeline/prefetch.py bank_step)."""
         ext = current().ext
-        resident = getattr(self.executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
-        if (ext is None or resident is None or self.shared or x.ndim != 3 or x.shape[1] != 1 or x.dtype != mx.float32
-                or expert_math.current() is not None):
+        executor = self.executor
+        resident = getattr(executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
+        streamed = resident is None and getattr(executor, "bank_step", None) is not None  # a slot bank, decided ahead
+        if (ext is None or (resident is None and not streamed) or self.shared or x.ndim != 3 or x.shape[1] != 1
+                or x.dtype != mx.float32 or expert_math.current() is not None):
             return None
-        gate, bank, w = self["gate"], resident.bank, norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
+        gate, w = self["gate"], norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
+        experts = resident if resident is not None else executor.banked_experts()
+        if experts is None:
+            return None
+        bank = experts.bank
         arrays = (gate["weight"], gate["scales"], gate.get("biases"), gate.get("bias"), w, *bank.values())
-        args = remembered(self, "_edge0_moe", arrays, (ext, x.shape[-1]), lambda: _moe_args(ext, self, resident, w, x))
+        args = remembered(self, "_edge0_moe", arrays, (ext, x.shape[-1]), lambda: _moe_args(ext, self, experts, w, x))
         if args is None:
             return None
         planned = self.planned() if self.planned is not None else None
         among = planned[0] if planned is not None else None
-        if among is not None and among.dtype != mx.uint32:
+        if (among is not None and among.dtype != mx.uint32) or (streamed and among is None):
             return None
+        table = None
+        if streamed:  # its candidates into the bank (read a step ahead, or now), and where each one is
+            got = executor.bank_step()
+            if got is None:
+                return None
+            table = got[1]
         router, router_gs, parts, gs = args
         branch = self["branch"].arrays() if "branch" in self else (None, None, 0.0)  # served bf16 under float32 x
         h, x_out, inds = ext.moe_block(x, h, router, router_gs, self.top_k, self.norm_topk_prob, among, *parts, gs, w,
-                                       norm.eps, *branch)
-        self.executor.routed(x, inds)
+                                       norm.eps, *branch, table)
+        if getattr(executor, "pulls_predictions", False) and executor.heads:
+            # its heads' predictions go to the host within the step: their routed ids from the router's own nodes
+            # (the node's, bit for bit), so that they do not wait for the experts' products
+            inds = (self.choose(x, among, planned[1]) if among is not None else self.route(x))[0]
+        executor.routed(x, inds)
+        if streamed:
+            queue(x_out)  # as a staged layer's experts are: the stream computes while the next layers are built
         return h, x_out
 
 

@@ -87,6 +87,7 @@ class PrefetchExperts:
         self.answered = -1
         self.ran = -1
         self.waiting = []
+        self._banked = self._begun = None
 
     def planned(self):
         """The block's hook: routing decided for this layer at the step before, for the step now built."""
@@ -105,12 +106,62 @@ class PrefetchExperts:
         return self.held
 
     def routed(self, x: mx.array, inds: mx.array) -> None:
-        """A held layer's experts `inds` for input x are chosen (here, or by a fused block step): the heads it owns
-        predict their consumers' next step, and inds become the previous token's."""
+        """This layer's experts `inds` for input x are chosen (here, or by a fused block step, model/blocks.py
+        add_norm): the heads it owns predict their consumers' next step, and inds become the previous token's. A
+        streamed layer's fused step (bank_step before it) then plans the fills waiting for it."""
         self.ran = self.rt.sched.step
-        predictions = self._predict(x, inds, None) if inds.shape[-2] == 1 else []
+        banked, self._banked = self._banked, None
+        if banked is not None and self.waiting:
+            with self.rt.scheduling(self.layer):
+                self.plan_waiting()
+        predictions = self._predict(x, inds, banked) if inds.shape[-2] == 1 else []
         self.prev_inds = inds[..., -1:, :]
         self._schedule(predictions)
+
+    def banked_experts(self) -> "BankedExperts | None":
+        """This layer's slot bank as the experts a block's one-call step reads (with bank_step's table); None where
+        it has none."""
+        if self.cache is None or self.held is not None:
+            return None
+        if self._bank_view is None:
+            self._bank_view = BankedExperts(self.cache.bank.arrays, self.quant)
+        return self._bank_view
+
+    def bank_step(self) -> tuple[dict, mx.array] | None:
+        """A streamed layer's decode step whose routing its owner's head decided a step ahead, run by the block in one
+        call (model/blocks.py add_norm, the edge0 kernel's Edge0MoeBlock over this bank): once the candidates are in
+        the bank, (the bank's arrays, the table (E,) uint32 of each candidate's slot), marked read; then the block
+        calls `routed`. None where this step goes __call__'s way (not decided, or paused on the layer's whole bank);
+        where the candidates do not fit the bank __call__ goes on from what this began."""
+        rt = self.rt
+        step = rt.sched.step
+        d = self.decided.get(step) if self.answered == step else None
+        if d is None or self.held is not None or self.cache is None or d.inds.dtype != mx.uint32:
+            return None
+        rt.settle()
+        got = self._slots(d, d.ids)
+        if got is None:
+            self._begun = (step, got)  # the exact way, in __call__
+            return None
+        slots, reads = got
+        if reads is not None:
+            with rt.scheduling(self.layer):
+                rt.sched.demand_end(reads)
+        self._banked = d.ids
+        return self.cache.bank.read(slots), mx.array(slot_table(d.ids, slots, self.num_experts))
+
+    def _slots(self, d: Decided | None, ids: np.ndarray):
+        """This layer's slots for `ids` this step: (slots, None) where the fill planned a step before holds them,
+        (slots, reads begun) where they are read now, None where they do not fit the bank (read the exact way)."""
+        rt, sched, cache = self.rt, self.rt.sched, self.cache
+        with rt.scheduling(self.layer):
+            if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
+                rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
+            plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
+            sched.count(plan, ids)
+            if d is not None and plan is not None and cache.holding(ids, plan.slots):
+                return plan.slots, None  # decided a step ahead, read: the bank holds them where planned
+            return sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self.held is not None:
@@ -130,16 +181,9 @@ class PrefetchExperts:
         # decided a step ahead: the candidates' ids and slots are on the host already; else this layer routes with
         # its own router
         host, ids = (d.host, d.ids) if d is not None else self._on_host(inds)
-        with rt.scheduling(self.layer):
-            if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
-                rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
-            plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
-            sched.count(plan, ids)
-            cache = self.cache
-            if d is not None and plan is not None and cache.holding(ids, plan.slots):
-                got = plan.slots, None  # decided a step ahead, read: the bank holds them where planned
-            else:
-                got = sched.demand_begin(self.layer, cache, ids) if len(ids) <= cache.bank.slots else None
+        begun, self._begun = self._begun, None
+        got = begun[1] if begun is not None and begun[0] == step else self._slots(d, ids)  # (bank_step began it)
+        cache = self.cache
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             host, ids = self._on_host(inds) if chosen else (host, ids)
             self._schedule(self._predict(x, inds, ids) if inds.shape[-2] == 1 else [])  # its heads still decide
@@ -235,16 +279,37 @@ class PrefetchExperts:
         rt.pending.extend(out)
         return out
 
+    pulls_predictions = True  # the host takes its heads' predictions within the step (model/blocks.py add_norm)
+    _bank_view = None  # banked_experts, made once (the bank's arrays never change: fills write into them)
+    _banked = None  # the candidates' ids of a fused step under way (bank_step, then routed)
+    _begun = None  # (step, None): bank_step found the candidates too many for the bank; __call__ reads them exactly
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
     planned_by = None  # the executor of the layer whose head decides this one's routing (predicted routing)
     routes_ahead = False  # this layer owns a head that decides its consumer's routing (predicted routing)
 
 
-def slot_positions(inds: mx.array, ids: np.ndarray, slots, num_experts: int) -> mx.array:
-    """Routed ids `inds` (a graph array, each one of `ids`) as positions in a bank where slots[i] holds ids[i]."""
+@dataclass
+class BankedExperts:
+    """A slot bank's arrays as a fused block step reads them (model/blocks.py add_norm; the bank keeps its own packed
+    copy, compute/banks.py)."""
+
+    bank: dict[str, mx.array]
+    quant: object
+
+    def pack(self, ext) -> None:
+        """Nothing: the bank packs its projections itself, and repacks each slot a fill writes."""
+
+
+def slot_table(ids: np.ndarray, slots, num_experts: int) -> np.ndarray:
+    """(E,) uint32: slots[i] at ids[i], the position in a bank of each expert it holds (0 elsewhere)."""
     table = np.zeros(num_experts, dtype=np.uint32)
     table[ids] = np.asarray(slots, dtype=np.uint32)
-    return mx.take(mx.array(table), inds)
+    return table
+
+
+def slot_positions(inds: mx.array, ids: np.ndarray, slots, num_experts: int) -> mx.array:
+    """Routed ids `inds` (a graph array, each one of `ids`) as positions in a bank where slots[i] holds ids[i]."""
+    return mx.take(mx.array(slot_table(ids, slots, num_experts)), inds)
 
 
 def _likeliest(scores: mx.array, n: int) -> mx.array:

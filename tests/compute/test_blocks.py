@@ -133,6 +133,8 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
     (dict(h=mx.zeros((1, 1, 128))), "h must be x's shape"),
     (dict(lora=(mx.zeros((256, 16)), mx.zeros((16, 128)), 2.0)), "the branch must be lora_a"),
     (dict(lora=(mx.zeros((256, 16)), None, 2.0)), "lora_a and lora_b come together"),
+    (dict(table=mx.zeros((16,), dtype=mx.uint32)), "the table must be uint32 \\(E,\\)"),
+    (dict(table=mx.zeros((32,), dtype=mx.int32)), "the table must be uint32 \\(E,\\)"),
 ])
 def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
     """ext.moe_block names what is wrong (the extension's message), never a crash in the kernel."""
@@ -143,11 +145,44 @@ def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
         block = engine.store.model.model.layers[0].mlp
         args = blocks._moe_args(EXT, block, block.executor.resident, mx.ones((256,)), mx.zeros((1, 1, 256)))
         router, router_gs, parts, gs = args
-        call = dict(x=mx.zeros((1, 1, 256)), h=mx.zeros((1, 1, 256)), k=4, among=None, lora=(None, None, 0.0))
+        call = dict(x=mx.zeros((1, 1, 256)), h=mx.zeros((1, 1, 256)), k=4, among=None, lora=(None, None, 0.0),
+                    table=None)
         call.update(bad)
         with pytest.raises(ValueError, match=f"moe_block: .*{match}"):
             EXT.moe_block(call["x"], call["h"], router, router_gs, call["k"], True, call["among"], *parts, gs,
-                          mx.ones((256,)), 1e-6, *call["lora"])
+                          mx.ones((256,)), 1e-6, *call["lora"], call["table"])
+
+
+def test_moe_block_over_a_slot_bank_reads_each_expert_where_the_table_puts_it():
+    """Edge0MoeBlock over a bank of S slots holding some experts in another order, with the table of each one's slot:
+    the node of every expert resident, bit for bit, for candidates the bank holds (one row and a batch's); a table
+    that puts the experts elsewhere changes the answer (the table is read)."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
+                                  prompt_cache_gib=0)) as engine:
+        block = engine.store.model.model.layers[1].mlp
+        resident = block.executor.resident
+        norm = mx.random.uniform(0.5, 1.5, (256,), key=mx.random.key(3))
+        router, router_gs, parts, gs = blocks._moe_args(EXT, block, resident, norm, mx.zeros((1, 1, 256)))
+        held = np.array([9, 30, 2, 17, 5, 21, 12, 0], dtype=np.uint32)  # slot i holds expert held[i]
+        slots = [[mx.take(a, mx.array(held), axis=0) for a in part] for part in parts]
+        table = np.zeros(32, dtype=np.uint32)
+        table[held] = np.arange(len(held), dtype=np.uint32)
+        for rows in (1, 3):
+            x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+            h = mx.random.normal((rows, 1, 256), key=mx.random.key(10 + rows))
+            among = mx.array(np.stack([np.roll(held, r)[:6] for r in range(rows)])[:, None, :])
+            want = EXT.moe_block(x, h, router, router_gs, 4, True, among, *parts, gs, norm, 1e-6)
+            got = EXT.moe_block(x, h, router, router_gs, 4, True, among, *slots, gs, norm, 1e-6, None, None, 0.0,
+                                mx.array(table))
+            wrong = EXT.moe_block(x, h, router, router_gs, 4, True, among, *slots, gs, norm, 1e-6, None, None, 0.0,
+                                  mx.array((table + 1) % len(held)))
+            mx.eval(want, got, wrong)
+            for w, g in zip(want, got):
+                assert np.array_equal(np.array(w), np.array(g))
+            assert not np.array_equal(np.array(want[0]), np.array(wrong[0]))
 
 
 def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
