@@ -16,6 +16,11 @@ from .experts import ExactExperts, ResidentExperts
 
 EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
+PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of bundles larger than this: each fill
+# repacks its slot (about 20 us a bundle of the built-in model, on the thread that read it: the graph-building one for
+# a bundle this small in the page cache), more than the products of small experts gain. Paired in one process
+# (docs/results/pipeline.md, "Thirteenth sitting"): the built-in model's staged decode 1.13-1.20x faster without
+# the copy, the workload's (5.35 MiB bundles, every read from the disk) 1.05-1.19x faster with it
 
 
 @dataclass
@@ -203,7 +208,8 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
     left = (available_memory() // 2 if budget is None else
             budget - (2 * m.num_experts * per_slot if rt.prefill is not None else 0)) - need
     quant = next(iter(exact.values())).quant if exact else None
-    pack = quant.group_size if quant is not None and quant.bits == 4 and need <= left else None  # packed copies fit
+    packable = quant is not None and quant.bits == 4 and need <= left  # packed copies fit
+    pack = quant.group_size if packable and m.bundle_bytes > PACK_BANK_BYTES else None  # and pay, refilled
     held = [layer for layer in layers if layer in held]
     per_bank = streamed_slots(s, len(layers), len(held), m.num_experts)
     if len(held) * m.num_experts > s * len(layers) or (per_bank < m.top_k and len(held) < len(layers)):
@@ -211,7 +217,7 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
     for layer in layers:
         if layer in held:  # every expert, loaded now: no read and no host sync at decode
             rt.held[layer], rt.executors[layer] = _resident(reader, layer, fence, cdtype, exact[layer].quant,
-                                                            pack is not None)
+                                                            packable)
             continue
         bank = Bank(m.pieces, per_bank, fence, cdtype, pack_group_size=pack)
         rt.banks.append(bank)

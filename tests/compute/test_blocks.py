@@ -245,10 +245,11 @@ def _triples(bank: dict) -> list[tuple]:
 
 @pytest.mark.skipif(not kernels.available() or kernels.load().impl() != "avx512",
                     reason="the packed layout is the AVX-512 VNNI path's")
-def test_the_default_run_packs_fixed_weights_and_decode_slot_banks():
+def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
     """The default engine on the demo packs its 4-bit dense linears and its resident experts (weights that never
-    change) for the kernel, and the tokens are those of the row layout; a staged engine's decode banks keep a packed
-    copy too (rewritten slot by slot as fills land, test_executors), its whole-layer prefill banks none."""
+    change) for the kernel, and the tokens are those of the row layout; a staged engine's decode banks of bundles this
+    small keep none (a fill's repack costs more than their products gain; larger bundles' banks keep one, rewritten
+    slot by slot as fills land, test_executors), nor do its whole-layer prefill banks."""
     import gc
 
     from edge0.compute.banks import Bank
@@ -283,8 +284,8 @@ def test_the_default_run_packs_fixed_weights_and_decode_slot_banks():
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
         assert engine.generate(req).tokens == packed_tokens
-        decode = {id(b) for b in engine.store.runtime.banks}
-        assert decode and all(b.packed == 3 for b in engine.store.runtime.banks)  # kept in step with their fills
+        decode = {id(b) for b in engine.store.runtime.banks}  # bundles under PACK_BANK_BYTES: refilled, not packed
+        assert decode and all(b.packed == 0 for b in engine.store.runtime.banks)
         prefill = [o for o in gc.get_objects() if isinstance(o, Bank) and o._arrays is not None
                    and id(o) not in before and id(o) not in decode]  # whole-layer prefill: refilled whole, not packed
         assert prefill
