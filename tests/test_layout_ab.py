@@ -24,6 +24,19 @@ def test_layout_ab_prints_both_layouts_and_leaves_them_packed(monkeypatch, capsy
     assert kernels.load().packed_on()
 
 
+@pytest.mark.skipif(not kernels.available(), reason=f"edge0 CPU kernels {kernels.reason()}")
+def test_layout_ab_bank_copies_compares_staged_banks_with_and_without_their_copy(monkeypatch, capsys):
+    from edge0.compute import runtime
+
+    threshold = runtime.PACK_BANK_BYTES
+    monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "1", "--prompt-tokens", "24", "--max-tokens", "4",
+                                      "--executor", "staged", "--bank-copies"])
+    assert tool.main() == 0
+    out = capsys.readouterr().out
+    assert re.search(r"decode: packed [\d.]+ tok/s, row [\d.]+ tok/s, packed / row [\d.]+x", out), out
+    assert runtime.PACK_BANK_BYTES == threshold  # restored
+
+
 def test_layout_ab_refuses_zero_rounds(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "0"])
     with pytest.raises(SystemExit):

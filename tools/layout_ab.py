@@ -3,11 +3,14 @@ of the engine's own generations on real text, the two layouts alternating round 
 the same tokens, only the time differs), for docs/results/cpu-kernels.md.
 
     python tools/layout_ab.py [--store S] [--routing native] [--executor staged] [--slots N] [--rounds 9]
-        [--prompt-tokens 256] [--max-tokens 65]
+        [--prompt-tokens 256] [--max-tokens 65] [--bank-copies]
 
 Each round generates --max-tokens tokens after a --prompt-tokens prompt cut from Python's json/decoder.py (greedy,
 EOS ignored) once packed and once in the row layout; printed: each layout's median prefill and decode tok/s and the
-median over rounds of packed / row within a round (the paired ratio: the host's drift cancels).
+median over rounds of packed / row within a round (the paired ratio: the host's drift cancels). The packed arm
+uses the copies the engine keeps; the row arm turns their use off, not their upkeep (a slot bank's fill still
+repacks). --bank-copies compares whether staged slot banks keep a packed copy at all (compute/runtime.py
+PACK_BANK_BYTES, whatever the bundle size): an engine opened per arm and round, the copy's upkeep included.
 """
 
 from __future__ import annotations
@@ -29,32 +32,22 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=9, help="rounds, each generating once per layout (default 9)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=65)
+    p.add_argument("--bank-copies", action="store_true",
+                   help="slot banks with a packed copy against banks without one (an engine per arm and round)")
     a = p.parse_args()
     if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
     from edge0.compute import kernels
     from edge0.config import EngineConfig
-    from edge0.engine import open_engine
     from edge0.errors import Edge0Error
-    from edge0.generation import GenRequest
 
     ext = kernels.load()
     if ext is None or not hasattr(ext, "set_packed"):
         sys.exit(f"layout_ab: the edge0 CPU kernels are {kernels.reason() or 'without a packed layout'}")
+    config = EngineConfig(model=a.store, routing=a.routing, executor=a.executor, slots=a.slots, kernel="edge0",
+                          prompt_cache_gib=0)
     try:
-        with open_engine(EngineConfig(model=a.store, routing=a.routing, executor=a.executor, slots=a.slots,
-                                      kernel="edge0", prompt_cache_gib=0)) as engine:
-            ids = engine.encode_text(inspect.getsource(decoder))[:a.prompt_tokens]
-            req = GenRequest(prompt=ids, max_tokens=a.max_tokens, ignore_eos=True)
-            engine.generate(req)  # warm-up
-            figs = {"packed": [], "row": []}
-            try:
-                for _ in range(a.rounds):
-                    for layout in figs:
-                        ext.set_packed(layout == "packed")
-                        figs[layout].append(engine.generate(req))
-            finally:
-                ext.set_packed(True)
+        figs = bank_copies(config, a) if a.bank_copies else layouts(config, a, ext)
     except Edge0Error as e:
         sys.exit(f"layout_ab: {e}")
     if [f.tokens for f in figs["packed"]] != [f.tokens for f in figs["row"]]:
@@ -65,6 +58,51 @@ def main() -> int:
         print(f"{what.split('_')[0]}: packed {med['packed']:.1f} tok/s, row {med['row']:.1f} tok/s, "
               f"packed / row {ratio:.3f}x (paired, {a.rounds} rounds)")
     return 0
+
+
+def _request(engine, a):
+    from edge0.generation import GenRequest
+
+    ids = engine.encode_text(inspect.getsource(decoder))[:a.prompt_tokens]
+    return GenRequest(prompt=ids, max_tokens=a.max_tokens, ignore_eos=True)
+
+
+def layouts(config, a, ext) -> dict:
+    """Rounds of one engine's generations with the packed copies used, then not."""
+    from edge0.engine import open_engine
+
+    with open_engine(config) as engine:
+        req = _request(engine, a)
+        engine.generate(req)  # warm-up
+        figs = {"packed": [], "row": []}
+        try:
+            for _ in range(a.rounds):
+                for layout in figs:
+                    ext.set_packed(layout == "packed")
+                    figs[layout].append(engine.generate(req))
+        finally:
+            ext.set_packed(True)
+    return figs
+
+
+def bank_copies(config, a) -> dict:
+    """Rounds of generations by an engine whose slot banks keep a packed copy and one whose banks keep none (each
+    opened for its run, after a warm-up generation), in turn."""
+    from edge0.compute import runtime
+    from edge0.engine import open_engine
+
+    figs, threshold = {"packed": [], "row": []}, runtime.PACK_BANK_BYTES
+    try:
+        for i in range(a.rounds):
+            for arm in list(figs)[::1 if i % 2 == 0 else -1]:
+                runtime.PACK_BANK_BYTES = 0 if arm == "packed" else float("inf")
+                with open_engine(config) as engine:
+                    req = _request(engine, a)
+                    engine.generate(req)
+                    figs[arm].append(engine.generate(req))
+    finally:
+        runtime.PACK_BANK_BYTES = threshold
+    return figs
 
 
 if __name__ == "__main__":
