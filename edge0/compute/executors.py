@@ -127,13 +127,14 @@ class SlotCache:
 
 
 def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None,
-               step: int = -1) -> None:
+               step: int = -1, cached: list[bool] | None = None) -> None:
     """Read each (slot, key) bundle straight into the bank's memory, all of them at once on the I/O pool (one
-    preadv per bundle, no MLX op), and wait for them; a failed read raises once every read has stopped."""
+    preadv per bundle, no MLX op), and wait for them; a failed read raises once every read has stopped. cached:
+    per fill, found whole in the page cache just before (`warm_fills`)."""
     if not fills:
         return
     items = [(key % num_experts if num_experts else key, bank.write_buffers(slot)) for slot, key in fills]
-    reader.pool.read_bundles(layer, items, bank=bank, slots=[slot for slot, _ in fills], step=step)
+    reader.pool.read_bundles(layer, items, bank=bank, slots=[slot for slot, _ in fills], step=step, cached=cached)
 
 
 class SlottedExperts:
@@ -166,9 +167,10 @@ class SlottedExperts:
         if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
-        early = held_first(self.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant)
+        cached = warm_fills(self.reader, self.layer, fills, self.num_experts) if 0 < len(fills) < len(ids) else None
+        early = held_first(self.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant, cached)
         try:
-            fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts)
+            fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts, cached=cached)
         except BaseException:
             cache.forget([slot for slot, _ in fills])  # none of them was committed
             raise
@@ -179,19 +181,23 @@ class SlottedExperts:
 
 
 def held_first(reader, layer: int, x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray, bank: Bank,
-               fills: list[tuple[int, int]], quant: Quant):
-    """hits_first's `rest` when some routed experts are held and some of the (slot, key) fills wait for the disk;
-    else None (the step is one gather, built once the fills have landed)."""
-    if 0 < len(fills) < len(ids) and from_disk(reader, layer, fills, reader.manifest.num_experts):
-        return hits_first(x, host, ids, slots, bank, np.isin(slots, [slot for slot, _ in fills], invert=True), quant)
-    return None
+               fills: list[tuple[int, int]], quant: Quant, cached: list[bool] | None = None):
+    """hits_first's `rest` when some routed experts are held and some of the (slot, key) fills wait for the disk
+    (a bundle not wholly in the page cache; `cached`: warm_fills of the fills, when known); else None (the step is
+    one gather, built once the fills have landed). A read from the page cache is a copy of a fraction of a
+    millisecond, less than the second gather's extra nodes cost (measured on `small`, warm)."""
+    if not 0 < len(fills) < len(ids):
+        return None
+    if cached is None:
+        cached = warm_fills(reader, layer, fills, reader.manifest.num_experts)
+    if all(cached):
+        return None
+    return hits_first(x, host, ids, slots, bank, np.isin(slots, [slot for slot, _ in fills], invert=True), quant)
 
 
-def from_disk(reader, layer: int, fills: list[tuple[int, int]], num_experts: int) -> bool:
-    """Whether some of these (slot, key) reads will wait for the disk (a bundle not wholly in the page cache):
-    only then do the held experts start first (hits_first). A read from the page cache is a copy of a
-    fraction of a millisecond, less than the second gather's extra nodes cost (measured on `small`, warm)."""
-    return any(not reader.cached(layer, key % num_experts) for _, key in fills)
+def warm_fills(reader, layer: int, fills: list[tuple[int, int]], num_experts: int) -> list[bool]:
+    """Per (slot, key) fill, whether its bundle is wholly in the page cache now (the reads then skip the probe)."""
+    return [reader.cached(layer, key % num_experts) for _, key in fills]
 
 
 def hits_first(x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray, bank: Bank, held: np.ndarray,

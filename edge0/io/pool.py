@@ -53,7 +53,7 @@ class ReadTask:
     """One read: what to read, and (once `done`) how it went."""
 
     __slots__ = ("layer", "expert", "buffers", "commit", "demand", "speculative", "step", "whole", "queued_us", "done",
-                 "record", "error", "promoted")
+                 "record", "error", "promoted", "cached")
 
     def __init__(self, layer: int, expert: int, buffers: list, *, demand: bool, commit=None, step: int = -1,
                  whole: bool = False, speculative: bool = False):
@@ -63,6 +63,7 @@ class ReadTask:
         self.speculative = speculative and not demand  # a guess: read only with disk time to spare
         self.queued_us = 0.0
         self.promoted = False  # a planned read a step came to wait for while it was queued: queued as a demand read
+        self.cached = False  # found whole in the page cache just before (`_inline`'s probe): not probed again
         self.done = False  # set last, by the worker: record or error are final
         self.record: ReadRecord | None = None
         self.error: BaseException | None = None
@@ -164,14 +165,19 @@ class ReadPool:
         small = self.reader.manifest.bundle_bytes <= INLINE_BYTES
         if task.demand and (n == 1 or n * self.reader.manifest.bundle_bytes <= INLINE_BYTES):
             return True
-        return small and self.reader.cached(task.layer, task.expert)
+        task.cached = small and self.reader.cached(task.layer, task.expert)
+        return task.cached
 
-    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, bank=None, slots=None, step: int = -1) -> None:
+    def read_bundles(self, layer: int, items: list[tuple[int, list]], *, bank=None, slots=None, step: int = -1,
+                     cached: list[bool] | None = None) -> None:
         """Demand-read (expert, buffers) items, in parallel where that pays, and wait for all of them; then raise
         the first error, so no read is still writing when the caller handles it. bank, slots: item i lands in
-        bank slot slots[i] (committed once it has)."""
+        bank slot slots[i] (committed once it has). cached: item i was just found whole in the page cache (not
+        probed again)."""
         tasks = [ReadTask(layer, e, bufs, demand=True, step=step, commit=None if bank is None else (bank, [slots[i]]))
                  for i, (e, bufs) in enumerate(items)]
+        for t, c in zip(tasks, cached or ()):
+            t.cached = c
         self.wait(self.run(tasks), layer=layer, why="demand")
 
     def wait(self, tasks: list[ReadTask], *, layer: int, why: str) -> None:
@@ -250,7 +256,7 @@ class ReadPool:
             if task.whole:
                 n, cold = self.reader.read_layer_into(task.layer, task.buffers), 0.0
             else:
-                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers)
+                n, cold = self.reader.read_bundle(task.layer, task.expert, task.buffers, cached=task.cached)
             if task.commit is not None:
                 bank, slots = task.commit
                 bank.commit(slots)

@@ -129,10 +129,12 @@ class BundleReader:
         """Read bundle (layer, expert) into buffers (one writable buffer per piece, manifest order)."""
         return self.read_bundle(layer, expert, buffers)[0]
 
-    def read_bundle(self, layer: int, expert: int, buffers: list) -> tuple[int, float]:
-        """As read_into; returns (bytes read, fraction of them that were not in the page cache)."""
+    def read_bundle(self, layer: int, expert: int, buffers: list, *, cached: bool = False) -> tuple[int, float]:
+        """As read_into; returns (bytes read, fraction of them that were not in the page cache). cached: the caller
+        has just found the whole bundle in the page cache (`cached`), so it is not probed again."""
         m = self.manifest
-        n, cold = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}")
+        n, cold = self._read(layer, self.offset(layer, expert), m.bundle_bytes, buffers, f"expert {expert}",
+                             cached=cached)
         if self.verify:
             self._check(layer, expert, buffers)
         return n, cold / n
@@ -162,13 +164,15 @@ class BundleReader:
                 self._check(layer, e, buffers[e])
         return total
 
-    def _read(self, layer: int, offset: int, length: int, iov: list, what: str) -> tuple[int, float]:
-        """One read of [offset, offset+length) into iov; returns (bytes, cold bytes by mincore before it)."""
+    def _read(self, layer: int, offset: int, length: int, iov: list, what: str,
+              cached: bool = False) -> tuple[int, float]:
+        """One read of [offset, offset+length) into iov; returns (bytes, cold bytes by mincore before it, none where
+        the caller found it `cached`)."""
         cold = 0.0
         started = time.perf_counter()
         if self.io == "direct":
             cold = float(length)  # O_DIRECT bypasses the page cache: every byte comes from the disk
-        elif self._residency:
+        elif self._residency and not cached:
             cold = (1.0 - self._residency[layer].cached_fraction(offset, length)) * length
         try:
             n = self._transfer(layer, offset, length, iov)

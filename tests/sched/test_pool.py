@@ -28,7 +28,7 @@ class GatedReader:
         with self.lock:
             return self.gates.setdefault(expert, threading.Event())
 
-    def read_bundle(self, layer, expert, buffers):
+    def read_bundle(self, layer, expert, buffers, cached=False):
         with self.lock:
             self.started.append(expert)
         self.gate(expert).wait()

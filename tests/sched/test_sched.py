@@ -105,7 +105,7 @@ class FakeReader:
     def cached(self, layer, expert):
         return False  # every read a cold one: prefetches go to the pool's threads
 
-    def read_bundle(self, layer, expert, buffers):
+    def read_bundle(self, layer, expert, buffers, cached=False):
         self.release.wait()
         if expert in self.fail:
             raise Edge0Error(f"layer {layer}: read of expert {expert} failed")
