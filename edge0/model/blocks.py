@@ -76,6 +76,10 @@ class SoftmaxMoeBlock(nn.Module):
         if (ext is None or (resident is None and not streamed) or self.shared or x.ndim != 3 or x.shape[1] != 1
                 or x.dtype != mx.float32 or expert_math.current() is not None):
             return None
+        planned = self.planned() if self.planned is not None else None
+        among = planned[0] if planned is not None else None
+        if (among is not None and among.dtype != mx.uint32) or (streamed and among is None):
+            return None  # (a streamed layer that routes by its own router syncs inside its step: __call__'s way)
         gate, w = self["gate"], norm.get("weight") if isinstance(norm, nn.RMSNorm) else None
         experts = resident if resident is not None else executor.banked_experts()
         if experts is None:
@@ -84,10 +88,6 @@ class SoftmaxMoeBlock(nn.Module):
         arrays = (gate["weight"], gate["scales"], gate.get("biases"), gate.get("bias"), w, *bank.values())
         args = remembered(self, "_edge0_moe", arrays, (ext, x.shape[-1]), lambda: _moe_args(ext, self, experts, w, x))
         if args is None:
-            return None
-        planned = self.planned() if self.planned is not None else None
-        among = planned[0] if planned is not None else None
-        if (among is not None and among.dtype != mx.uint32) or (streamed and among is None):
             return None
         table = None
         if streamed:  # its candidates into the bank (read a step ahead, or now), and where each one is
