@@ -279,7 +279,13 @@ class PrefetchExperts:
         rt.pending.extend(out)
         return out
 
-    pulls_predictions = True  # the host takes its heads' predictions within the step (model/blocks.py add_norm)
+    @property
+    def pulls_predictions(self) -> bool:
+        """Whether the host takes this layer's heads' predictions within the step (reading ahead; paused, they come
+        at its end): then a fused block step gives them features that do not wait for its experts (model/blocks.py
+        add_norm)."""
+        return not self.rt.paused
+
     _bank_view = None  # banked_experts, made once (the bank's arrays never change: fills write into them)
     _banked = None  # the candidates' ids of a fused step under way (bank_step, then routed)
     _begun = None  # (step, None): bank_step found the candidates too many for the bank; __call__ reads them exactly
