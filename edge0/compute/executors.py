@@ -167,7 +167,7 @@ class SlottedExperts:
         if got is None:  # more experts than slots, or too few writable slots: read them the exact way
             return self.exact.compute(x, host, ids)
         slots, fills = got
-        cached = warm_fills(self.reader, self.layer, fills, self.num_experts) if 0 < len(fills) < len(ids) else None
+        cached = warm_fills(self.reader, self.layer, fills, self.num_experts)
         early = held_first(self.reader, self.layer, x, host, ids, slots, cache.bank, fills, self.quant, cached)
         try:
             fill_slots(self.reader, self.layer, cache.bank, fills, self.num_experts, cached=cached)
@@ -188,9 +188,7 @@ def held_first(reader, layer: int, x: mx.array, host: np.ndarray, ids: np.ndarra
     millisecond, less than the second gather's extra nodes cost (measured on `small`, warm)."""
     if not 0 < len(fills) < len(ids):
         return None
-    if cached is None:
-        cached = warm_fills(reader, layer, fills, reader.manifest.num_experts)
-    if all(cached):
+    if all(warm_fills(reader, layer, fills, reader.manifest.num_experts) if cached is None else cached):
         return None
     return hits_first(x, host, ids, slots, bank, np.isin(slots, [slot for slot, _ in fills], invert=True), quant)
 

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.executors import SlotCache, WholeLayer, held_first
-from ..compute.experts import ExactExperts, ResidentExperts, bank_positions, switch_glu, unique_ids
+from ..compute.experts import ExactExperts, Quant, ResidentExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel import current
 from ..compute.kernels import host_eval, queue
 from ..sched.trace import now_us
@@ -129,19 +129,20 @@ class PrefetchExperts:
 
     def bank_step(self) -> tuple[dict, mx.array] | None:
         """A streamed layer's decode step whose routing its owner's head decided a step ahead, run by the block in one
-        call (model/blocks.py add_norm, the edge0 kernel's Edge0MoeBlock over this bank): once the candidates are in
-        the bank, (the bank's arrays, the table (E,) uint32 of each candidate's slot), marked read; then the block
-        calls `routed`. None where this step goes __call__'s way (not decided, or paused on the layer's whole bank);
-        where the candidates do not fit the bank __call__ goes on from what this began."""
+        call (model/blocks.py add_norm, the edge0 kernel's Edge0MoeBlock over this bank; the layer has one:
+        banked_experts): once the candidates are in the bank, (the bank's arrays, the table (E,) uint32 of each
+        candidate's slot), marked read; then the block calls `routed`. None where the step was not decided (__call__'s
+        way), or where the candidates do not fit the bank: __call__ then reads them the exact way, from what this
+        began."""
         rt = self.rt
         step = rt.sched.step
         d = self.decided.get(step) if self.answered == step else None
-        if d is None or self.held is not None or self.cache is None or d.inds.dtype != mx.uint32:
+        if d is None:
             return None
         rt.settle()
         got = self._slots(d, d.ids)
         if got is None:
-            self._begun = (step, got)  # the exact way, in __call__
+            self._begun = step  # the exact way, in __call__
             return None
         slots, reads = got
         if reads is not None:
@@ -182,7 +183,7 @@ class PrefetchExperts:
         # its own router
         host, ids = (d.host, d.ids) if d is not None else self._on_host(inds)
         begun, self._begun = self._begun, None
-        got = begun[1] if begun is not None and begun[0] == step else self._slots(d, ids)  # (bank_step began it)
+        got = None if begun == step else self._slots(d, ids)  # (bank_step began the step and found no room)
         cache = self.cache
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             host, ids = self._on_host(inds) if chosen else (host, ids)
@@ -288,7 +289,7 @@ class PrefetchExperts:
 
     _bank_view = None  # banked_experts, made once (the bank's arrays never change: fills write into them)
     _banked = None  # the candidates' ids of a fused step under way (bank_step, then routed)
-    _begun = None  # (step, None): bank_step found the candidates too many for the bank; __call__ reads them exactly
+    _begun = None  # the step whose candidates bank_step found too many for the bank: __call__ reads them exactly
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
     planned_by = None  # the executor of the layer whose head decides this one's routing (predicted routing)
     routes_ahead = False  # this layer owns a head that decides its consumer's routing (predicted routing)
@@ -300,7 +301,7 @@ class BankedExperts:
     copy, compute/banks.py)."""
 
     bank: dict[str, mx.array]
-    quant: object
+    quant: Quant
 
     def pack(self, ext) -> None:
         """Nothing: the bank packs its projections itself, and repacks each slot a fill writes."""
