@@ -37,7 +37,11 @@ def test_layout_ab_bank_copies_compares_staged_banks_with_and_without_their_copy
     assert runtime.PACK_BANK_BYTES == threshold  # restored
 
 
-def test_layout_ab_refuses_zero_rounds(monkeypatch):
+def test_layout_ab_refuses_zero_rounds_and_bank_copies_without_banks(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "0"])
     with pytest.raises(SystemExit):
         tool.main()
+    monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--bank-copies"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert "--bank-copies compares staged slot banks: give --executor staged" in capsys.readouterr().err

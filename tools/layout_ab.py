@@ -3,14 +3,15 @@ of the engine's own generations on real text, the two layouts alternating round 
 the same tokens, only the time differs), for docs/results/cpu-kernels.md.
 
     python tools/layout_ab.py [--store S] [--routing native] [--executor staged] [--slots N] [--rounds 9]
-        [--prompt-tokens 256] [--max-tokens 65] [--bank-copies]
+        [--prompt-tokens 256] [--max-tokens 65] [--bank-copies] [--io direct]
 
 Each round generates --max-tokens tokens after a --prompt-tokens prompt cut from Python's json/decoder.py (greedy,
 EOS ignored) once packed and once in the row layout; printed: each layout's median prefill and decode tok/s and the
 median over rounds of packed / row within a round (the paired ratio: the host's drift cancels). The packed arm
 uses the copies the engine keeps; the row arm turns their use off, not their upkeep (a slot bank's fill still
 repacks). --bank-copies compares whether staged slot banks keep a packed copy at all (compute/runtime.py
-PACK_BANK_BYTES, whatever the bundle size): an engine opened per arm and round, the copy's upkeep included.
+PACK_BANK_BYTES, whatever the bundle size): an engine opened per arm and round, the copy's upkeep included;
+--io direct reads every bundle from the disk there.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=65)
     p.add_argument("--bank-copies", action="store_true",
                    help="slot banks with a packed copy against banks without one (an engine per arm and round)")
+    p.add_argument("--io", default="pread", choices=("pread", "direct"), help="--io (direct: every read from the disk)")
     a = p.parse_args()
     if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
+    if a.bank_copies and a.executor != "staged":
+        p.error("--bank-copies compares staged slot banks: give --executor staged")
     from edge0.compute import kernels
     from edge0.config import EngineConfig
     from edge0.errors import Edge0Error
@@ -45,7 +49,7 @@ def main() -> int:
     if ext is None or not hasattr(ext, "set_packed"):
         sys.exit(f"layout_ab: the edge0 CPU kernels are {kernels.reason() or 'without a packed layout'}")
     config = EngineConfig(model=a.store, routing=a.routing, executor=a.executor, slots=a.slots, kernel="edge0",
-                          prompt_cache_gib=0)
+                          prompt_cache_gib=0, io=a.io)
     try:
         figs = bank_copies(config, a) if a.bank_copies else layouts(config, a, ext)
     except Edge0Error as e:

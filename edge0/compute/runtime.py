@@ -17,11 +17,10 @@ from .experts import ExactExperts, ResidentExperts
 EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
 PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of bundles larger than this: each fill
-# repacks its slot (about 20 us a bundle of the built-in model, on the thread that read it: the graph-building one for
-# a bundle this small in the page cache), more than the products of small experts gain. `python tools/layout_ab.py
-# --executor staged --bank-copies` (docs/results/pipeline.md, "Thirteenth sitting"): the built-in model's native
-# staged decode 1.25x faster without the copy; the workload's (5.35 MiB bundles) level warm, faster with it when
-# every read comes from the disk
+# repacks its slot (on the thread that read it: the graph-building one for a bundle this small in the page cache),
+# more than the products of small experts gain. `python tools/layout_ab.py --executor staged --bank-copies [--io
+# direct]` (docs/results/pipeline.md, "Thirteenth sitting"): the built-in model's native staged decode 1.25x faster
+# without the copy; the workload's (5.35 MiB bundles) 1.00-1.09x warm and 1.13x from the disk with it
 
 
 @dataclass
