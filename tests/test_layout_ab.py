@@ -27,11 +27,19 @@ def test_layout_ab_prints_both_layouts_and_leaves_them_packed(monkeypatch, capsy
 @pytest.mark.skipif(not kernels.available(), reason=f"edge0 CPU kernels {kernels.reason()}")
 def test_layout_ab_bank_copies_compares_staged_banks_with_and_without_their_copy(monkeypatch, capsys):
     from edge0.compute import runtime
+    from edge0.compute.banks import Bank
 
-    threshold = runtime.PACK_BANK_BYTES
+    threshold, made, init = runtime.PACK_BANK_BYTES, set(), Bank.__init__
+
+    def recorded(self, *a, pack_group_size=None, **kw):
+        made.add(pack_group_size)  # decode banks: the group size with a copy, None without
+        init(self, *a, pack_group_size=pack_group_size, **kw)
+
+    monkeypatch.setattr(Bank, "__init__", recorded)
     monkeypatch.setattr(sys, "argv", ["layout_ab.py", "--rounds", "1", "--prompt-tokens", "24", "--max-tokens", "4",
                                       "--executor", "staged", "--bank-copies"])
     assert tool.main() == 0
+    assert None in made and len(made) == 2  # one arm's banks kept a copy, the other's none
     out = capsys.readouterr().out
     assert re.search(r"decode: packed [\d.]+ tok/s, row [\d.]+ tok/s, packed / row [\d.]+x", out), out
     assert runtime.PACK_BANK_BYTES == threshold  # restored
