@@ -115,7 +115,7 @@ class PrefetchExperts:
             with self.rt.scheduling(self.layer):
                 self.plan_waiting()
         predictions = self._predict(x, inds, banked) if inds.shape[-2] == 1 else []
-        self.prev_inds = inds[..., -1:, :]
+        self.prev_inds = last_token(inds)
         self._schedule(predictions)
 
     def banked_experts(self) -> "BankedExperts | None":
@@ -169,7 +169,7 @@ class PrefetchExperts:
             self.routed(x, inds)
             return self.held(x, inds)
         if self.prefill is not None and self.prefill.wants(inds):
-            self.prev_inds = inds[..., -1:, :]
+            self.prev_inds = last_token(inds)
             return self.prefill(self.layer, x, inds)
         rt = self.rt
         rt.settle()  # the planner thread's plans (a step's flush) come before this layer's
@@ -188,7 +188,7 @@ class PrefetchExperts:
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             host, ids = self._on_host(inds) if chosen else (host, ids)
             self._schedule(self._predict(x, inds, ids) if inds.shape[-2] == 1 else [])  # its heads still decide
-            self.prev_inds = inds[..., -1:, :]
+            self.prev_inds = last_token(inds)
             return self.exact.compute(x, host, ids)
         slots, reads = got
         fills = reads.fills if reads is not None else []
@@ -207,7 +207,7 @@ class PrefetchExperts:
             with rt.scheduling(self.layer):
                 self.plan_waiting()
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
-        self.prev_inds = inds[..., -1:, :]
+        self.prev_inds = last_token(inds)
         where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
         y = early() if early is not None else switch_glu(x, where, arrays, self.quant, owner=self)
         t0 = now_us()
@@ -237,7 +237,7 @@ class PrefetchExperts:
         head that routes its consumer still predicts (scheduled before its experts, pulled at the step's end)."""
         self.ran = step
         predictions = self._predict(x, inds, None) if self.routes_ahead and inds.shape[-2] == 1 else []
-        self.prev_inds = inds[..., -1:, :]
+        self.prev_inds = last_token(inds)
         self._schedule(predictions)
         return self.staged(x, inds)
 
@@ -305,6 +305,11 @@ class BankedExperts:
 
     def pack(self, ext) -> None:
         """Nothing: the bank packs its projections itself, and repacks each slot a fill writes."""
+
+
+def last_token(inds: mx.array) -> mx.array:
+    """The routed ids (B, T, K) of the last token, (B, 1, K): inds itself for a decode step (no slice node to build)."""
+    return inds if inds.shape[-2] == 1 else inds[..., -1:, :]
 
 
 def slot_table(ids: np.ndarray, slots, num_experts: int) -> np.ndarray:

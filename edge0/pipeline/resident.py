@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..compute.experts import ResidentExperts
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
-from .prefetch import head_per_row, joined_history
+from .prefetch import head_per_row, joined_history, last_token
 
 
 class PredictedResident:
@@ -57,7 +57,7 @@ class PredictedResident:
                 scores = head_per_row(head, x, inds, self.prev_inds, blk.logits(x))
                 p_inds, plan = (getattr(blk, "decide", None) or blk.select)(scores)
                 consumer.ahead[self.rt.step + 1] = (p_inds, plan)
-        self.prev_inds = inds if inds.shape[-2] == 1 else inds[..., -1:, :]  # no slice node for one token
+        self.prev_inds = last_token(inds)
 
 
 class PredictedResidentRuntime(Runtime):

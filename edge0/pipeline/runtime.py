@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -146,6 +147,8 @@ class PrefetchRuntime(Runtime):
         self.paused_steps += self.paused
         self.gated_steps += self.paused and not self._warm
         self.settle()
+        if not self.pending:  # nothing predicted this step (paused, or no head): no span to time
+            return
         with self.scheduling(-1):
             ready = self._take_pending()
             for c in ready:
@@ -156,7 +159,8 @@ class PrefetchRuntime(Runtime):
             self._planning = self._planner.submit(self._plan, ready)
 
     def next_step(self) -> None:
-        with self.scheduling(-1):
+        idle = not self.pending and self._planning is None  # nothing predicted or planning: no span to time
+        with nullcontext() if idle else self.scheduling(-1):
             self.pull()  # whatever was predicted after the flush (settled first)
             self.sched.next_step()
             self._watch_reads()
