@@ -72,7 +72,8 @@ class SoftmaxMoeBlock(nn.Module):
         ext = current().ext
         executor = self.executor
         resident = getattr(executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
-        streamed = resident is None and getattr(executor, "bank_step", None) is not None  # a slot bank, decided ahead
+        scheduled = getattr(executor, "bank_step", None) is not None  # a layer of the streamed pipeline (its bank, or held)
+        streamed = resident is None and scheduled  # a slot bank, decided ahead
         if (ext is None or (resident is None and not streamed) or self.shared or x.ndim != 3 or x.shape[1] != 1
                 or x.dtype != mx.float32 or expert_math.current() is not None):
             return None
@@ -104,8 +105,8 @@ class SoftmaxMoeBlock(nn.Module):
             # (the node's, bit for bit), so that they do not wait for the experts' products
             inds = (self.choose(x, among, planned[1]) if among is not None else self.route(x))[0]
         executor.routed(x, inds)
-        if streamed:
-            queue(x_out)  # as a staged layer's experts are: the stream computes while the next layers are built
+        if scheduled:  # queued as a staged layer's experts are: the stream computes while the next layers are built
+            queue(x_out)  # (a held layer too: the first layers of a step then start before the first streamed one)
         return h, x_out
 
 
