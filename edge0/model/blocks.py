@@ -72,7 +72,7 @@ class SoftmaxMoeBlock(nn.Module):
         ext = current().ext
         executor = self.executor
         resident = getattr(executor, "resident", None)  # ResidentExperts, or the one PredictedResident wraps
-        scheduled = getattr(executor, "bank_step", None) is not None  # a layer of the streamed pipeline (its bank, or held)
+        scheduled = getattr(executor, "bank_step", None) is not None  # a streamed pipeline's layer (banked or held)
         streamed = resident is None and scheduled  # a slot bank, decided ahead
         if (ext is None or (resident is None and not streamed) or self.shared or x.ndim != 3 or x.shape[1] != 1
                 or x.dtype != mx.float32 or expert_math.current() is not None):
