@@ -110,6 +110,19 @@ def test_warm_store_pauses_prefetch_and_still_equals_native(text):
     assert calls and max(calls) <= PrefetchRuntime.PAUSE_AFTER + 1
 
 
+def test_paused_steps_open_no_scheduler_span(text):
+    """A paused step predicts nothing: neither its layers nor its boundary (flush, next_step) enter the scheduler, so
+    on a warm store the scheduler's spans stop with the pause (they timed empty work at every step before)."""
+    ids, want = text
+    with pinned_store(), open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        rt = engine.store.runtime
+        spans, enter = [], type(rt).scheduling
+        rt.scheduling = lambda layer: spans.append(rt.sched.step) or enter(rt, layer)
+        got = forced(engine, ids)
+    assert np.array_equal(got, want)
+    assert spans and max(spans) <= PrefetchRuntime.PAUSE_AFTER + 1
+
+
 def test_a_read_from_the_disk_resumes_predicting(text):
     ids, want = text
     seen = {}

@@ -5,6 +5,7 @@ even placement does."""
 import numpy as np
 import pytest
 
+from edge0.compute import kernels
 from edge0.compute.runtime import streamed_slots
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
@@ -112,3 +113,23 @@ def test_a_bad_placement_is_refused_by_name(capsys):
     assert main(["run", "--routing", "native", "--placement", "even", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "--placement even: only used with --routing prefetch or predicted" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"edge0 CPU kernels {kernels.reason()}")
+def test_held_layers_queue_their_block_node_as_it_is_built(monkeypatch):
+    """A held layer's block node (the edge0 kernel's) is queued as it is built, as a streamed layer's is: the stream
+    starts a step's first layers while the graph-building thread builds the next (they waited for the first streamed
+    layer's queue)."""
+    import edge0.model.blocks as blocks
+
+    queued, last, real = [], {}, blocks.queue
+    monkeypatch.setattr(blocks, "queue", lambda *a: queued.append(last.get("layer")) or real(*a))
+    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, kernel="edge0")) as engine:
+        assert engine.describe()["held_layers"] == [0, 1, 5]
+        for layer, ex in engine.store.runtime.executors.items():
+            def routed(x, inds, layer=layer, orig=ex.routed):  # a block's routed ids, just before its queue
+                last["layer"] = layer
+                return orig(x, inds)
+            ex.routed = routed
+        engine.forced_logprobs(real_text(32))
+    assert {0, 1, 5} <= set(queued)
