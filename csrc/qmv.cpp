@@ -882,31 +882,40 @@ static bool packable(const QWeights& q) {
 }
 #endif
 
-void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p) {
+void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p, bool every_core) {
 #if defined(EDGE0_VNNI)
   const int64_t G = q.D / q.group_size, NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
   const bool bf16 = q.scales16 != nullptr;  // kept as stored: half the bytes a product reads for them
-  for (int64_t blk = e0 * NB; blk < e1 * NB; blk++) {
-    uint32_t* dst = p.w.data() + blk * 16 * steps * 16;
-    for (int j = 0; j < 16; j++) {
-      const int64_t row = blk * 16 + j;  // rows of all experts in order: expert e's block b is blk e * NB + b
-      const uint8_t* src = q.w + row * row_bytes;
-      for (int l = 0; l < 16; l++)
-        for (int64_t i = 0; i < steps; i++) std::memcpy(dst + (l * steps + i) * 16 + j, src + (i * 16 + l) * 4, 4);
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t at_ = (blk * G + g) * 16 + j;
-        if (bf16) {
-          p.s16[at_] = q.scales16[row * G + g];
-          p.b16[at_] = q.biases16[row * G + g];
-        } else {
-          p.s[at_] = q.scales[row * G + g];
-          p.b[at_] = q.biases[row * G + g];
+  // blocks of 16 rows, each writing its own part of the copy; on every core where asked (a whole copy, made at load)
+  const int64_t first = e0 * NB, BB = 64;  // blocks a task
+  const auto blocks = [&](int64_t task) {
+    for (int64_t blk = first + task * BB; blk < std::min(e1 * NB, first + (task + 1) * BB); blk++) {
+      uint32_t* dst = p.w.data() + blk * 16 * steps * 16;
+      for (int j = 0; j < 16; j++) {
+        const int64_t row = blk * 16 + j;  // rows of all experts in order: expert e's block b is blk e * NB + b
+        const uint8_t* src = q.w + row * row_bytes;
+        for (int l = 0; l < 16; l++)
+          for (int64_t i = 0; i < steps; i++) std::memcpy(dst + (l * steps + i) * 16 + j, src + (i * 16 + l) * 4, 4);
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t at_ = (blk * G + g) * 16 + j;
+          if (bf16) {
+            p.s16[at_] = q.scales16[row * G + g];
+            p.b16[at_] = q.biases16[row * G + g];
+          } else {
+            p.s[at_] = q.scales[row * G + g];
+            p.b[at_] = q.biases[row * G + g];
+          }
         }
       }
     }
-  }
+  };
+  const int64_t tasks = ((e1 - e0) * NB + BB - 1) / BB;
+  if (every_core)
+    parallel_for(tasks, blocks, true);
+  else
+    for (int64_t t = 0; t < tasks; t++) blocks(t);
 #else
-  (void)q, (void)e0, (void)e1, (void)p;
+  (void)q, (void)e0, (void)e1, (void)p, (void)every_core;
 #endif
 }
 
@@ -924,7 +933,7 @@ std::shared_ptr<const Packed> pack(const QWeights& q, bool fill) {
     p->s.resize(q.E * q.N * G);
     p->b.resize(q.E * q.N * G);
   }
-  if (fill) pack_experts(q, 0, q.E, *p);  // else all zeros, as zero weights, scales and biases pack
+  if (fill) pack_experts(q, 0, q.E, *p, true);  // else all zeros, as zero weights, scales and biases pack
   return p;
 #else
   (void)q, (void)fill;

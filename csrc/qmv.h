@@ -64,8 +64,9 @@ constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
 std::shared_ptr<const Packed> pack(const QWeights& q, bool fill = true);
 
 // Experts e0..e1-1 of q written again into p, q's packed copy: for weights that change only expert by expert, while
-// no product reads those experts (a slot bank's fills, compute/banks.py).
-void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p);
+// no product reads those experts (a slot bank's fills, compute/banks.py: on the calling thread, an I/O thread beside
+// the stream's products); every_core: on the prompt threads (a whole copy, pack).
+void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p, bool every_core = false);
 
 // Token rows from which a product or an attention is a prompt chunk (prefill), as its node's name says.
 constexpr int64_t PROMPT_ROWS = 16;

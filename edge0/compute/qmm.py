@@ -192,6 +192,24 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
                                 bits=self.bits, mode=self.mode)
 
 
+def pack_at_load(model: nn.Module, executors: dict) -> None:
+    """The edge0 kernel's packed copies of the weights that never change, made as the store loads instead of at their
+    first products (inside the first prompt's prefill, which they slowed several times over on `small`): the 4-bit
+    dense linears, and the resident experts whose memory allows a copy (compute/experts.py ResidentExperts.pack:
+    every expert resident, or the layers the streamed pipeline holds). The same copies, so the same bits. Nothing
+    under MLX's kernel."""
+    ext = current().ext
+    if ext is None:
+        return
+    for _, m in model.named_modules():
+        if type(m) is KernelQuantizedLinear:
+            _pack(ext, m, m["weight"], m["scales"], m.get("biases"))
+    for ex in executors.values():
+        resident = getattr(ex, "resident", None)  # ResidentExperts, or the one an executor holds
+        if resident is not None:
+            resident.pack(ext)
+
+
 def swap_classes(model: nn.Module, classes: dict[type, type]) -> int:
     """Swap the class of every module whose class is a key of `classes` (exactly, not a subclass) for its
     value, a subclass with the same parameters; returns how many were swapped."""

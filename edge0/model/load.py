@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from ..compute.banks import scales_as_stored
 from ..compute.dense import use_kernel_ops
-from ..compute.qmm import use_kernel_products
+from ..compute.qmm import pack_at_load, use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
 from ..io.manifest import Manifest, read_manifest
@@ -176,6 +176,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         use_kernel_products(model)  # dense quantized linears through compute.qmm too (the one call site)
         use_kernel_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())
+        pack_at_load(model, runtime.executors)
         tokenizer = _tokenizer(root, config)
     except BaseException:
         if runtime is not None:

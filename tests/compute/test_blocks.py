@@ -247,7 +247,8 @@ def _triples(bank: dict) -> list[tuple]:
                     reason="the packed layout is the AVX-512 VNNI path's")
 def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
     """The default engine on the demo packs its 4-bit dense linears and its resident experts (weights that never
-    change) for the kernel, and the tokens are those of the row layout; a staged engine's decode banks of bundles this
+    change) for the kernel as it loads (not inside the first prompt), and the tokens are those of the row layout; a
+    staged engine's decode banks of bundles this
     small keep none (a fill's repack costs more than their products gain; larger bundles' banks keep one, rewritten
     slot by slot as fills land, test_executors), nor do its whole-layer prefill banks."""
     import gc
@@ -260,14 +261,14 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
 
     ext = kernels.load()
     with open_engine(EngineConfig(kernel="edge0", prompt_cache_gib=0)) as engine:
-        req = GenRequest(prompt=engine.encode_text("def parse(text):\n    return"), max_tokens=12)
-        packed_tokens = engine.generate(req).tokens
-        model = engine.store.model
+        model = engine.store.model  # loaded, nothing run yet: the copies are made
         linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear) and m.bits == 4]
         assert linears and all(ext.packed(m["weight"], m["scales"], m["biases"], m.group_size) for m in linears)
         banks = [getattr(m.executor, "resident", None) for _, m in model.named_modules() if hasattr(m, "executor")]
         assert banks and all(r is not None for r in banks)
         assert all(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
+        req = GenRequest(prompt=engine.encode_text("def parse(text):\n    return"), max_tokens=12)
+        packed_tokens = engine.generate(req).tokens
         ext.set_packed(False)
         try:
             assert engine.generate(req).tokens == packed_tokens
