@@ -117,7 +117,7 @@ class ResidentExperts:
 
     def __init__(self, bank: dict[str, mx.array], quant: Quant, *, packable: bool = False):
         self.bank, self.quant = bank, quant
-        self._to_pack = packable and quant.bits == 4  # until the first products decide it
+        self._to_pack = packable and quant.bits == 4  # until packed (at load, compute/qmm.py pack_at_load)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         if self._to_pack:
@@ -125,9 +125,9 @@ class ResidentExperts:
         return switch_glu(x, inds, self.bank, self.quant)
 
     def pack(self, ext) -> None:
-        """At the first products: the edge0 kernel's packed copy of these 4-bit experts where their memory allows it
-        (packable); the same bits, faster products (csrc/qmv.h Packed). Nothing under MLX's kernel (an engine's
-        kernel never changes)."""
+        """At load (else at the first products): the edge0 kernel's packed copy of these 4-bit experts where their
+        memory allows it (packable); the same bits, faster products (csrc/qmv.h Packed). Nothing under MLX's kernel
+        (an engine's kernel never changes)."""
         if not self._to_pack:
             return
         self._to_pack = False
