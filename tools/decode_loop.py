@@ -4,7 +4,8 @@
     strace -f -c -e trace=futex -- python tools/decode_loop.py --replay R --repeat 10
 
 Each round prefills the replay's prompt and decodes --tokens of its forced tokens on the built-in model (or
---store), with the engine's defaults; prints the rounds' median decode tok/s and the decode steps run.
+--store), with the engine's defaults (or --routing); prints the rounds' median decode tok/s and the decode steps
+run.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ def main() -> int:
     p.add_argument("--replay", required=True, help="JSON {prompt: [ids], tokens: [ids]}")
     p.add_argument("--repeat", type=int, default=20, help="generations (default 20)")
     p.add_argument("--tokens", type=int, default=128, help="forced tokens decoded a generation (default 128)")
+    p.add_argument("--routing", default=None, help="--routing (default: the engine's)")
     a = p.parse_args()
     try:
         replay = read_replay(a.replay)
         forced = replay.get("tokens", [])[:a.tokens]
         if len(forced) < 2:
             raise Edge0Error(f"--replay {a.replay}: needs at least 2 forced tokens")
-        with open_engine(EngineConfig(model=a.store or str(demo_store()), prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=a.store or str(demo_store()), routing=a.routing,
+                                      prompt_cache_gib=0)) as engine:
             rates = [engine.generate(engine.request(replay["prompt"], max_tokens=len(forced), forced=forced,
                                                     ignore_eos=True)).decode_tok_s for _ in range(a.repeat)]
     except Edge0Error as e:
