@@ -120,7 +120,7 @@ class ResidentExperts:
         self._to_pack = packable and quant.bits == 4  # until packed (at load, compute/qmm.py pack_at_load)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
-        if self._to_pack:
+        if self._to_pack and x.dtype == mx.float32:  # (the kernel's products take float32 activations only)
             self.pack(current().ext)
         return switch_glu(x, inds, self.bank, self.quant)
 

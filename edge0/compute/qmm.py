@@ -192,14 +192,14 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
                                 bits=self.bits, mode=self.mode)
 
 
-def pack_at_load(model: nn.Module, executors: dict) -> None:
+def pack_at_load(model: nn.Module, executors: dict, compute_dtype) -> None:
     """The edge0 kernel's packed copies of the weights that never change, made as the store loads instead of at their
     first products (inside the first prompt's prefill, which they slowed several times over on `small`): the 4-bit
     dense linears, and the resident experts whose memory allows a copy (compute/experts.py ResidentExperts.pack:
     every expert resident, or the layers the streamed pipeline holds). The same copies, so the same bits. Nothing
-    under MLX's kernel."""
+    under MLX's kernel, nor where activations are not float32 (the kernel's products then never run: `fits`)."""
     ext = current().ext
-    if ext is None:
+    if ext is None or compute_dtype != mx.float32:
         return
     for _, m in model.named_modules():
         if type(m) is KernelQuantizedLinear:

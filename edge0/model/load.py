@@ -176,7 +176,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         use_kernel_products(model)  # dense quantized linears through compute.qmm too (the one call site)
         use_kernel_ops(model)  # norms, RoPE, decode attention on the edge0 kernels when in use
         mx.eval(model.parameters())
-        pack_at_load(model, runtime.executors)
+        pack_at_load(model, runtime.executors, cdtype)
         tokenizer = _tokenizer(root, config)
     except BaseException:
         if runtime is not None:

@@ -283,6 +283,15 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
         assert engine.generate(req).tokens == packed_tokens
         banks = [m.executor.resident for _, m in engine.store.model.named_modules() if hasattr(m, "executor")]
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
+    # bfloat16 activations: the kernel's products never run (MLX's do), so the load makes no copy for them
+    with open_engine(EngineConfig(kernel="edge0", dtype="bfloat16", prompt_cache_gib=0)) as engine:
+        model = engine.store.model
+        linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear) and m.bits == 4]
+        banks = [m.executor.resident for _, m in model.named_modules() if hasattr(m, "executor")]
+        assert linears and not any(ext.packed(m["weight"], m["scales"], m["biases"], m.group_size) for m in linears)
+        assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
+        engine.generate(req)  # nor do their first products
+        assert not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
         assert engine.generate(req).tokens == packed_tokens
         decode = {id(b) for b in engine.store.runtime.banks}  # bundles under PACK_BANK_BYTES: refilled, not packed
