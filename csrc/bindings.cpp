@@ -596,8 +596,73 @@ static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vec
                    with_idx({x, gate[0], gate[1], gate[2], up[0], up[1], up[2], down[0], down[1], down[2]}, idx, s));
 }
 
+// The inputs a node keeps itself rather than list for MLX: arrays already evaluated when the node is built (a layer's
+// weights, above all). MLX needs a node's inputs to order its work; an evaluated array orders nothing, yet every eval
+// walks it (a hash-map entry and a stack push on the graph-building thread, a buffer-set entry, a copy in the list of
+// each of the node's outputs): on the built-in model about 250 of a decode step's 300 inputs. The node's function
+// still sees its whole input list, in its order (all()).
+std::atomic<bool> holding{true};  // set_holding: off, every input listed for MLX (tools/held_ab.py's other arm)
+
+class Held {
+ public:
+  // Moves the evaluated arrays of `in` into this, but those at `shown` (buffers the node passes on, which MLX must
+  // see to let it), leaving in `in` the arrays MLX sees, in their order.
+  void take(std::vector<mx::array>& in, std::initializer_list<size_t> shown = {}) {
+    if (!holding.load(std::memory_order_relaxed)) return;
+    std::vector<mx::array> seen;
+    seen.reserve(in.size());
+    layout_.clear();
+    layout_.reserve(in.size());
+    for (size_t i = 0; i < in.size(); i++) {
+      const bool show = std::find(shown.begin(), shown.end(), i) != shown.end();
+      if (!show && in[i].is_available()) {
+        layout_.push_back(-1 - (int32_t)arrays_.size());
+        arrays_.push_back(std::move(in[i]));
+      } else {
+        layout_.push_back((int32_t)seen.size());
+        seen.push_back(std::move(in[i]));
+      }
+    }
+    in = std::move(seen);
+  }
+  // The node's whole input list from those MLX gave it.
+  std::vector<mx::array> all(const std::vector<mx::array>& seen) const {
+    if (arrays_.empty()) return seen;
+    std::vector<mx::array> in;
+    in.reserve(layout_.size());
+    for (int32_t at : layout_) in.push_back(at >= 0 ? seen[at] : arrays_[-1 - at]);
+    return in;
+  }
+  // Where input i of the whole list stands among those MLX gives the node (a shown input).
+  size_t seen_at(size_t i) const { return layout_.empty() ? i : (size_t)layout_[i]; }
+
+ private:
+  std::vector<mx::array> arrays_;
+  std::vector<int32_t> layout_;  // each input of the whole list: >= 0 its place among those MLX sees, < 0 -1 - its
+                                 // place in arrays_ (empty: nothing held)
+};
+
+// A node that may keep some of its inputs itself (Held): its own function and a node running it inside (Absorbed)
+// see the whole list (whole_inputs).
+class Holder {
+ public:
+  virtual ~Holder() = default;
+  // Keeps the evaluated arrays of the node's input list `in` (see Held), leaving in `in` those MLX must see.
+  void hold(std::vector<mx::array>& in, std::initializer_list<size_t> shown = {}) { held_.take(in, shown); }
+  const Held& held() const { return held_; }
+
+ protected:
+  Held held_;
+};
+
+// a's node's whole input list: those MLX sees and those the node keeps itself
+static std::vector<mx::array> whole_inputs(const mx::array& a) {
+  auto* h = dynamic_cast<const Holder*>(&a.primitive());
+  return h ? h->held().all(a.inputs()) : a.inputs();
+}
+
 // The dense per-token ops of dense.h as primitives, one graph node each (float32 on the CPU).
-class DenseOp : public mx::UnaryPrimitive {
+class DenseOp : public mx::UnaryPrimitive, public Holder {
  public:
   using mx::UnaryPrimitive::UnaryPrimitive;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -617,7 +682,7 @@ class DenseOp : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out, fn = std::forward<F>(fn), name = name()]() mutable {
+    enc.dispatch([inputs = held_.all(inputs), out, fn = std::forward<F>(fn), name = name()]() mutable {
       ProfileScope scope([&] { return std::string(name); });
       fn(inputs, out);
     });
@@ -744,12 +809,12 @@ static Absorbed absorbable_node(const mx::array& a) {
   if (a.status() != mx::array::Status::unscheduled || !a.siblings().empty() ||
       dynamic_cast<Computes*>(&a.primitive()) == nullptr)
     return {};
-  return {a.primitive_ptr(), (int)a.inputs().size()};
+  return {a.primitive_ptr(), (int)whole_inputs(a).size()};
 }
 
 // the inputs of a node taking `a` first: a's node's inputs where it runs inside, else a
 static std::vector<mx::array> leading(const mx::array& a, const Absorbed& p) {
-  return p.from ? a.inputs() : std::vector<mx::array>{a};
+  return p.from ? whole_inputs(a) : std::vector<mx::array>{a};
 }
 
 class HeadOp : public DenseOp, public Computes {
@@ -873,7 +938,8 @@ class EmbedOp : public DenseOp {
 };
 
 // A node of several outputs: storage for each, then fn(inputs, outputs) on the stream, profiled under its name.
-class MultiOp : public mx::Primitive {
+// fn sees the node's whole input list (held_: those it keeps itself).
+class MultiOp : public mx::Primitive, public Holder {
  public:
   using mx::Primitive::Primitive;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -887,7 +953,7 @@ class MultiOp : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, fn = std::forward<F>(fn), name = name()]() mutable {
+    enc.dispatch([inputs = held_.all(inputs), outputs, fn = std::forward<F>(fn), name = name()]() mutable {
       ProfileScope scope([&] { return std::string(name); });
       fn(inputs, outputs);
     });
@@ -1240,13 +1306,14 @@ class AttentionBlockOp : public MultiOp {
     // evaluated), so that the cache's buffers can pass on.
     for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
-    const bool ck = take_buffer(inputs[pair_.nk - 1], outputs[2], stream());
-    const bool cv = take_buffer(inputs[np_ - 1], outputs[3], stream());
+    const bool ck = take_buffer(inputs[held_.seen_at(pair_.nk - 1)], outputs[2], stream());
+    const bool cv = take_buffer(inputs[held_.seen_at(np_ - 1)], outputs[3], stream());
     for (size_t i : {size_t(0), size_t(1)}) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
-    enc.dispatch([inputs, outputs, ck, cv, write = pair_.writer(), np = np_, eps = eps_, rn = attention_,
+    enc.dispatch([inputs = held_.all(inputs), outputs, ck, cv, write = pair_.writer(), np = np_, eps = eps_,
+                  rn = attention_,
                   at = at_]() mutable {
       ProfileScope scope([] { return std::string("Edge0AttentionBlock"); });
       write({inputs.begin(), inputs.begin() + np}, ck, cv, outputs[2].data<float>(), outputs[3].data<float>());
@@ -1335,7 +1402,7 @@ static std::optional<mx::array> attention_then(const mx::array& x, const std::ve
   auto* att = x.status() == mx::array::Status::unscheduled ? dynamic_cast<DecodeAttentionOp*>(&x.primitive()) : nullptr;
   auto fused = att ? att->then(p) : nullptr;
   if (!fused) return std::nullopt;
-  auto in = x.inputs();
+  auto in = whole_inputs(x);
   in.insert(in.end(), weights.begin(), weights.end());
   return mx::array(shape, mx::float32, fused, std::move(in));
 }
@@ -1356,13 +1423,27 @@ static mx::array math_op(mx::array x, const std::string& fn) {
   return mx::array(y.begin(), x.shape(), mx::float32);
 }
 
+// a node of op over `in`, keeping the evaluated arrays of `in` itself (Holder)
+template <typename Op>
+static mx::array held_node(const mx::Shape& shape, mx::Dtype dtype, std::shared_ptr<Op> op, std::vector<mx::array> in) {
+  op->hold(in);
+  return mx::array(shape, dtype, std::move(op), std::move(in));
+}
+
+template <typename Op>
+static std::vector<mx::array> held_nodes(std::vector<mx::Shape> shapes, std::vector<mx::Dtype> dtypes,
+                                         std::shared_ptr<Op> op, std::vector<mx::array> in) {
+  op->hold(in);
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes), std::move(op), std::move(in));
+}
+
 static mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps) {
   need_f32(x, "rms_norm", "x");
   need_f32(w, "rms_norm", "weight");
   if (x.ndim() < 1 || x.shape(-1) < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
     throw std::invalid_argument("edge0 rms_norm: weight must be (D,) for x (..., D), D >= 1");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
+  return held_node(x.shape(), mx::float32, std::make_shared<RMSNormOp>(s, eps), {x, w});
 }
 
 static mx::array log_softmax_op(const mx::array& x) {
@@ -1378,8 +1459,8 @@ static std::vector<mx::array> step_log_softmax_op(const mx::array& x) {
     throw std::invalid_argument("edge0 step_log_softmax: x (B, 1, V), a step's logits");
   auto s = mx::default_stream(mx::Device::cpu);
   const Absorbed from = absorbable_node(x);  // the LM head's product runs inside this node
-  return mx::array::make_arrays({{x.shape(0), x.shape(2)}, {x.shape(2)}}, {mx::float32, mx::float32},
-                                std::make_shared<StepLogSoftmaxOp>(s, from), leading(x, from));
+  return held_nodes({{x.shape(0), x.shape(2)}, {x.shape(2)}}, {mx::float32, mx::float32},
+                    std::make_shared<StepLogSoftmaxOp>(s, from), leading(x, from));
 }
 
 static std::vector<mx::array> add_rms_norm_op(const mx::array& x, const mx::array& r, const mx::array& w, float eps) {
@@ -1432,13 +1513,13 @@ static mx::array head_op(const mx::array& x, const mx::array& now, const std::op
         "b1 (H,), w2 (N, H), b2 (N,)");
   auto s = mx::default_stream(mx::Device::cpu);
   const Absorbed from = absorbable_node(router);  // the router's product runs inside this node
-  std::vector<mx::array> in = from.from ? router.inputs() : std::vector<mx::array>{};
+  std::vector<mx::array> in = from.from ? whole_inputs(router) : std::vector<mx::array>{};
   in.push_back(x);
   in.push_back(now);
   if (prev) in.push_back(*prev);
   if (!from.from) in.push_back(router);
   for (auto* a : {&delta, &w1, &b1, &w2, &b2}) in.push_back(*a);
-  return mx::array(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev, from), std::move(in));
+  return held_node(router.shape(), mx::float32, std::make_shared<HeadOp>(s, (bool)prev, from), std::move(in));
 }
 
 static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bool norm,
@@ -1455,8 +1536,8 @@ static std::vector<mx::array> softmax_topk_op(const mx::array& logits, int k, bo
   const Absorbed from = absorbable_node(logits);  // the router's product runs inside this node
   auto in = leading(logits, from);
   if (among) in.push_back(*among);
-  return mx::array::make_arrays({shape, shape}, {mx::uint32, mx::float32},
-                                std::make_shared<RouterOp>(s, k, norm, logits.shape(-1), from, (bool)among), in);
+  return held_nodes({shape, shape}, {mx::uint32, mx::float32},
+                    std::make_shared<RouterOp>(s, k, norm, logits.shape(-1), from, (bool)among), std::move(in));
 }
 
 static mx::array combine_op(const mx::array& y, const mx::array& scores) {
@@ -1491,7 +1572,7 @@ static mx::array embed_op(const mx::array& ids, const mx::array& w, const mx::ar
   auto shape = ids.shape();
   shape.push_back((int)D);
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(shape, mx::float32, std::make_shared<EmbedOp>(s, group_size, bits), {ids, w, scales, biases});
+  return held_node(shape, mx::float32, std::make_shared<EmbedOp>(s, group_size, bits), {ids, w, scales, biases});
 }
 
 static void need_rows(const std::optional<mx::array>& a, int64_t B, const char* op, const char* what);
@@ -1529,7 +1610,7 @@ static Projection absorbable(const mx::array& x) {
 
 static void absorb(std::vector<mx::array>& in, const mx::array& x, const Projection& p) {
   if (!p.inputs) return;
-  const auto& xin = x.inputs();
+  const auto xin = whole_inputs(x);
   in.erase(in.begin());
   in.insert(in.begin(), xin.begin(), xin.end());
 }
@@ -1650,10 +1731,11 @@ static std::vector<mx::array> attention_block_op(const mx::array& x, const mx::a
   const Rotation rq{true, (bool)positions, q_eps, dims, traditional, base, rope_scale};
   auto attention = std::make_shared<DecodeAttentionOp>(s, offset, rq, (bool)starts, scale, pq, po);
   const KVPair pair{offset, nk, rk, pk, pv};
+  auto op = std::make_shared<AttentionBlockOp>(s, pair, np, post_eps, Absorbed{attention, attention_inputs}, at);
+  op->hold(in, {nk - 1, np - 1});  // the weights; the cache's buffers stay shown, to pass on to the outputs
   return mx::array::make_arrays(
       {h.shape(), h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32, mx::float32},
-      std::make_shared<AttentionBlockOp>(s, pair, np, post_eps, Absorbed{attention, attention_inputs}, at),
-      std::move(in));
+      std::move(op), std::move(in));
 }
 
 static mx::array adapt_add_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
@@ -1711,11 +1793,11 @@ static std::vector<mx::array> moe_block_op(const mx::array& x, const mx::array& 
   mx::Shape ids(x.shape().begin(), x.shape().end());
   ids.back() = k;
   auto s = mx::default_stream(mx::Device::cpu);
+  auto op = std::make_shared<MoeBlockOp>(s, router_group_size, k, norm_topk, (bool)among, (bool)table, group_size, eps,
+                                         lora_a ? lora_scale : 0.f);
+  op->hold(in);  // the router's, the experts' and the branch's weights
   auto out = mx::array::make_arrays({x.shape(), x.shape(), ids, ids}, {mx::float32, mx::float32, mx::uint32, mx::float32},
-                                    std::make_shared<MoeBlockOp>(s, router_group_size, k, norm_topk, (bool)among,
-                                                                 (bool)table, group_size, eps,
-                                                                 lora_a ? lora_scale : 0.f),
-                                    std::move(in));
+                                    std::move(op), std::move(in));
   return {out[0], out[1], out[2]};
 }
 
@@ -1906,6 +1988,9 @@ NB_MODULE(_kernels, m) {
         "with log_softmax's bits (running the LM head's product when x is that node, not yet evaluated).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
+  m.def("set_holding", [](bool on) { edge0::holding.store(on); }, "on"_a,
+        "Whether the nodes built from now on keep their evaluated inputs (a layer's weights) themselves rather than\n"
+        "list them for MLX to walk at every eval (default on; the same bits either way).");
   m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a, "hold_us"_a = 0,
         "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path);\n"
         "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval); 0: the hold\n"
