@@ -18,10 +18,15 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <future>
 #include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -1908,6 +1913,45 @@ static void host_eval(const std::vector<mx::array>& arrays, int64_t spin_us, int
   mx::eval(out);
 }
 
+// fn() on the thread of MLX's CPU stream, after the work queued there; returns when it has run.
+static void on_stream(const std::function<void()>& fn) {
+  nb::gil_scoped_release nogil;
+  std::promise<void> ran;
+  auto done = ran.get_future();
+  mx::cpu::get_command_encoder(mx::default_stream(mx::Device::cpu)).dispatch([&] {
+    fn();
+    ran.set_value();
+  });
+  done.wait();
+}
+
+// The cores MLX's CPU stream thread may run on: `cpus` (empty: any the process may use); Linux only.
+static void place_stream(const std::vector<int>& cpus) {
+#if defined(__linux__)
+  on_stream([&] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : cpus) CPU_SET(c, &set);
+    if (cpus.empty())
+      for (int c = 0; c < CPU_SETSIZE; c++) CPU_SET(c, &set);
+    sched_setaffinity(0, sizeof set, &set);
+  });
+#endif
+}
+
+static std::vector<int> stream_cpus() {
+  std::vector<int> out;
+#if defined(__linux__)
+  on_stream([&] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &set)) out.push_back(c);
+  });
+#endif
+  return out;
+}
+
 }  // namespace edge0
 
 NB_MODULE(_kernels, m) {
@@ -1988,6 +2032,15 @@ NB_MODULE(_kernels, m) {
         "with log_softmax's bits (running the LM head's product when x is that node, not yet evaluated).");
   m.def("kv_copies", [] { return edge0::kv_copies.load(); },
         "How many times kv_write copied a cache buffer (it was held elsewhere) instead of writing it in place.");
+  m.def("place_threads",
+        [](const std::vector<int>& stream, const std::vector<int>& workers) {
+          edge0::place_stream(stream);
+          edge0::place_workers(workers);
+        },
+        "stream"_a, "workers"_a,
+        "The cores MLX's CPU stream thread and the kernels' pool workers may run on (empty: any); Linux only.");
+  m.def("thread_cpus", [] { return std::make_pair(edge0::stream_cpus(), edge0::worker_cpus()); },
+        "(the cores the stream thread may run on, those of the first pool worker: empty where there is none).");
   m.def("set_holding", [](bool on) { edge0::holding.store(on); }, "on"_a,
         "Whether the nodes built from now on keep their evaluated inputs (a layer's weights) themselves rather than\n"
         "list them for MLX to walk at every eval (default on; the same bits either way).");

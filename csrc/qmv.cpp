@@ -16,6 +16,11 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -65,9 +70,35 @@ class Pool {
     workers_.clear();
     stop_ = false;
     for (int i = 1; i < n; i++) workers_.emplace_back([this, i] { loop(i - 1); });
+#if defined(__linux__)
+    if (!cpus_.empty())
+      for (auto& t : workers_) pin(t.native_handle(), cpus_);
+#endif
   }
 
   int threads() const { return 1 + (int)workers_.size(); }
+
+  // The cores the workers may run on (empty: any), kept for workers made later.
+  void place(const std::vector<int>& cpus) {
+    std::lock_guard<std::mutex> one(run_mu_);
+    cpus_ = cpus;
+#if defined(__linux__)
+    for (auto& t : workers_) pin(t.native_handle(), cpus);
+#endif
+  }
+
+  // The cores the first worker may run on (empty where there is none).
+  std::vector<int> placed() {
+    std::lock_guard<std::mutex> one(run_mu_);
+    std::vector<int> out;
+#if defined(__linux__)
+    cpu_set_t set;
+    if (!workers_.empty() && pthread_getaffinity_np(workers_[0].native_handle(), sizeof set, &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &set)) out.push_back(c);
+#endif
+    return out;
+  }
 
   // fn(i) for i in [0, n) on `want` threads at most (the caller and want - 1 workers); serial on the
   // caller, waking no worker, when want or n is 1.
@@ -139,7 +170,19 @@ class Pool {
     }
   }
 
+#if defined(__linux__)
+  static void pin(pthread_t t, const std::vector<int>& cpus) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : cpus) CPU_SET(c, &set);
+    if (cpus.empty())
+      for (int c = 0; c < CPU_SETSIZE; c++) CPU_SET(c, &set);  // any core the process may use
+    pthread_setaffinity_np(t, sizeof set, &set);
+  }
+#endif
+
   std::vector<std::thread> workers_;
+  std::vector<int> cpus_;  // where workers run (empty: anywhere)
   std::mutex mu_, run_mu_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -165,6 +208,9 @@ void set_num_threads(int n, int prompt) {
   decode_threads.store(n);
   prompt_threads_.store(prompt);
 }
+
+void place_workers(const std::vector<int>& cpus) { pool().place(cpus); }
+std::vector<int> worker_cpus() { return pool().placed(); }
 
 int num_threads() { return decode_threads.load(); }
 int prompt_threads() { return prompt_threads_.load(); }

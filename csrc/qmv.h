@@ -98,6 +98,10 @@ void set_num_threads(int n, int prompt = 0);
 int num_threads();
 int prompt_threads();
 
+// The cores the pool's workers may run on (empty: any; Linux only, elsewhere nothing), and those of the first worker.
+void place_workers(const std::vector<int>& cpus);
+std::vector<int> worker_cpus();
+
 // fn(i) for every i in [0, n) on the pool's prompt threads (prompt) or decode threads, the caller included.
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, bool prompt);
 

@@ -27,9 +27,22 @@ MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
 
 
+_CORES: tuple[int, ...] | None = None
+
+
+def allowed_cores() -> tuple[int, ...]:
+    """The cores this process may run on, as the first call found them (later, the thread asking may be one that
+    compute/kernels.py keeps off a core)."""
+    global _CORES
+    if _CORES is None:
+        _CORES = (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
+                  else tuple(range(os.cpu_count() or 1)))
+    return _CORES
+
+
 def machine_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """How many cores this process may run on."""
+    return len(allowed_cores())
 
 
 def blas() -> str:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
+from contextlib import contextmanager, suppress
 
-from ..config import machine_cores
+from ..config import allowed_cores, machine_cores
 from ..errors import Edge0Error
 
 # Compute threads of the kernels, the calling thread included. On a 2-core machine a decode step's
@@ -65,8 +67,8 @@ def load():
     if built != mx.__version__:
         _reason = f"built against mlx {built} but mlx {mx.__version__} is installed; rebuild: pip install -e ."
         return None
-    _kernels.set_num_threads(default_threads(), default_prompt_threads())
     _ext = _kernels
+    set_num_threads(default_threads(), default_prompt_threads())
     return _ext
 
 
@@ -95,6 +97,52 @@ def set_num_threads(n: int, prompt: int | None = None) -> None:
     (--kernel-threads) holds for both."""
     if load() is not None:
         _ext.set_num_threads(max(1, int(n)), max(1, int(prompt or n)))
+        _place(max(1, int(n)))
+
+
+# Where the threads of a decode step run. A step keeps busy the thread that builds its graph, MLX's stream thread
+# (which runs the nodes, the step's critical path) and the kernels' n - 1 pool workers. Where they outnumber the
+# cores (two decode threads on two cores), the host's scheduler moves the graph-building thread onto the stream's
+# core now and then: the stream then shares its core, and waits for a worker that thread has preempted (the demo at
+# two threads ran at 1500-1900 tok/s in some generations and 3000-3200 in others, `python tools/switch_ab.py
+# --switch placement --threads 2`). There the stream keeps one core to itself, the workers run on the others, and so does a thread
+# while it builds graphs (graph_thread); elsewhere every thread runs anywhere.
+_placing = True  # set_placement: off, no thread is placed (the other arm of tools/switch_ab.py)
+_off_stream: tuple[int, ...] | None = None  # the cores off the stream's, where it keeps one
+
+
+def _place(decode: int) -> None:
+    global _off_stream
+    cores = allowed_cores()
+    keep = _placing and decode + 1 > len(cores) >= 2
+    _off_stream = cores[:-1] if keep else None
+    _ext.place_threads([cores[-1]] if keep else list(cores), list(_off_stream or cores))
+
+
+def set_placement(on: bool) -> None:
+    """Whether the stream keeps a core where a step's threads outnumber the cores (default on)."""
+    global _placing
+    _placing = bool(on)
+    if load() is not None:
+        _place(_ext.num_threads())
+
+
+@contextmanager
+def graph_thread():
+    """The calling thread runs off the stream's core while inside (a generation: it builds the graphs), where the
+    stream keeps one; as before after."""
+    cores = _off_stream
+    if cores is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    tid = threading.get_native_id()  # the same thread at exit, even where a generator is closed from another
+    before = os.sched_getaffinity(tid)
+    os.sched_setaffinity(tid, cores)
+    try:
+        yield
+    finally:
+        with suppress(OSError):  # (a thread gone since)
+            os.sched_setaffinity(tid, before)
 
 
 # Syncs on the critical path (a staged layer's routed ids, a step's token): the host spins for the values up to

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..compute.dense import step_log_softmax
-from ..compute.kernels import host_eval
+from ..compute.kernels import graph_thread, host_eval
 from ..sched.trace import NULL, now_us
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
@@ -49,24 +49,25 @@ def generate_steps(model, prompt: list[int], *, max_tokens: int, sampler: Callab
     ones, so that benchmark arms do identical work. cache: the model's KV cache to extend (it may already
     hold earlier tokens: then `prompt` is what follows them); default a fresh one.
     """
-    if runtime is None:
-        yield from _steps(model, prompt, max_tokens, sampler, times, None, forced, cache)
-        return
-    gen = runtime.begin()
-    try:
-        for out in _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache):
-            yield out
-            if runtime.generation != gen:
-                raise RuntimeError("another generation began on this runtime while this one was paused")
-    except GeneratorExit:  # closed at a yield: every step built so far was evaluated
-        raise
-    except BaseException:
-        if runtime.generation == gen:
-            runtime.recover()
-        raise
-    finally:
-        if runtime.generation == gen:
-            runtime.finish()
+    with graph_thread():  # off the stream's core, where it keeps one (compute/kernels.py)
+        if runtime is None:
+            yield from _steps(model, prompt, max_tokens, sampler, times, None, forced, cache)
+            return
+        gen = runtime.begin()
+        try:
+            for out in _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache):
+                yield out
+                if runtime.generation != gen:
+                    raise RuntimeError("another generation began on this runtime while this one was paused")
+        except GeneratorExit:  # closed at a yield: every step built so far was evaluated
+            raise
+        except BaseException:
+            if runtime.generation == gen:
+                runtime.recover()
+            raise
+        finally:
+            if runtime.generation == gen:
+                runtime.finish()
 
 
 def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) -> Iterator[tuple[int, mx.array]]:

@@ -1,0 +1,62 @@
+"""Where a decode step's threads run (compute/kernels.py): where they outnumber the cores, MLX's stream thread keeps a
+core to itself, the kernels' workers and the thread building a generation's graphs run on the others; elsewhere every
+thread runs anywhere."""
+
+import os
+
+import pytest
+
+from edge0.compute import kernels
+from edge0.config import allowed_cores
+
+EXT = kernels.load()
+pytestmark = [pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()}"),
+              pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread placement is Linux's")]
+CORES = allowed_cores()
+
+
+@pytest.fixture
+def threads():
+    yield
+    kernels.set_placement(True)
+    kernels.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="one core: nothing to place")
+def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(threads):
+    """Decode threads + the graph-building thread over the cores: the stream runs on the last core alone, the workers
+    on the others, and a generation's graph-building thread there too while it decodes (its own cores after)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+    from edge0.pipeline import steps
+
+    n = len(CORES)  # n decode threads + the graph-building thread: one more thread than cores
+    kernels.set_num_threads(n)
+    assert EXT.thread_cpus() == ([CORES[-1]], list(CORES[:-1]))
+    before = os.sched_getaffinity(0)
+    seen = []
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", kernel_threads=n,
+                                  prompt_cache_gib=0)) as engine, engine.kernel.active():
+        for _ in steps.generate_steps(engine.store.model, [1, 2, 3, 4], max_tokens=3, sampler=make_sampler(0.0),
+                                      runtime=engine.store.runtime):
+            seen.append(os.sched_getaffinity(0))
+    assert seen == [set(CORES[:-1])] * 3
+    assert os.sched_getaffinity(0) == before
+
+    kernels.set_placement(False)  # off: anywhere, the graph-building thread too
+    assert EXT.thread_cpus() == (list(CORES), list(CORES))
+    with kernels.graph_thread():
+        assert os.sched_getaffinity(0) == before
+
+
+def test_threads_no_more_than_the_cores_run_anywhere(threads):
+    """One decode thread on two cores or more (the default there), or fewer decode threads than cores: no thread is
+    placed, and a generation leaves the graph-building thread's cores as they are."""
+    kernels.set_num_threads(max(1, len(CORES) - 1), len(CORES))
+    stream, workers = EXT.thread_cpus()
+    assert stream == list(CORES) and workers in ([], list(CORES))
+    before = os.sched_getaffinity(0)
+    with kernels.graph_thread():
+        assert os.sched_getaffinity(0) == before
