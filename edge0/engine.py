@@ -259,6 +259,9 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         store = load_store(path, dtype=c.dtype, verify=c.verify, executor=executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
                            build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None)
+    if not c.kernel_threads:  # the default for this runtime: both of 2 cores where no expert is read in decode
+        kernels.set_num_threads(kernels.default_threads(resident=store.runtime.executor == "resident"),
+                                kernels.default_prompt_threads())
     try:
         if c.executor == "auto" and store.runtime.executor == "resident":
             log.info("executor resident: every expert in memory", gib=round(store.runtime.resident_expert_bytes / 2**30, 3),

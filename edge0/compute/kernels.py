@@ -14,9 +14,10 @@ from contextlib import contextmanager, suppress
 from ..config import allowed_cores, machine_cores
 from ..errors import Edge0Error
 
-# Compute threads of the kernels, the calling thread included. On a 2-core machine a decode step's
+# Compute threads of the kernels, the calling thread included. On a 2-core machine a streamed decode step's
 # products take one thread, leaving the other core to the I/O workers and to the Python that builds the
-# next layer's graph (docs/DESIGN.md §15); a node of at least SPREAD_ROWS token rows (a prompt chunk's products
+# next layer's graph (docs/DESIGN.md §15); where every expert is resident they take both, the stream keeping one core
+# to itself (_place); a node of at least SPREAD_ROWS token rows (a prompt chunk's products
 # and attention, compute-bound, nothing to overlap; a served batch's step of several sequences) takes every
 # core. EDGE0_KERNEL_THREADS sets both.
 DEFAULT_THREADS_2_CORES = 1
@@ -37,10 +38,12 @@ def _env_threads() -> int | None:
     return int(env)
 
 
-def default_threads() -> int:
-    """Decode threads."""
+def default_threads(resident: bool = False) -> int:
+    """Decode threads; resident: every expert in memory (no I/O pool to leave a core to)."""
     cores = machine_cores()
-    return _env_threads() or (DEFAULT_THREADS_2_CORES if cores <= 2 else min(cores - 1, MAX_DEFAULT_THREADS))
+    if cores <= 2:
+        return _env_threads() or (cores if resident else DEFAULT_THREADS_2_CORES)
+    return _env_threads() or min(cores - 1, MAX_DEFAULT_THREADS)
 
 
 def default_prompt_threads() -> int:

@@ -60,3 +60,21 @@ def test_threads_no_more_than_the_cores_run_anywhere(threads):
     before = os.sched_getaffinity(0)
     with kernels.graph_thread():
         assert os.sched_getaffinity(0) == before
+
+
+def test_an_engine_takes_both_of_two_cores_where_every_expert_is_resident(threads):
+    """Without --kernel-threads an engine sets its decode threads for its runtime: on 2 cores both where every expert
+    is resident (nothing is read in decode: no I/O pool to leave a core to), one where experts stream; the stream
+    then keeps its core (the first case) or nothing is placed (the second)."""
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+
+    got = {}
+    for executor in ("resident", "staged"):
+        with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", executor=executor,
+                                      prompt_cache_gib=0)):
+            got[executor] = (EXT.num_threads(), EXT.thread_cpus()[0])
+    want = {ex: kernels.default_threads(resident=ex == "resident") for ex in got}
+    assert {ex: n for ex, (n, _) in got.items()} == want
+    if len(CORES) == 2 and not os.environ.get("EDGE0_KERNEL_THREADS"):
+        assert got == {"resident": (2, [CORES[-1]]), "staged": (1, list(CORES))}
