@@ -1,7 +1,7 @@
 """Decode with one of the kernels' switches on against off, in one process, for docs/results/cpu-kernels.md (issue #19).
 
     python tools/switch_ab.py --switch held|placement --replay R [--store S] [--threads 2] [--routing native]
-        [--rounds 15]
+        [--executor staged] [--slots N] [--rounds 15]
 
 Switches (each on by default; the same bits either way):
   held       an Edge0 node keeps the arrays it is given already evaluated (a layer's weights) and lists only the
@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--store", help="an Edge0 store (default: the built-in model)")
     p.add_argument("--threads", type=int, help="--kernel-threads (default: the kernels' default)")
     p.add_argument("--routing", help="--routing (default: the engine's)")
+    p.add_argument("--executor", help="--executor (default: the engine's)")
+    p.add_argument("--slots", type=int, help="--slots (default: the engine's)")
     p.add_argument("--rounds", type=int, default=15, help="rounds, each generating once per arm (default 15)")
     a = p.parse_args()
     if a.rounds < 1:
@@ -54,7 +56,7 @@ def main() -> int:
         if len(forced) < 2:
             raise Edge0Error(f"--replay {a.replay}: needs at least 2 forced tokens")
         cfg = EngineConfig(model=a.store or str(demo_store()), routing=a.routing, kernel_threads=a.threads,
-                           kernel="edge0", prompt_cache_gib=0)
+                           executor=a.executor or "auto", slots=a.slots, kernel="edge0", prompt_cache_gib=0)
         with open_engine(cfg) as engine:
             req = engine.request(replay["prompt"], max_tokens=len(forced), forced=forced, ignore_eos=True)
             engine.generate(req)  # warm-up
