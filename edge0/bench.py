@@ -60,7 +60,9 @@ def add_bench_flags(p) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="compute threads: --kernel-threads of the Edge0 arms and n_threads of llama.cpp "
-                        "(default: the edge0 kernels' default, 1 on 2 cores, or $EDGE0_KERNEL_THREADS)")
+                        "(default: each Edge0 arm its engine's default, as `edge0 run` chooses it; llama.cpp the "
+                        "edge0 kernels' default where every expert is resident: 2 on 2 cores; or "
+                        "$EDGE0_KERNEL_THREADS)")
     p.add_argument("--gguf", metavar="FILE", default=None,
                    help=f"the llama.cpp arm's GGUF of the same model (made by {LLAMA_SETUP})")
     p.add_argument("--llama-python", metavar="PYTHON", default=None,
@@ -102,10 +104,11 @@ def _warm_tree(path: Path) -> None:
 
 
 def threads(args) -> int:
-    """The compute threads of the kernel arms: --threads, else the edge0 kernels' default."""
+    """The llama.cpp arm's threads: --threads, else the edge0 kernels' default where every expert is resident (the
+    Edge0 arms without --threads take their engine's default, which each reports)."""
     from .compute.kernels import default_threads
 
-    return args.threads or default_threads()
+    return args.threads or default_threads(resident=True)
 
 
 def llama_python(args) -> str:
@@ -143,8 +146,9 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         return [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm),
-           "--kernel-threads", str(threads(args))]
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm)]
+    if args.threads:
+        cmd += ["--kernel-threads", str(args.threads)]
     if args.memory_budget is not None:
         cmd += ["--memory-budget", str(args.memory_budget)]
     if getattr(args, "slots", None) is not None and streams_staged(arm):
@@ -175,7 +179,7 @@ def run_arm(arm: str, args, cache: str, replay: Path, cap: MemoryCap | None = No
         raise Edge0Error(f"arm {arm} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
     res = {**json.loads(run.stdout.strip().splitlines()[-1]), **_run_figures(run)}
     if not is_llama(arm):  # the edge0 kernels run on --threads threads; MLX's own kernels on MLX's pool
-        res["threads"] = threads(args) if res.get("kernel") == "edge0" else None
+        res["threads"] = res.get("kernel_threads") if res.get("kernel") == "edge0" else None
     steps = max(len(res.get("tokens", [])), 1)
     res["loads_per_step"] = res.get("loads", 0) / steps
     res["recall"] = res.get("recall") or 0.0
@@ -328,7 +332,7 @@ def bench(args) -> int:
             "rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
             "dtype": args.dtype, "source": args.source, "store": args.store, "memory_budget_gib": args.memory_budget,
             "slots": getattr(args, "slots", None), "io_throttle_mbps": args.io_throttle, "io": args.io, "read_cost": cost,
-            "threads": threads(args),
+            "threads": args.threads,
             "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
             "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
             "replay": args.replay}

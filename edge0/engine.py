@@ -229,6 +229,7 @@ class Engine:
                 "held_layers": sorted(rt.held) if rt.held else None,
                 "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
                 "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
+                "kernel_threads": self.kernel.ext.num_threads() if self.kernel.edge0 else None,
                 "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":
                 c.memory_budget_gib, "model": str(self.store.path), "expert_gib": self.store.manifest.expert_bytes / 2**30}
 

@@ -21,6 +21,8 @@ def test_run_with_defaults():
     # auto: Edge0's CPU kernels when the extension is built (and MLX computes on the CPU), else MLX's.
     on_cpu = mx.default_device() == mx.cpu
     assert r["kernel"] == ("edge0" if kernels.available() and on_cpu else "mlx"), (r["kernel"], kernels.reason())
+    # every expert resident: the kernels' default for that (on 2 cores both, the stream keeping one to itself)
+    assert r["kernel_threads"] == (kernels.default_threads(resident=True) if r["kernel"] == "edge0" else None)
 
 
 def test_the_summary_line_says_what_was_read():
