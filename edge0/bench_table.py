@@ -34,7 +34,8 @@ def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
         par = "_parallel" if "cold_parallel_ms" in cost else ""  # a layer's reads run together on the I/O pool
         s["read_ms_per_step"] = s["loads_per_step"] * (cf * cost[f"cold{par}_ms"] + (1 - cf) * cost[f"warm{par}_ms"])
         floor = summary.get(f"resident/{cache}") or summary.get("resident/warm")
-        if floor and not is_llama(arm) and not floor["killed"]:  # llama.cpp's limit is not Edge0's pipeline
+        # llama.cpp's limit is not Edge0's pipeline; a floor on other threads is not this arm's (bench --threads)
+        if floor and not is_llama(arm) and not floor["killed"] and floor["threads"] == s["threads"]:
             s["compute_ms_per_step"] = floor["step_ms"]
             s["limit_ms_per_step"] = max(floor["step_ms"], s["read_ms_per_step"])
     return summary

@@ -282,3 +282,20 @@ def test_bench_slots_size_the_streamed_arms_banks_alone(models, tmp_path, capsys
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_pipeline_limit_takes_the_resident_floor_only_at_the_arms_threads():
+    """An arm's limit is max(the resident arm's step, its reads) where the resident arm ran on its threads; without
+    --threads each arm runs on its engine's default (on 2 cores the resident arm on 2, streamed arms on 1), and a floor
+    of other threads gives no limit."""
+    from edge0.bench_table import summarize
+
+    def run(tok_s, threads, loads=0.0):
+        return {"decode_tok_s": tok_s, "dtype": "float32", "kernel": "edge0", "threads": threads,
+                "loads_per_step": loads, "load_cold_fraction": 1.0}
+
+    cost = {"cold_ms": 1.0, "warm_ms": 0.5}
+    same = summarize({"resident/cold": [run(100.0, 1)], "native/cold": [run(50.0, 1, loads=12.0)]}, cost)
+    assert same["native/cold"]["limit_ms_per_step"] == 12.0 and same["native/cold"]["compute_ms_per_step"] == 10.0
+    other = summarize({"resident/cold": [run(100.0, 2)], "native/cold": [run(50.0, 1, loads=4.0)]}, cost)
+    assert "limit_ms_per_step" not in other["native/cold"] and other["resident/cold"]["limit_ms_per_step"] == 10.0
