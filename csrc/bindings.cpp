@@ -640,6 +640,14 @@ class Held {
   }
   // Where input i of the whole list stands among those MLX gives the node (a shown input).
   size_t seen_at(size_t i) const { return layout_.empty() ? i : (size_t)layout_[i]; }
+  // The same arrays held in the same places (a node's is_equivalent: two nodes that differ only in what they hold
+  // are not the same node)
+  bool operator==(const Held& o) const {
+    if (layout_ != o.layout_ || arrays_.size() != o.arrays_.size()) return false;
+    for (size_t i = 0; i < arrays_.size(); i++)
+      if (arrays_[i].id() != o.arrays_[i].id()) return false;
+    return true;
+  }
 
  private:
   std::vector<mx::array> arrays_;
@@ -707,7 +715,7 @@ class RMSNormOp : public DenseOp {
   }
   const char* name() const override { return "Edge0RMSNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const RMSNormOp&>(other).eps_;
+    return eps_ == static_cast<const RMSNormOp&>(other).eps_ && held_ == static_cast<const RMSNormOp&>(other).held_;
   }
 
  private:
@@ -865,7 +873,7 @@ class HeadOp : public DenseOp, public Computes {
   const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const HeadOp&>(other);
-    return prev_ == o.prev_ && router_ == o.router_;
+    return prev_ == o.prev_ && router_ == o.router_ && held_ == o.held_;
   }
 
  private:
@@ -935,7 +943,7 @@ class EmbedOp : public DenseOp {
   const char* name() const override { return "Edge0Embed"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const EmbedOp&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && held_ == o.held_;
   }
 
  private:
@@ -985,7 +993,8 @@ class RouterOp : public MultiOp {
   const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RouterOp&>(other);
-    return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && among_ == o.among_ && logits_ == o.logits_;
+    return k_ == o.k_ && norm_ == o.norm_ && E_ == o.E_ && among_ == o.among_ && logits_ == o.logits_ &&
+           held_ == o.held_;
   }
 
  private:
@@ -1014,7 +1023,8 @@ class StepLogSoftmaxOp : public MultiOp {
   }
   const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return x_ == static_cast<const StepLogSoftmaxOp&>(other).x_;
+    auto& o = static_cast<const StepLogSoftmaxOp&>(other);
+    return x_ == o.x_ && held_ == o.held_;
   }
 
  private:
@@ -1107,7 +1117,7 @@ class MoeBlockOp : public MultiOp {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const MoeBlockOp&>(other);
     return router_gs_ == o.router_gs_ && k_ == o.k_ && norm_topk_ == o.norm_topk_ && among_ == o.among_ &&
-           table_ == o.table_ && gs_ == o.gs_ && eps_ == o.eps_ && branch_ == o.branch_;
+           table_ == o.table_ && gs_ == o.gs_ && eps_ == o.eps_ && branch_ == o.branch_ && held_ == o.held_;
   }
 
  private:
@@ -1331,7 +1341,8 @@ class AttentionBlockOp : public MultiOp {
   const char* name() const override { return "Edge0AttentionBlock"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttentionBlockOp&>(other);
-    return np_ == o.np_ && at_ == o.at_ && pair_ == o.pair_ && eps_ == o.eps_ && attention_ == o.attention_;
+    return np_ == o.np_ && at_ == o.at_ && pair_ == o.pair_ && eps_ == o.eps_ && attention_ == o.attention_ &&
+           held_ == o.held_;
   }
 
  private:
