@@ -14,6 +14,7 @@ import time
 import traceback
 
 from ..batching import BatchDecoder
+from ..compute.kernels import graph_thread
 from ..errors import Edge0Error
 from ..log import log
 
@@ -70,17 +71,19 @@ async def _take(queue, batch: BatchDecoder, *, block: bool) -> list:
 
 
 def _cycle(batch: BatchDecoder, newcomers: list, loop) -> tuple[list, list, list]:
-    """On the worker: admit the newcomers (a refused one, e.g. too long, is answered alone), then one step."""
+    """On the worker: admit the newcomers (a refused one, e.g. too long, is answered alone), then one step (off the
+    stream's core where it keeps one, as a generation's graph-building thread is)."""
     admitted, refused = [], []
-    for job in newcomers:
-        def emit(text: str, job=job) -> None:  # worker thread -> loop
-            loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
+    with graph_thread():
+        for job in newcomers:
+            def emit(text: str, job=job) -> None:  # worker thread -> loop
+                loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
 
-        try:
-            admitted.append((job, batch.admit(job.req, emit, job.cancel.is_set)))
-        except Edge0Error as e:
-            refused.append((job, e))
-    finished = batch.step()  # also reports the newcomers done at their first token
+            try:
+                admitted.append((job, batch.admit(job.req, emit, job.cancel.is_set)))
+            except Edge0Error as e:
+                refused.append((job, e))
+        finished = batch.step()  # also reports the newcomers done at their first token
     return admitted, refused, finished
 
 

@@ -78,3 +78,36 @@ def test_an_engine_takes_both_of_two_cores_where_every_expert_is_resident(thread
     assert {ex: n for ex, (n, _) in got.items()} == want
     if len(CORES) == 2 and not os.environ.get("EDGE0_KERNEL_THREADS"):
         assert got == {"resident": (2, [CORES[-1]]), "staged": (1, list(CORES))}
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="one core: nothing to place")
+def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypatch):
+    """`edge0 serve`'s batched cycle (admit, then one step for all) runs off the stream's core where it keeps one, as
+    a generation does, and leaves the worker thread's cores as they were."""
+    import asyncio
+
+    from edge0.batching import BatchDecoder
+    from edge0.config import EngineConfig
+    from edge0.engine import demo_store, open_engine
+    from edge0.serve.batched import _cycle
+
+    class Job:  # what _cycle reads of a queued job
+        def __init__(self, req):
+            self.req, self.events = req, asyncio.Queue()
+            self.cancel = type("Flag", (), {"is_set": staticmethod(lambda: False)})
+
+    n = len(CORES)
+    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", kernel_threads=n,
+                                  prompt_cache_gib=0)) as engine:
+        batch = BatchDecoder(engine, 2)
+        seen, step = [], batch.step
+        monkeypatch.setattr(batch, "step", lambda: seen.append(os.sched_getaffinity(0)) or step())
+        before = os.sched_getaffinity(0)
+        loop = asyncio.new_event_loop()
+        try:
+            admitted, refused, _ = _cycle(batch, [Job(engine.request([1, 2, 3, 4], max_tokens=4))], loop)
+            _cycle(batch, [], loop)
+        finally:
+            loop.close()
+    assert len(admitted) == 1 and not refused
+    assert seen == [set(CORES[:-1])] * 2 and os.sched_getaffinity(0) == before
