@@ -201,19 +201,45 @@ def _impls(ext, asked: str | None) -> list[str]:
     return built
 
 
-def node_counts(out: mx.array) -> dict[str, int]:
-    """The nodes of the (unevaluated) graph behind `out`, by primitive."""
-    import collections
+def _dot(out: mx.array) -> str:
     import io
-    import re
 
     dot = io.StringIO()
     mx.export_to_dot(dot, out)
-    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_+]+)', dot.getvalue())))
+    return dot.getvalue()
 
 
-def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
-    """Nodes of one decode step's graph (resident executor: no per-layer sync), by primitive."""
+def node_counts(out: mx.array) -> dict[str, int]:
+    """The nodes of the (unevaluated) graph behind `out`, by primitive."""
+    import collections
+    import re
+
+    return dict(collections.Counter(re.findall(r'label ="([A-Za-z0-9_+]+)', _dot(out))))
+
+
+def listed_inputs(out: mx.array) -> dict[str, list[int]]:
+    """For each node of the graph behind `out`, by primitive, one entry a node: how many of the inputs it lists for
+    MLX (which walks each at every eval) are arrays with no node (weights, the cache's buffers, token ids), and how
+    many in all: [leaves, inputs]. (An Edge0 node keeps the arrays evaluated when it was built to itself: csrc Held.)"""
+    import re
+
+    text = _dot(out)
+    leaves = set(re.findall(r'rank=source; "([^"]+)"', text))
+    names = dict(re.findall(r'\{ (\d+) \[label ="([A-Za-z0-9_+]+)"', text))
+    counts = {node: [0, 0] for node in names}
+    for src, dst in re.findall(r'"?([A-Za-z0-9]+)"? -> "?([A-Za-z0-9]+)"?', text):
+        if dst in counts:
+            counts[dst][0] += src in leaves
+            counts[dst][1] += 1
+    found: dict[str, list[list[int]]] = {}
+    for node, name in names.items():
+        found.setdefault(name, []).append(counts[node])
+    return found
+
+
+def graph_nodes(store_path: str, kernel: str) -> tuple[dict[str, int], int]:
+    """Nodes of one decode step's graph (resident executor: no per-layer sync), by primitive, and the inputs they
+    list for MLX in all."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from .model.load import load_store
@@ -222,9 +248,10 @@ def graph_nodes(store_path: str, kernel: str) -> dict[str, int]:
         store = load_store(store_path, executor="resident")
         cache = make_prompt_cache(store.model)
         mx.eval(store.model(mx.array([[1, 2, 3, 4]]), cache=cache), [c.state for c in cache])
-        nodes = node_counts(store.model(mx.array([[5]]), cache=cache))
+        step = store.model(mx.array([[5]]), cache=cache)
+        nodes, inputs = node_counts(step), sum(n for each in listed_inputs(step).values() for _, n in each)
         store.close()
-    return nodes
+    return nodes, inputs
 
 
 def bench_kernels(args) -> dict:
@@ -278,10 +305,12 @@ def bench_kernels(args) -> dict:
         kernels.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
     if getattr(args, "kernel_graph", None):
         for kernel in ["mlx"] + (["edge0"] if ext is not None else []):
-            nodes = graph_nodes(args.kernel_graph, kernel)
+            nodes, inputs = graph_nodes(args.kernel_graph, kernel)
             out.setdefault("graph_nodes", {})[kernel] = nodes
+            out.setdefault("graph_inputs", {})[kernel] = inputs
             top = ", ".join(f"{k} {v}" for k, v in sorted(nodes.items(), key=lambda kv: -kv[1])[:6])
-            say(f"graph of one decode step, {kernel} kernel: {sum(nodes.values())} nodes ({top}, ...)")
+            say(f"graph of one decode step, {kernel} kernel: {sum(nodes.values())} nodes ({top}, ...), "
+                f"{inputs} inputs listed for MLX")
     if args.kernel_json:
         print(json.dumps(out))
     return out

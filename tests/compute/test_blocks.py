@@ -127,32 +127,12 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
     assert set(nodes) - heads == {"Edge0AttentionBlock", "Edge0MoeBlock", "Edge0Embed", "Edge0RMSNorm", "Edge0QMV"}
 
 
-def _leaf_inputs(out: mx.array) -> dict[str, list[int]]:
-    """For each node of the graph behind `out`, by primitive: how many of its listed inputs are leaves (arrays with no
-    node: weights, the cache's buffers, token ids), one entry a node."""
-    import io
-    import re
-
-    dot = io.StringIO()
-    mx.export_to_dot(dot, out)
-    text = dot.getvalue()
-    leaves = set(re.findall(r'rank=source; "([^"]+)"', text))
-    names = dict(re.findall(r'\{ (\d+) \[label ="([A-Za-z0-9_+]+)"', text))
-    counts = {node: 0 for node in names}
-    for src, dst in re.findall(r'"?([A-Za-z0-9]+)"? -> "?([A-Za-z0-9]+)"?', text):
-        if dst in counts and src in leaves:
-            counts[dst] += 1
-    found: dict[str, list[int]] = {}
-    for node, name in names.items():
-        found.setdefault(name, []).append(counts[node])
-    return found
-
-
 def test_the_layer_blocks_hold_their_weights_and_list_for_mlx_only_what_it_must_order(monkeypatch):
     """The default step's Edge0AttentionBlock and Edge0MoeBlock nodes keep their evaluated inputs (the layer's
     weights, the adapter's) themselves: MLX sees, of the arrays with no node, only the cache's two buffers (which it
     must see to pass them on to the node's outputs); with holding off every weight is listed, as before. The step's
     log-probabilities are the same bits either way, and the cache's buffers are passed on, never copied."""
+    from edge0.bench_kernels import listed_inputs
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
 
@@ -167,7 +147,7 @@ def test_the_layer_blocks_hold_their_weights_and_list_for_mlx_only_what_it_must_
                 mx.eval(model(mx.array([ids], dtype=mx.uint32), cache=cache))
                 copies = EXT.kv_copies()
                 out = model(mx.array([[7]], dtype=mx.uint32), cache=cache)
-                found[on] = _leaf_inputs(out)
+                found[on] = {name: [leaves for leaves, _ in each] for name, each in listed_inputs(out).items()}
                 mx.eval(out)
                 lps[on] = np.array(out)
                 assert EXT.kv_copies() == copies

@@ -945,13 +945,16 @@ def test_greedy_decoding_agrees_with_mlx(models, arch):
 
 @needs_ext
 def test_edge0_decode_graph_has_fewer_nodes(models):
-    """`edge0 bench --kernels --kernel-graph STORE`: the fused ops leave a fraction of MLX's graph."""
+    """`edge0 bench --kernels --kernel-graph STORE`: the fused ops leave a fraction of MLX's graph, and the nodes that
+    keep their weights list a fraction of its inputs."""
     from edge0.bench_kernels import graph_nodes
 
-    mlx_nodes, edge0_nodes = (graph_nodes(str(models("qwen3_moe")), k) for k in ("mlx", "edge0"))
+    (mlx_nodes, mlx_inputs), (edge0_nodes, edge0_inputs) = (graph_nodes(str(models("qwen3_moe")), k)
+                                                            for k in ("mlx", "edge0"))
     assert any(name.startswith("Edge0GLU") or name == "Edge0MoeBlock" for name in edge0_nodes)
     assert "Edge0GLU" not in mlx_nodes and "Edge0MoeBlock" not in mlx_nodes
     assert sum(edge0_nodes.values()) < 0.4 * sum(mlx_nodes.values())
+    assert edge0_inputs < 0.08 * mlx_inputs  # listing their weights too: about 0.15x
 
 
 @needs_ext
