@@ -24,10 +24,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -1938,28 +1934,12 @@ static void on_stream(const std::function<void()>& fn) {
 
 // The cores MLX's CPU stream thread may run on: `cpus` (empty: any the process may use); Linux only.
 static void place_stream(const std::vector<int>& cpus) {
-#if defined(__linux__)
-  on_stream([&] {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int c : cpus) CPU_SET(c, &set);
-    if (cpus.empty())
-      for (int c = 0; c < CPU_SETSIZE; c++) CPU_SET(c, &set);
-    sched_setaffinity(0, sizeof set, &set);
-  });
-#endif
+  on_stream([&] { set_this_thread_cpus(cpus); });
 }
 
 static std::vector<int> stream_cpus() {
   std::vector<int> out;
-#if defined(__linux__)
-  on_stream([&] {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0)
-      for (int c = 0; c < CPU_SETSIZE; c++)
-        if (CPU_ISSET(c, &set)) out.push_back(c);
-  });
-#endif
+  on_stream([&] { out = this_thread_cpus(); });
   return out;
 }
 

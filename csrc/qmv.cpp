@@ -53,6 +53,27 @@ constexpr int64_t PREFETCH_BYTES = 2048;
 // A persistent pool: the caller and n-1 workers claim tasks from one counter. The job generation
 // lives in the counter's high bits, so a worker that wakes late can never run a finished job's task.
 
+#if defined(__linux__)
+// The cores thread t may run on: `cpus` (empty: every core the process may use).
+static void set_cpus(pthread_t t, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  if (cpus.empty())
+    for (int c = 0; c < CPU_SETSIZE; c++) CPU_SET(c, &set);
+  pthread_setaffinity_np(t, sizeof set, &set);
+}
+
+static std::vector<int> cpus_of(pthread_t t) {
+  std::vector<int> out;
+  cpu_set_t set;
+  if (pthread_getaffinity_np(t, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; c++)
+      if (CPU_ISSET(c, &set)) out.push_back(c);
+  return out;
+}
+#endif
+
 class Pool {
  public:
   ~Pool() { resize(1); }
@@ -72,7 +93,7 @@ class Pool {
     for (int i = 1; i < n; i++) workers_.emplace_back([this, i] { loop(i - 1); });
 #if defined(__linux__)
     if (!cpus_.empty())
-      for (auto& t : workers_) pin(t.native_handle(), cpus_);
+      for (auto& t : workers_) set_cpus(t.native_handle(), cpus_);
 #endif
   }
 
@@ -83,21 +104,17 @@ class Pool {
     std::lock_guard<std::mutex> one(run_mu_);
     cpus_ = cpus;
 #if defined(__linux__)
-    for (auto& t : workers_) pin(t.native_handle(), cpus);
+    for (auto& t : workers_) set_cpus(t.native_handle(), cpus);
 #endif
   }
 
   // The cores the first worker may run on (empty where there is none).
   std::vector<int> placed() {
     std::lock_guard<std::mutex> one(run_mu_);
-    std::vector<int> out;
 #if defined(__linux__)
-    cpu_set_t set;
-    if (!workers_.empty() && pthread_getaffinity_np(workers_[0].native_handle(), sizeof set, &set) == 0)
-      for (int c = 0; c < CPU_SETSIZE; c++)
-        if (CPU_ISSET(c, &set)) out.push_back(c);
+    if (!workers_.empty()) return cpus_of(workers_[0].native_handle());
 #endif
-    return out;
+    return {};
   }
 
   // fn(i) for i in [0, n) on `want` threads at most (the caller and want - 1 workers); serial on the
@@ -170,17 +187,6 @@ class Pool {
     }
   }
 
-#if defined(__linux__)
-  static void pin(pthread_t t, const std::vector<int>& cpus) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int c : cpus) CPU_SET(c, &set);
-    if (cpus.empty())
-      for (int c = 0; c < CPU_SETSIZE; c++) CPU_SET(c, &set);  // any core the process may use
-    pthread_setaffinity_np(t, sizeof set, &set);
-  }
-#endif
-
   std::vector<std::thread> workers_;
   std::vector<int> cpus_;  // where workers run (empty: anywhere)
   std::mutex mu_, run_mu_;
@@ -211,6 +217,20 @@ void set_num_threads(int n, int prompt) {
 
 void place_workers(const std::vector<int>& cpus) { pool().place(cpus); }
 std::vector<int> worker_cpus() { return pool().placed(); }
+
+void set_this_thread_cpus(const std::vector<int>& cpus) {
+#if defined(__linux__)
+  set_cpus(pthread_self(), cpus);
+#endif
+}
+
+std::vector<int> this_thread_cpus() {
+#if defined(__linux__)
+  return cpus_of(pthread_self());
+#else
+  return {};
+#endif
+}
 
 int num_threads() { return decode_threads.load(); }
 int prompt_threads() { return prompt_threads_.load(); }

@@ -101,6 +101,9 @@ int prompt_threads();
 // The cores the pool's workers may run on (empty: any; Linux only, elsewhere nothing), and those of the first worker.
 void place_workers(const std::vector<int>& cpus);
 std::vector<int> worker_cpus();
+// The same for the calling thread.
+void set_this_thread_cpus(const std::vector<int>& cpus);
+std::vector<int> this_thread_cpus();
 
 // fn(i) for every i in [0, n) on the pool's prompt threads (prompt) or decode threads, the caller included.
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, bool prompt);

@@ -116,11 +116,15 @@ _off_stream: tuple[int, ...] | None = None  # the cores off the stream's, where 
 
 
 def _place(decode: int) -> None:
+    """The stream's and the workers' cores for `decode` threads (a call into the stream's thread, only where they
+    change: none at all where nothing is ever placed)."""
     global _off_stream
     cores = allowed_cores()
     keep = _placing and decode + 1 > len(cores) >= 2
-    _off_stream = cores[:-1] if keep else None
-    _ext.place_threads([cores[-1]] if keep else list(cores), list(_off_stream or cores))
+    off = cores[:-1] if keep else None
+    if off != _off_stream:
+        _ext.place_threads([cores[-1]] if keep else [], list(off or ()))  # (empty: any core)
+        _off_stream = off
 
 
 def set_placement(on: bool) -> None:
@@ -140,8 +144,12 @@ def graph_thread():
         yield
         return
     tid = threading.get_native_id()  # the same thread at exit, even where a generator is closed from another
-    before = os.sched_getaffinity(tid)
-    os.sched_setaffinity(tid, cores)
+    try:
+        before = os.sched_getaffinity(tid)
+        os.sched_setaffinity(tid, cores)
+    except OSError:  # (cores taken from the process since: it runs where it may)
+        yield
+        return
     try:
         yield
     finally:
