@@ -35,6 +35,14 @@ class SlotStats:
 SMALL_BANK = 64  # slots up to which SlotCache.assign works on Python lists (a staged layer's bank)
 
 
+def victim_order(rank: np.ndarray, held: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """The order in which slots holding keys `held` (-1: empty) are replaced when `rank` scores each key: empty
+    first, then the lowest scored, ties the least recently used (a float key per slot; lower goes first)."""
+    score = np.where(held >= 0, rank[np.maximum(held, 0)], -np.inf)
+    # the clock breaks ties: scaled under the score's spacing by ranking it apart
+    return np.lexsort((used, score)).argsort().astype(np.float64)
+
+
 class SlotCache:
     """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared),
     replaced least recently used first, never a slot a pending graph reads or a read is filling."""
@@ -47,11 +55,15 @@ class SlotCache:
         self.reserved = np.zeros(bank.slots, dtype=bool)  # planned for a step that has not read it yet (scheduler's)
         self.clock = 0
 
-    def assign(self, keys: np.ndarray, *, count: bool = True) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    def assign(self, keys: np.ndarray, *, count: bool = True,
+               rank: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """Slots for unique `keys`, and the (slot, key) fills that make them hold those keys; None when
-        too few slots can be written now."""
+        too few slots can be written now. rank: a score per key (a head's for the step the fill serves); the
+        held keys it scores lowest are replaced first (empty slots before any), else the least recently used."""
+        if rank is not None and len(rank) != len(self.slot_of):  # keys of several layers (a shared bank)
+            rank = None
         if self.bank.slots <= SMALL_BANK:
-            return self._assign_small(keys, count)
+            return self._assign_small(keys, count, rank)
         slots = self.slot_of[keys]  # (U,)
         miss = slots < 0
         n_miss = int(miss.sum())
@@ -62,7 +74,8 @@ class SlotCache:
             free = np.flatnonzero(free)
             if len(free) < n_miss:
                 return None
-            victims = free[np.argsort(self.used[free], kind="stable")][:n_miss]
+            order = self.used[free] if rank is None else victim_order(rank, self.bank.holds[free], self.used[free])
+            victims = free[np.argsort(order, kind="stable")][:n_miss]
             old = self.bank.holds[victims]
             self.slot_of[old[old >= 0]] = -1
             self.slot_of[keys[miss]] = victims
@@ -72,7 +85,8 @@ class SlotCache:
         self._used(slots, len(keys) - n_miss, count)
         return slots, fills
 
-    def _assign_small(self, keys: np.ndarray, count: bool) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    def _assign_small(self, keys: np.ndarray, count: bool,
+                      rank: np.ndarray | None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """assign for a bank of a few slots (a staged layer's 2K): the same choice (the least recently used
         writable slots, ties in slot order) on Python lists, where each of the array version's ~25 numpy calls
         on a handful of elements costs more than the arithmetic."""
@@ -88,7 +102,10 @@ class SlotCache:
                     if last_read[s] <= completed and not filling[s] and not reserved[s] and s not in held]
             if len(free) < len(misses):
                 return None
-            used = self.used.tolist()
+            if rank is None:
+                used = self.used.tolist()
+            else:
+                used = victim_order(rank, holds, self.used).tolist()
             free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
             for i, slot in zip(misses, free):
                 old = int(holds[slot])

@@ -57,6 +57,7 @@ class Prediction:
     step: int  # the step it is for
     inds: mx.array  # (B, T, K) predicted ids
     plan: mx.array | None  # the consumer block's decision beside them (predicted routing), else None
+    scores: mx.array | None = None  # a guess's scores of every expert (B, T, E): its fills replace the lowest held
 
 
 class PrefetchExperts:
@@ -77,8 +78,8 @@ class PrefetchExperts:
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
         self.ran = -1  # the last step whose graph this layer built from its bank
-        self.waiting: list[tuple[np.ndarray, int, bool]] = []  # (ids, step, speculative): planned once this layer
-        # has run this step
+        self.waiting: list[tuple[np.ndarray, int, bool, np.ndarray | None]] = []  # (ids, step, speculative, rank):
+        # planned once this layer has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
@@ -221,7 +222,7 @@ class PrefetchExperts:
         """Predictions' graphs evaluated apart, before the experts (one async_eval runs its outputs' graphs
         interleaved, so the predictions would wait for the experts)."""
         if predictions:
-            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan) if a is not None))
+            mx.async_eval(*(a for p in predictions for a in (p.inds, p.plan, p.scores) if a is not None))
 
     def _on_host(self, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
         """The routed ids on the host, and their unique values."""
@@ -245,8 +246,8 @@ class PrefetchExperts:
         """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
         step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
         evict it (with 2K slots it would: K are planned for this step, K hold the last routed set)."""
-        for ids, step, speculative in self.waiting:
-            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=speculative)
+        for ids, step, speculative, rank in self.waiting:
+            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=speculative, rank=rank)
         self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:
@@ -261,11 +262,12 @@ class PrefetchExperts:
             router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
             scores = head_per_row(head, x, inds, self.prev_inds, router)
             if n is not None:  # a guess: the head's n likeliest experts
-                out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None))
+                out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None, scores))
                 continue
             decide = getattr(blk, "decide", None) or blk.select
             p_inds, plan = decide(scores)
-            out.append(Prediction(consumer, step + 1, p_inds, plan if consumer.predicted_routing else None))
+            routes = consumer.predicted_routing
+            out.append(Prediction(consumer, step + 1, p_inds, plan if routes else None, None if routes else scores))
         owned = {c.layer for _, c in self.heads}
         if rt.paused:
             pass

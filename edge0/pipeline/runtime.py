@@ -93,7 +93,7 @@ class PrefetchRuntime(Runtime):
             return []
         pending, self.pending = self.pending, []
         t0 = now_us()
-        host_eval([a for p in pending for a in (p.inds, p.plan) if a is not None])  # scheduled already: waits for them only
+        host_eval([a for p in pending for a in (p.inds, p.plan, p.scores) if a is not None])  # scheduled already
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
         ready = []
@@ -101,7 +101,7 @@ class PrefetchRuntime(Runtime):
             host = np.array(p.inds, copy=False)
             ids = unique_ids(host)
             c = p.consumer
-            c.waiting.append((ids, p.step, p.plan is None))  # decided routing: certain reads
+            c.waiting.append((ids, p.step, p.plan is None, guess_rank(p.scores)))  # decided routing: certain reads
             if c.ran >= p.step - 1 and c not in ready:
                 ready.append(c)
             if p.plan is not None:
@@ -281,6 +281,13 @@ class PrefetchRuntime(Runtime):
             self._planner = None
         self.sched.close()
         super().close()
+
+
+def guess_rank(scores: mx.array | None) -> np.ndarray | None:
+    """A guess's scores (B, T, E) as one score per expert for the fill's victims: the highest over the rows."""
+    if scores is None:
+        return None
+    return np.array(scores, copy=False).reshape(-1, scores.shape[-1]).max(axis=0)
 
 
 class _Scheduling:

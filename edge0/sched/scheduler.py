@@ -96,9 +96,11 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------------
 
     def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None, *,
-                 speculative: bool = True) -> LayerPlan | None:
+                 speculative: bool = True, rank: np.ndarray | None = None) -> LayerPlan | None:
         """Plan and submit the fill of layer's `cache` with experts `ids` (unique) for `step` (default the next).
-        speculative: a prediction the router may not follow (its reads yield to certain ones, io/pool.py)."""
+        speculative: a prediction the router may not follow (its reads yield to certain ones, io/pool.py).
+        rank: the predictor's score of every expert for that step: the fills replace the held experts it scores
+        lowest (a guess's reads would otherwise evict the least recently used, which the router often wants)."""
         step = self.step + 1 if step is None else step
         key = (layer, step)
         if key in self.plans:
@@ -106,7 +108,7 @@ class Scheduler:
         self._harvest(layer)
         got = None
         if len(ids) <= cache.bank.slots and self.in_flight < self.queue_depth:
-            got = cache.assign(ids, count=False)
+            got = cache.assign(ids, count=False, rank=rank)
         if got is None:  # a multi-token step's union that does not fit, or no free slots now
             self.stats.dropped += 1
             return None

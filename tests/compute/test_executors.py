@@ -283,7 +283,8 @@ def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypat
             keys = np.unique(r.integers(0, 32, size=int(r.integers(1, 7))))
             cache.filling[:] = r.random(8) < 0.15
             cache.reserved[:] = r.random(8) < 0.15
-            got = cache.assign(keys, count=bool(step % 3))
+            rank = r.normal(size=32) if step % 2 else None  # a guess's scores, or least recently used
+            got = cache.assign(keys, count=bool(step % 3), rank=rank)
             out.append(None if got is None else (got[0].tolist(), got[1]))
             if got is not None:
                 cache.bank.read(got[0])
@@ -294,6 +295,37 @@ def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypat
         runs.append(out)
     assert runs[0] == runs[1]
     assert sum(o is None for o in runs[0][:-1]) > 10 and sum(bool(o and o[1]) for o in runs[0][:-1]) > 100
+
+
+@pytest.mark.parametrize("small", [64, 0])
+def test_a_ranked_fill_replaces_the_held_experts_scored_lowest(small, monkeypatch):
+    """A guess's fill (prefetch routing) replaces an empty slot first, then the held expert its predictor scores
+    lowest, ties the least recently used; without scores the least recently used, and never a key outside the
+    bank's own (a bank of several layers' keys ignores one layer's scores)."""
+    from edge0.compute import executors
+    from edge0.io.manifest import Piece
+
+    monkeypatch.setattr(executors, "SMALL_BANK", small)
+    pieces = [Piece(name="w", dtype="U32", shape=[2], offset=0, nbytes=8)]
+    fence = Fence()
+    cache = SlotCache(Bank(pieces, 4, fence, None), SlotStats(), 8)
+    slots, _ = cache.assign(np.array([0, 1, 2]))  # held in slots 0-2 (in that order of use), slot 3 empty
+    fence.sync()
+    rank = np.array([5.0, 1.0, 3.0, 0, 0, 9.0, 8.0, 0])
+    got = cache.assign(np.array([5]), count=False, rank=rank)
+    assert got[1] == [(3, 5)]  # the empty slot first
+    fence.sync()
+    got = cache.assign(np.array([6]), count=False, rank=rank)
+    assert got[1] == [(1, 6)]  # expert 1 scores lowest of those held (LRU would take expert 0's slot)
+    fence.sync()
+    tied = np.zeros(8)
+    assert cache.assign(np.array([7]), count=False, rank=tied)[1] == [(0, 7)]  # ties: the least recently used
+    fence.sync()
+    assert cache.assign(np.array([1]))[1] == [(2, 1)]  # no scores: the least recently used (expert 2)
+    shared = SlotCache(Bank(pieces, 2, Fence(), None), SlotStats(), 16)
+    shared.assign(np.array([9, 3]))
+    shared.bank.fence.sync()
+    assert shared.assign(np.array([4]), rank=np.arange(8.0))[1] == [(0, 4)]  # scores of 8 keys, 16 in the bank: LRU
 
 
 @pytest.mark.parametrize("slots", ["K", "E"])

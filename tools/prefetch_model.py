@@ -1,0 +1,177 @@
+"""What reading ahead by guesses can gain on a store's replay: a model of its banks and disk, not a measurement.
+
+    python tools/prefetch_model.py --store S --replay R [--heads F] [--slots 20,26] [--compute-ms 8.1]
+        [--read-ms 4.3] [--layers 2,3,4,5] [--recall 0.5,0.7,0.9,1.0]
+
+The store's own routing of the replay (prompt and forced tokens in one forward, resident experts) and its heads'
+scores for each consumer's next token are computed once; then each decode step is played over the streamed layers'
+banks (S slots each, held from the prompt's routing, least recently used replaced on demand) against a disk that
+reads one bundle at a time (--read-ms each, demand reads first): a step is --compute-ms of compute, a layer's
+misses stall it until read, and a head's guesses for its consumer's next step are read as the owner's layer ends.
+Policies: native (on demand only); the head's top n guesses with the least recently used or the lowest scored held
+expert replaced (`pipeline/prefetch.py` reads the top K; fills replace the lowest scored since this tool was
+written); and guesses of a given recall (each true expert named with that probability, else a wrong one), which
+says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
+and bundles read a step (on demand, ahead). Calibrate --compute-ms (the resident arm's step) and --read-ms (one
+bundle at the pool's rate) from `edge0 bench` on the same store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def routes(store_dir: str, replay: str, heads_file: str | None):
+    """Per layer the routed ids (T, K) of the replay's tokens; per consumer its head's scores (T-1, E) for t+1; the
+    layers whose heads route (the others hold every expert under --placement auto)."""
+    import mlx.core as mx
+
+    from edge0.model.heads import HeadSet
+    from edge0.model.load import load_store
+    from edge0.train.heads import window_features, window_targets
+
+    store = load_store(store_dir, dtype="float32", executor="resident")
+    try:
+        m = store.manifest
+        layers = [e.layer for e in m.layers]
+        rp = json.loads(open(replay).read())
+        seq = np.array(list(rp["prompt"]) + list(rp["tokens"]), dtype=np.int32)
+        heads = HeadSet.load(heads_file or f"{store_dir}/heads-k{m.top_k}.safetensors", m, store.config)
+        data, blocks = window_targets(store.model, seq, layers)
+        ids = {i: np.array(data[i][2]) for i in layers}
+        scores = {}
+        for c, o in heads.owners.items():
+            h, _, inds = data[o]
+            router = blocks[c].logits(h[:-1]).astype(mx.float32)
+            scores[c] = np.array(heads.heads[c](window_features(h, inds, m.num_experts), router))
+        streamed = sorted(heads.routes if heads.routes is not None else heads.owners)  # held: the others (--placement)
+        return len(rp["prompt"]), m.num_experts, layers, ids, scores, streamed
+    finally:
+        store.close()
+
+
+class Replay:
+    """One policy played over the decode steps."""
+
+    def __init__(self, prompt, experts, layers, ids, scores, streamed, slots):
+        self.prompt, self.E, self.layers, self.ids, self.scores = prompt, experts, layers, ids, scores
+        self.streamed, self.S = streamed, slots
+
+    def run(self, compute_ms: float, read_ms: float, guesses: int = 0, evict: str = "lru", scores=None) -> dict:
+        scores = self.scores if scores is None else scores
+        steps = len(self.ids[self.layers[0]]) - self.prompt
+        last = {c: {} for c in self.streamed}  # expert -> last step it was routed
+        for c in self.streamed:
+            for t in range(self.prompt):
+                for e in self.ids[c][t]:
+                    last[c][int(e)] = t
+        bank = {c: set(sorted(last[c], key=lambda e: -last[c][e])[:self.S]) for c in self.streamed}
+        clock, disk, landed = 0.0, 0.0, {}  # disk: when the reads queued so far end; landed: (layer, e) -> time
+        times, demand, ahead = [], 0, 0
+        per_layer = compute_ms / len(self.layers)
+        for t in range(self.prompt, self.prompt + steps):
+            t0 = clock
+            for layer in self.layers:
+                clock += 0.3 * per_layer  # attention before the MoE block
+                if layer in self.streamed:
+                    routed = {int(e) for e in self.ids[layer][t]}
+                    need = [e for e in routed if e not in bank[layer]]
+                    wait = max([clock] + [landed[(layer, e)] for e in routed - set(need) if (layer, e) in landed])
+                    start = min(disk, clock + read_ms) if disk > clock else clock  # the read under way ends first
+                    queued = max(0.0, disk - start)  # guesses not started: after the demand reads
+                    for e in need:
+                        start += read_ms
+                        wait = max(wait, start)
+                        self._replace(bank[layer], last[layer], routed, e, None)
+                    demand += len(need)
+                    if need and queued:
+                        landed = {k: v + len(need) * read_ms if v > clock else v for k, v in landed.items()}
+                    disk = start + queued
+                    clock = wait
+                    for e in routed:
+                        last[layer][e] = t
+                        landed.pop((layer, e), None)
+                clock += 0.7 * per_layer
+                consumer = layer + 1
+                if guesses and consumer in self.streamed and t + 1 < self.prompt + steps:
+                    sc = scores[consumer][t]
+                    named = [int(e) for e in np.argsort(-sc)[:guesses]]
+                    keep = {int(e) for e in self.ids[consumer][t]} | set(named)
+                    for e in named:
+                        if e in bank[consumer]:
+                            continue
+                        if not self._replace(bank[consumer], last[consumer], keep, e, sc if evict == "score" else None):
+                            break
+                        disk = max(disk, clock) + read_ms
+                        landed[(consumer, e)] = disk
+                        ahead += 1
+            times.append(clock - t0)
+        return {"step": float(np.mean(times[32:])), "demand": demand / steps, "ahead": ahead / steps}
+
+    def _replace(self, bank: set, last: dict, keep: set, new: int, score) -> bool:
+        """Put `new` in the bank, replacing (when full) the least recently used or lowest scored outside `keep`."""
+        if len(bank) >= self.S:
+            free = [e for e in bank if e not in keep]
+            if not free:
+                return False
+            bank.discard(min(free, key=(lambda e: score[e]) if score is not None else (lambda e: last.get(e, -1))))
+        bank.add(new)
+        return True
+
+
+def of_recall(ids: dict, scores: dict, experts: int, recall: float, seed: int = 0) -> dict:
+    """Scores whose top K name each routed expert of the next token with probability `recall`, else a wrong one."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for c, sc in scores.items():
+        fake = np.zeros_like(sc)
+        for t in range(sc.shape[0]):
+            true = ids[c][t + 1]
+            wrong = np.setdiff1d(np.arange(experts), true)
+            for j, e in enumerate(true):
+                fake[t, e if rng.random() < recall else rng.choice(wrong)] = len(true) - j
+        out[c] = fake
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--replay", required=True)
+    p.add_argument("--heads", help="default: heads-kK.safetensors in the store")
+    p.add_argument("--slots", default="20,26", help="slots of each streamed layer's bank (comma-separated)")
+    p.add_argument("--layers", default=None, help="the streamed layers (default: those whose head routes, as --placement auto)")
+    p.add_argument("--compute-ms", type=float, default=8.1)
+    p.add_argument("--read-ms", type=float, default=4.3)
+    p.add_argument("--recall", default="0.5,0.7,0.9,1.0")
+    a = p.parse_args()
+    try:
+        prompt, experts, layers, ids, scores, routed = routes(a.store, a.replay, a.heads)
+        streamed = [int(x) for x in a.layers.split(",")] if a.layers else routed
+        k = ids[layers[0]].shape[-1]
+        print(f"| slots | policy | step ms | x native | on demand / step | ahead / step |\n|---|---|---|---|---|---|")
+        for s in (int(x) for x in a.slots.split(",")):
+            model = Replay(prompt, experts, layers, ids, scores, streamed, s)
+            base = model.run(a.compute_ms, a.read_ms)
+            rows = [("native", base)]
+            for n in (k, 2 * k):
+                for evict in ("lru", "score"):
+                    rows.append((f"head top {n}, {evict}", model.run(a.compute_ms, a.read_ms, n, evict)))
+            for r in (float(x) for x in a.recall.split(",")):
+                rows.append((f"recall {r:.2f}, lru", model.run(a.compute_ms, a.read_ms, k, "lru",
+                                                               of_recall(ids, scores, experts, r))))
+            for name, x in rows:
+                print(f"| {s} | {name} | {x['step']:.2f} | {base['step'] / x['step']:.2f} | {x['demand']:.2f} | "
+                      f"{x['ahead']:.2f} |")
+    except Exception as e:  # noqa: BLE001 (a tool: one line, no traceback)
+        print(f"prefetch_model: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
