@@ -274,8 +274,9 @@ class PrefetchExperts:
         elif (self.next is not None and self.next.layer not in owned and self.next.held is None
               and self.predictor in ("next-router", "heads")):
             blk = self.next.block
-            p_inds = blk.route(x)[0] if n is None else _likeliest(blk.logits(x), n)
-            out.append(Prediction(self.next, step + 1, p_inds, None))  # (B, T, K or n)
+            logits = blk.logits(x)  # its scores rank the held experts its fills replace
+            p_inds = blk.select(logits)[0] if n is None else _likeliest(logits, n)
+            out.append(Prediction(self.next, step + 1, p_inds, None, logits))  # (B, T, K or n)
         elif self.predictor == "repeat":
             with rt.scheduling(self.layer):
                 rt.sched.prefetch(self.layer, self.cache, ids)  # all held already: the reuse is the prediction

@@ -4,8 +4,9 @@ The rule of the pipeline, written once:
   Layer L owns one bank of S slots (default 2K). During step s, as soon as a prediction of layer L's
   experts for step s+1 is on the host (a head or next-router, made at the MoE layer before L, or at the
   last layer for the first one; repeat: at layer L itself), the scheduler plans the fill: predicted
-  experts already held stay; the others go into the least recently used slots that no pending graph reads
-  (the write rule, `Bank.write_buffers`), no read is filling and no plan has reserved for step s. A plan's
+  experts already held stay; the others go into the least recently used slots (for a guess: those holding
+  the experts its scores rank lowest) that no pending graph reads (the write rule, `Bank.write_buffers`), no
+  read is filling and no plan has reserved for step s. A plan's
   slots stay reserved until its step consumes them. Each bundle is one task on the I/O pool (io/pool.py),
   so a layer's fills run at a queue depth of up to the pool's threads. At layer L of step s+1 the
   graph-building thread waits for that plan only if its reads have not landed (a stall), then reads what

@@ -50,3 +50,33 @@ def test_fewer_guesses_read_less_ahead_and_equal_native(text, predictor, monkeyp
     for every, one in picked:  # the one guess is the likeliest of the K
         e, o = np.array(every), np.array(one)
         assert all(o[i][0] in e[i] for i in np.ndindex(o.shape[:-1]))
+
+
+@pytest.mark.parametrize("routing", ["prefetch", "predicted"])
+def test_a_guess_ranks_the_bank_by_the_scores_it_was_drawn_from(text, routing):
+    """A guess's fill (prefetch routing) carries its predictor's scores of every expert for that step, whose K
+    highest are the experts it reads, so its fills replace the held experts scored lowest; a routing decided ahead
+    (predicted) carries none: its reads are certain, and the bank keeps the least recently used order. Either way
+    native's log-probabilities where the routing is native's."""
+    ids, want = text
+    cfg = EngineConfig(routing=routing, predictor="heads", executor="staged", io_throttle_mbps=THROTTLE,
+                       read_ahead="always")
+    with open_engine(cfg) as engine:
+        sched, plans = engine.store.runtime.sched, []
+        plan = sched.prefetch
+        sched.prefetch = lambda layer, cache, ids, **kw: plans.append((ids, kw)) or plan(layer, cache, ids, **kw)
+        got = forced(engine, ids)
+        k = engine.store.manifest.top_k
+        experts = engine.store.manifest.num_experts
+    if routing == "prefetch":
+        assert np.array_equal(got, want)
+    assert len(plans) > TOKENS
+    for planned, kw in plans:
+        if not kw["speculative"]:
+            assert kw["rank"] is None
+            continue
+        rank = kw["rank"]
+        assert rank.shape == (experts,)
+        assert set(planned.tolist()) == set(np.argsort(-rank)[:k].tolist())
+    kinds = {kw["speculative"] for _, kw in plans}
+    assert kinds == ({True} if routing == "prefetch" else {True, False})  # predicted: guesses where no head routes
