@@ -6,8 +6,8 @@ on the disk, the bundles' size and the predictor's recall: on the demo store wit
 (50 KB bundles), prefetch by its heads decoded at 0.66-0.69x native reading ahead at every step, and at 0.93x
 with its reads ahead paused. So the runtime measures it: decode steps alternate between the two modes in
 windows, and the faster mode holds for a while before the other is measured again (a hold that the
-measurement confirms doubles, up to MAX_HOLD steps: a probe of the slower mode then costs a few percent at
-most). A paused step reads only what it routes (prefetch: its own router's experts, on demand; predicted
+measurement confirms doubles, up to MAX_HOLD steps, and grows 4x where the other mode lost by DECISIVE or
+more: a probe of the slower mode then costs a few percent at most). A paused step reads only what it routes (prefetch: its own router's experts, on demand; predicted
 routing: its heads still route, and their reads are planned at the step's end).
 
 Outputs do not depend on the mode (prefetch equals native either way; predicted routing routes by its heads
@@ -30,6 +30,9 @@ class ReadAheadGate:
     MAX_HOLD = 256  # a change of regime (the disk, the text) is seen within this many steps and a probe
     MARGIN = 0.1  # the probe takes over only when its median step is this much shorter than the held mode's: a
     # window of a noisy disk's steps is no proof, and a wrong flip costs a whole hold
+    DECISIVE = 0.25  # a choice whose loser's median step is this much longer than the winner's holds longer
+    # (a flip: 2 HOLD, not HOLD; a confirmation: 4x the hold before, not 2x), so such a loser is probed less often:
+    # on the demo store with every read from the disk, reading ahead by guesses lost by 30-60% at every probe
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -87,7 +90,9 @@ class ReadAheadGate:
         self.history.append((round(1e3 * med[True], 2), round(1e3 * med[False], 2), faster))
         self.choices += 1
         self.flips += faster != held
-        self.hold = min(2 * self.hold, self.MAX_HOLD) if faster == held else self.HOLD
+        slower = med[not faster] / med[faster] if med[faster] > 0 else 1.0
+        grow = 4 if slower > 1 + self.DECISIVE else 2
+        self.hold = min(grow * self.hold if faster == held else grow // 2 * self.HOLD, self.MAX_HOLD)
         if faster == self.ahead:  # the probe won: it goes on, measured (its window fills again as it holds)
             self.left = self.hold
         else:

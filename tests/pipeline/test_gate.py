@@ -55,14 +55,28 @@ def runs(modes: list[bool]) -> list[tuple[bool, int]]:
 def test_the_faster_mode_holds_and_its_hold_doubles_while_confirmed():
     clock = Clock()
     gate = G(clock)
-    modes = drive(gate, clock, lambda i, a: 0.002 if a else 0.001, 400)  # reading ahead costs
+    modes = drive(gate, clock, lambda i, a: 0.0012 if a else 0.001, 400)  # reading ahead costs 20% (not DECISIVE)
     got = runs(modes)
     # ahead (measured), paused (the probe, faster: holds 32), ahead probed again, paused 64, ahead, paused 128, ...
     assert got[:7] == [(True, PROBE), (False, PROBE + G.HOLD), (True, PROBE), (False, 2 * G.HOLD),
                        (True, PROBE), (False, 4 * G.HOLD), (True, PROBE)]
     assert gate.choices == 4 and gate.flips == 1
-    assert gate.summary()["ahead_step_ms"] == pytest.approx(2.0) and gate.summary()["paused_step_ms"] == pytest.approx(1.0)
+    assert gate.summary()["ahead_step_ms"] == pytest.approx(1.2) and gate.summary()["paused_step_ms"] == pytest.approx(1.0)
     assert len(gate.summary()["history"]) == gate.choices
+
+
+def test_a_mode_that_loses_decisively_is_probed_less_often():
+    """Reading ahead twice as slow (over DECISIVE): the flip holds 2 HOLD and each confirmation 4x the hold before,
+    so over 256 steps (a generation of `edge0 run`) 20 read ahead, where doubling holds read 30 ahead."""
+    clock = Clock()
+    gate = G(clock)
+    modes = drive(gate, clock, lambda i, a: 0.002 if a else 0.001, 600)
+    assert runs(modes)[:5] == [(True, PROBE), (False, PROBE + 2 * G.HOLD), (True, PROBE), (False, 8 * G.HOLD),
+                               (True, PROBE)]
+    assert modes[:256].count(True) == 2 * PROBE
+    gate = G(clock := Clock())
+    modes = drive(gate, clock, lambda i, a: 0.0012 if a else 0.001, 256)
+    assert modes.count(True) == 3 * PROBE
 
 
 def test_reading_ahead_that_pays_reads_ahead_nearly_always():
@@ -219,8 +233,8 @@ def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
         got = forced(engine, ids, lambda i, rt: seen.append((i, rt.paused, ahead(rt))))
     assert np.array_equal(got, want)
     steps = len(ids) - 1
-    # steps 1-10 read ahead, 11-20 the paused probe (faster: it holds 32 more), 53-62 read ahead, probed again
-    assert rt.gated_steps == rt.paused_steps == PROBE + G.HOLD and steps == 63
+    # steps 1-10 read ahead, 11-20 the paused probe (twice as fast, DECISIVE: it holds 2 HOLD more, past the end)
+    assert rt.gated_steps == rt.paused_steps == steps - 1 - PROBE and steps == 63
     assert rt.gate.choices >= 1 and not rt.gate.ahead
     # a paused stretch (after its first step, which may consume what was planned before it) reads nothing ahead
     # under prefetch; under predicted routing only the routing heads' reads, planned at the step's end
