@@ -262,12 +262,13 @@ class PrefetchExperts:
             router = blk.logits(x)  # (B, 1, E) the consumer's router on this layer's input
             scores = head_per_row(head, x, inds, self.prev_inds, router)
             if n is not None:  # a guess: the head's n likeliest experts
-                out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None, scores))
+                out.append(Prediction(consumer, step + 1, _likeliest(scores, n), None, host_scores(scores)))
                 continue
             decide = getattr(blk, "decide", None) or blk.select
             p_inds, plan = decide(scores)
             routes = consumer.predicted_routing
-            out.append(Prediction(consumer, step + 1, p_inds, plan if routes else None, None if routes else scores))
+            out.append(Prediction(consumer, step + 1, p_inds, plan if routes else None,
+                                  None if routes else host_scores(scores)))
         owned = {c.layer for _, c in self.heads}
         if rt.paused:
             pass
@@ -276,7 +277,7 @@ class PrefetchExperts:
             blk = self.next.block
             logits = blk.logits(x)  # its scores rank the held experts its fills replace
             p_inds = blk.select(logits)[0] if n is None else _likeliest(logits, n)
-            out.append(Prediction(self.next, step + 1, p_inds, None, logits))  # (B, T, K or n)
+            out.append(Prediction(self.next, step + 1, p_inds, None, host_scores(logits)))  # (B, T, K or n)
         elif self.predictor == "repeat":
             with rt.scheduling(self.layer):
                 rt.sched.prefetch(self.layer, self.cache, ids)  # all held already: the reuse is the prediction
@@ -325,6 +326,11 @@ def slot_table(ids: np.ndarray, slots, num_experts: int) -> np.ndarray:
 def slot_positions(inds: mx.array, ids: np.ndarray, slots, num_experts: int) -> mx.array:
     """Routed ids `inds` (a graph array, each one of `ids`) as positions in a bank where slots[i] holds ids[i]."""
     return mx.take(mx.array(slot_table(ids, slots, num_experts)), inds)
+
+
+def host_scores(scores: mx.array) -> mx.array:
+    """A guess's scores as the host reads them (numpy has no bfloat16: --dtype bfloat16's router logits)."""
+    return scores if scores.dtype == mx.float32 else scores.astype(mx.float32)
 
 
 def _likeliest(scores: mx.array, n: int) -> mx.array:

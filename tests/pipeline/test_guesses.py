@@ -10,6 +10,7 @@ from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.pipeline import prefetch
 
+from .test_identity import real_text
 from .test_pause import ahead, forced, native_reference
 
 TOKENS = 40
@@ -80,3 +81,19 @@ def test_a_guess_ranks_the_bank_by_the_scores_it_was_drawn_from(text, routing):
         assert set(planned.tolist()) == set(np.argsort(-rank)[:k].tolist())
     kinds = {kw["speculative"] for _, kw in plans}
     assert kinds == ({True} if routing == "prefetch" else {True, False})  # predicted: guesses where no head routes
+
+
+def test_guesses_rank_the_bank_in_bfloat16_compute():
+    """--dtype bfloat16: the router's logits are bfloat16, which numpy cannot read; a guess's scores come to the host
+    as float32, and the experts guessed are still the K it scores highest."""
+    ids = real_text(40)
+    cfg = EngineConfig(routing="prefetch", predictor="next-router", dtype="bfloat16", io_throttle_mbps=THROTTLE,
+                       read_ahead="always")
+    with open_engine(cfg) as engine:
+        sched, plans = engine.store.runtime.sched, []
+        plan = sched.prefetch
+        sched.prefetch = lambda layer, cache, ids, **kw: plans.append((ids, kw)) or plan(layer, cache, ids, **kw)
+        forced(engine, ids)
+        k = engine.store.manifest.top_k
+    assert plans and all(kw["rank"].dtype == np.float32 for _, kw in plans)
+    assert all(kw["rank"][p].min() >= np.sort(kw["rank"])[-k] for p, kw in plans)  # the K highest (bf16 ties)
