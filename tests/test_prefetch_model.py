@@ -1,0 +1,52 @@
+"""tools/prefetch_model.py plays a store's replay over its banks and a modelled disk: native reads on demand, perfect
+guesses leave nothing to read on demand and beat it, and bad input gets one line."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge0.model.demo import DEMO_STORE
+
+from tests.pipeline.test_identity import real_text
+
+spec = importlib.util.spec_from_file_location("prefetch_model", Path(__file__).parents[1] / "tools" / "prefetch_model.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+def rows(out: str) -> dict:
+    """{(slots, policy): (step ms, x native, on demand, ahead)} of the printed table."""
+    got = {}
+    for line in out.splitlines():
+        m = re.match(r"\| (\d+) \| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", line)
+        if m:
+            got[(int(m[1]), m[2].strip())] = tuple(float(m[i]) for i in range(3, 7))
+    return got
+
+
+def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, monkeypatch, capsys):
+    ids = real_text(80)
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"prompt": ids[:16], "tokens": ids[16:]}))
+    monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay", str(replay),
+                                      "--slots", "8,32", "--recall", "1.0"])
+    assert tool.main() == 0
+    got = rows(capsys.readouterr().out)
+    native, perfect = got[(8, "native")], got[(8, "recall 1.00, lru")]
+    assert native[1] == 1.0 and native[2] > 1 and native[3] == 0  # misses read on demand, nothing ahead
+    assert perfect[2] < 0.1 * native[2] and perfect[3] > 0  # read ahead instead
+    assert perfect[0] < native[0]  # and the step is shorter
+    assert got[(8, "head top 4, score")][3] > 0
+    assert got[(32, "native")][2] < native[2]  # a bank of every expert reads each once
+
+
+def test_the_model_refuses_a_missing_replay_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay",
+                                      str(tmp_path / "none.json")])
+    assert tool.main() == 1
+    err = capsys.readouterr().err
+    assert err.startswith("prefetch_model: ") and "none.json" in err and len(err.strip().splitlines()) == 1
