@@ -44,9 +44,27 @@ def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, mo
     assert got[(32, "native")][2] < native[2]  # a bank of every expert reads each once
 
 
-def test_the_model_refuses_a_missing_replay_in_one_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("replay", ["none.json", "short.json", "bad.json"])
+def test_the_model_refuses_a_bad_replay_in_one_line(replay, tmp_path, monkeypatch, capsys):
+    (tmp_path / "short.json").write_text('{"prompt": [1, 2], "tokens": [3]}')
+    (tmp_path / "bad.json").write_text('{"prompt": "def f():"}')
     monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay",
-                                      str(tmp_path / "none.json")])
+                                      str(tmp_path / replay)])
     assert tool.main() == 1
     err = capsys.readouterr().err
-    assert err.startswith("prefetch_model: ") and "none.json" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("prefetch_model: ") and replay in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_model_refuses_layers_without_a_head_and_bad_numbers(tmp_path, monkeypatch, capsys):
+    ids = real_text(40)
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"prompt": ids[:16], "tokens": ids[16:]}))
+    monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay", str(replay),
+                                      "--layers", "9"])
+    assert tool.main() == 1
+    assert "--layers: [9] consume no head" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay", str(replay),
+                                      "--slots", "0"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert "--slots: '0': expected numbers above 0" in capsys.readouterr().err

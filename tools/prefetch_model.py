@@ -19,7 +19,6 @@ bundle at the pool's rate) from `edge0 bench` on the same store.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -30,6 +29,8 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
     layers whose heads route (the others hold every expert under --placement auto)."""
     import mlx.core as mx
 
+    from edge0.commands.run import read_replay
+    from edge0.errors import Edge0Error
     from edge0.model.heads import HeadSet
     from edge0.model.load import load_store
     from edge0.train.heads import window_features, window_targets
@@ -38,8 +39,10 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
     try:
         m = store.manifest
         layers = [e.layer for e in m.layers]
-        rp = json.loads(open(replay).read())
-        seq = np.array(list(rp["prompt"]) + list(rp["tokens"]), dtype=np.int32)
+        rp = read_replay(replay)
+        if len(rp.get("tokens", [])) < 2:
+            raise Edge0Error(f"--replay {replay}: needs at least 2 forced tokens (the decode steps played)")
+        seq = np.array(rp["prompt"] + rp["tokens"], dtype=np.int32)
         heads = HeadSet.load(heads_file or f"{store_dir}/heads-k{m.top_k}.safetensors", m, store.config)
         data, blocks = window_targets(store.model, seq, layers)
         ids = {i: np.array(data[i][2]) for i in layers}
@@ -139,36 +142,59 @@ def of_recall(ids: dict, scores: dict, experts: int, recall: float, seed: int = 
     return out
 
 
+def numbers(kind, least=None):
+    """An argparse type: comma-separated numbers of `kind`, each above 0 (or at least `least`)."""
+    def parse(text: str) -> list:
+        try:
+            got = [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from None
+        if min(got) <= 0 if least is None else min(got) < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected numbers " + ("above 0" if least is None else
+                                                                              f"of at least {least}"))
+        return got
+    return parse
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", required=True)
     p.add_argument("--replay", required=True)
     p.add_argument("--heads", help="default: heads-kK.safetensors in the store")
-    p.add_argument("--slots", default="20,26", help="slots of each streamed layer's bank (comma-separated)")
-    p.add_argument("--layers", default=None, help="the streamed layers (default: those whose head routes, as --placement auto)")
-    p.add_argument("--compute-ms", type=float, default=8.1)
-    p.add_argument("--read-ms", type=float, default=4.3)
-    p.add_argument("--recall", default="0.5,0.7,0.9,1.0")
+    p.add_argument("--slots", type=numbers(int), default=[20, 26],
+                   help="slots of each streamed layer's bank (comma-separated; default 20,26)")
+    p.add_argument("--layers", type=numbers(int, 0), default=None, help="the streamed layers (default: those whose head routes, as --placement auto)")
+    p.add_argument("--compute-ms", type=lambda t: numbers(float)(t)[0], default=8.1,
+                   help="compute of a decode step, ms (default 8.1: the workload's resident step)")
+    p.add_argument("--read-ms", type=lambda t: numbers(float)(t)[0], default=4.3,
+                   help="one bundle read at the disk's rate, ms (default 4.3)")
+    p.add_argument("--recall", type=numbers(float), default=[0.5, 0.7, 0.9, 1.0],
+                   help="recalls of the modelled guesses (comma-separated; default 0.5,0.7,0.9,1.0)")
     a = p.parse_args()
+    from edge0.errors import Edge0Error
+
     try:
         prompt, experts, layers, ids, scores, routed = routes(a.store, a.replay, a.heads)
-        streamed = [int(x) for x in a.layers.split(",")] if a.layers else routed
+        streamed = a.layers or routed
+        if set(streamed) - set(scores):
+            raise Edge0Error(f"--layers: {sorted(set(streamed) - set(scores))} consume no head of {a.heads or 'the store'} "
+                             f"(those that do: {sorted(scores)})")
         k = ids[layers[0]].shape[-1]
         print(f"| slots | policy | step ms | x native | on demand / step | ahead / step |\n|---|---|---|---|---|---|")
-        for s in (int(x) for x in a.slots.split(",")):
+        for s in a.slots:
             model = Replay(prompt, experts, layers, ids, scores, streamed, s)
             base = model.run(a.compute_ms, a.read_ms)
             rows = [("native", base)]
             for n in (k, 2 * k):
                 for evict in ("lru", "score"):
                     rows.append((f"head top {n}, {evict}", model.run(a.compute_ms, a.read_ms, n, evict)))
-            for r in (float(x) for x in a.recall.split(",")):
+            for r in a.recall:
                 rows.append((f"recall {r:.2f}, lru", model.run(a.compute_ms, a.read_ms, k, "lru",
                                                                of_recall(ids, scores, experts, r))))
             for name, x in rows:
                 print(f"| {s} | {name} | {x['step']:.2f} | {base['step'] / x['step']:.2f} | {x['demand']:.2f} | "
                       f"{x['ahead']:.2f} |")
-    except Exception as e:  # noqa: BLE001 (a tool: one line, no traceback)
+    except (Edge0Error, OSError) as e:  # a missing or bad store, replay or head file: one line
         print(f"prefetch_model: {e}", file=sys.stderr)
         return 1
     return 0
