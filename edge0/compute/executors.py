@@ -36,11 +36,10 @@ SMALL_BANK = 64  # slots up to which SlotCache.assign works on Python lists (a s
 
 
 def victim_order(rank: np.ndarray, held: np.ndarray, used: np.ndarray) -> np.ndarray:
-    """The order in which slots holding keys `held` (-1: empty) are replaced when `rank` scores each key: empty
-    first, then the lowest scored, ties the least recently used (a float key per slot; lower goes first)."""
+    """Each slot's place in the order of replacement when `rank` scores each key (slots holding keys `held`, -1:
+    empty): empty first, then the lowest scored, ties the least recently used (lower goes first)."""
     score = np.where(held >= 0, rank[np.maximum(held, 0)], -np.inf)
-    # the clock breaks ties: scaled under the score's spacing by ranking it apart
-    return np.lexsort((used, score)).argsort().astype(np.float64)
+    return np.lexsort((used, score)).argsort()
 
 
 class SlotCache:

@@ -57,7 +57,14 @@ class Prediction:
     step: int  # the step it is for
     inds: mx.array  # (B, T, K) predicted ids
     plan: mx.array | None  # the consumer block's decision beside them (predicted routing), else None
-    scores: mx.array | None = None  # a guess's scores of every expert (B, T, E): its fills replace the lowest held
+    scores: mx.array | None = None  # a guess's scores of every expert (B, T, E); None where plan is not (decided)
+
+    def rank(self) -> np.ndarray | None:
+        """A guess's scores, on the host, as one per expert (the highest over the rows): its fills replace the held
+        experts it ranks lowest. None for a decided routing (its reads are certain)."""
+        if self.scores is None:
+            return None
+        return np.array(self.scores, copy=False).reshape(-1, self.scores.shape[-1]).max(axis=0)
 
 
 class PrefetchExperts:
@@ -78,8 +85,8 @@ class PrefetchExperts:
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
         self.ran = -1  # the last step whose graph this layer built from its bank
-        self.waiting: list[tuple[np.ndarray, int, bool, np.ndarray | None]] = []  # (ids, step, speculative, rank):
-        # planned once this layer has run this step
+        self.waiting: list[tuple[np.ndarray, int, np.ndarray | None]] = []  # (ids, step, a guess's rank or None for
+        # a decided routing): planned once this layer has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
@@ -246,8 +253,8 @@ class PrefetchExperts:
         """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
         step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
         evict it (with 2K slots it would: K are planned for this step, K hold the last routed set)."""
-        for ids, step, speculative, rank in self.waiting:
-            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=speculative, rank=rank)
+        for ids, step, rank in self.waiting:  # a guess (ranked) is speculative: the router may not follow it
+            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=rank is not None, rank=rank)
         self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:

@@ -101,7 +101,7 @@ class PrefetchRuntime(Runtime):
             host = np.array(p.inds, copy=False)
             ids = unique_ids(host)
             c = p.consumer
-            c.waiting.append((ids, p.step, p.plan is None, guess_rank(p.scores)))  # decided routing: certain reads
+            c.waiting.append((ids, p.step, p.rank()))  # a guess carries its rank; a decided routing none
             if c.ran >= p.step - 1 and c not in ready:
                 ready.append(c)
             if p.plan is not None:
@@ -281,13 +281,6 @@ class PrefetchRuntime(Runtime):
             self._planner = None
         self.sched.close()
         super().close()
-
-
-def guess_rank(scores: mx.array | None) -> np.ndarray | None:
-    """A guess's scores (B, T, E) as one score per expert for the fill's victims: the highest over the rows."""
-    if scores is None:
-        return None
-    return np.array(scores, copy=False).reshape(-1, scores.shape[-1]).max(axis=0)
 
 
 class _Scheduling:
