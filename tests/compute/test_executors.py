@@ -318,10 +318,12 @@ def test_a_ranked_fill_replaces_the_held_experts_scored_lowest(small, monkeypatc
     got = cache.assign(np.array([6]), count=False, rank=rank)
     assert got[1] == [(1, 6)]  # expert 1 scores lowest of those held (LRU would take expert 0's slot)
     fence.sync()
-    tied = np.zeros(8)
-    assert cache.assign(np.array([7]), count=False, rank=tied)[1] == [(0, 7)]  # ties: the least recently used
+    assert cache.assign(np.array([0]))[1] == []  # expert 0 used again: slot 2 (expert 2) is now the least recent
     fence.sync()
-    assert cache.assign(np.array([1]))[1] == [(2, 1)]  # no scores: the least recently used (expert 2)
+    tied = np.zeros(8)
+    assert cache.assign(np.array([7]), count=False, rank=tied)[1] == [(2, 7)]  # ties: the least recently used
+    fence.sync()
+    assert cache.assign(np.array([1]))[1] == [(3, 1)]  # no scores: the least recently used (expert 5, slot 3)
     shared = SlotCache(Bank(pieces, 2, Fence(), None), SlotStats(), 16)
     shared.assign(np.array([9, 3]))
     shared.bank.fence.sync()
