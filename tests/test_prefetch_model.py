@@ -33,7 +33,7 @@ def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, mo
     replay = tmp_path / "replay.json"
     replay.write_text(json.dumps({"prompt": ids[:16], "tokens": ids[16:]}))
     monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay", str(replay),
-                                      "--slots", "8,32", "--recall", "1.0"])
+                                      "--slots", "8,32", "--recall", "1.0", "--confident", "0.05,1"])
     assert tool.main() == 0
     got = rows(capsys.readouterr().out)
     native, perfect = got[(8, "native")], got[(8, "recall 1.00, lru")]
@@ -41,6 +41,9 @@ def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, mo
     assert perfect[2] < 0.1 * native[2] and perfect[3] > 0  # read ahead instead
     assert perfect[0] < native[0]  # and the step is shorter
     assert got[(8, "head top 4, score")][3] > 0
+    some, none = got[(8, "head top 4, p >= 0.05, score")], got[(8, "head top 4, p >= 1, score")]
+    assert 0 < some[3] < got[(8, "head top 4, score")][3]  # only the guesses the head is surer of are read
+    assert none[3] == 0 and none[:3] == native[:3]  # no guess is that sure: native's reads and step
     assert got[(32, "native")][2] < native[2]  # a bank of every expert reads each once
 
 

@@ -1,7 +1,7 @@
 """What reading ahead by guesses can gain on a store's replay: a model of its banks and disk, not a measurement.
 
     python tools/prefetch_model.py --store S --replay R [--heads F] [--slots 20,26] [--compute-ms 8.1]
-        [--read-ms 4.3] [--layers 2,3,4,5] [--recall 0.5,0.7,0.9,1.0]
+        [--read-ms 4.3] [--layers 2,3,4,5] [--confident 0.1,0.2] [--recall 0.5,0.7,0.9,1.0]
 
 The store's own routing of the replay (prompt and forced tokens in one forward, resident experts) and its heads'
 scores for each consumer's next token are computed once; then each decode step is played over the streamed layers'
@@ -10,7 +10,7 @@ reads one bundle at a time (--read-ms each, demand reads first): a step is --com
 misses stall it until read, and a head's guesses for its consumer's next step are read as the owner's layer ends.
 Policies: native (on demand only); the head's top n guesses with the least recently used or the lowest scored held
 expert replaced (`pipeline/prefetch.py` reads the top K; fills replace the lowest scored since this tool was
-written); and guesses of a given recall (each true expert named with that probability, else a wrong one), which
+written); with --confident P, only the top K guesses the head gives a probability of at least P; and guesses of a given recall (each true expert named with that probability, else a wrong one), which
 says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
 and bundles read a step (on demand, ahead). Calibrate --compute-ms (the resident arm's step) and --read-ms (one
 bundle at the pool's rate) from `edge0 bench` on the same store.
@@ -64,7 +64,8 @@ class Replay:
         self.prompt, self.E, self.layers, self.ids, self.scores = prompt, experts, layers, ids, scores
         self.streamed, self.S = streamed, slots
 
-    def run(self, compute_ms: float, read_ms: float, guesses: int = 0, evict: str = "lru", scores=None) -> dict:
+    def run(self, compute_ms: float, read_ms: float, guesses: int = 0, evict: str = "lru", scores=None,
+            least: float = 0.0) -> dict:
         scores = self.scores if scores is None else scores
         steps = len(self.ids[self.layers[0]]) - self.prompt
         last = {c: {} for c in self.streamed}  # expert -> last step it was routed
@@ -102,7 +103,8 @@ class Replay:
                 consumer = layer + 1
                 if guesses and consumer in self.streamed and t + 1 < self.prompt + steps:
                     sc = scores[consumer][t]
-                    named = [int(e) for e in np.argsort(-sc)[:guesses]]
+                    prob = np.exp(sc - sc.max())  # the head's probabilities: a guess under `least` is not read
+                    named = [int(e) for e in np.argsort(-sc)[:guesses] if prob[e] >= least * prob.sum()]
                     keep = {int(e) for e in self.ids[consumer][t]} | set(named)
                     for e in named:
                         if e in bank[consumer]:
@@ -168,6 +170,8 @@ def main() -> int:
                    help="compute of a decode step, ms (default 8.1: the workload's resident step)")
     p.add_argument("--read-ms", type=lambda t: numbers(float)(t)[0], default=4.3,
                    help="one bundle read at the disk's rate, ms (default 4.3)")
+    p.add_argument("--confident", type=numbers(float), default=[],
+                   help="also: the head's top K read only where its probability is at least P (comma-separated)")
     p.add_argument("--recall", type=numbers(float), default=[0.5, 0.7, 0.9, 1.0],
                    help="recalls of the modelled guesses (comma-separated; default 0.5,0.7,0.9,1.0)")
     a = p.parse_args()
@@ -188,6 +192,9 @@ def main() -> int:
             for n in (k, 2 * k):
                 for evict in ("lru", "score"):
                     rows.append((f"head top {n}, {evict}", model.run(a.compute_ms, a.read_ms, n, evict)))
+            for least in a.confident:
+                rows.append((f"head top {k}, p >= {least:g}, score", model.run(a.compute_ms, a.read_ms, k, "score",
+                                                                           least=least)))
             for r in a.recall:
                 rows.append((f"recall {r:.2f}, lru", model.run(a.compute_ms, a.read_ms, k, "lru",
                                                                of_recall(ids, scores, experts, r))))
