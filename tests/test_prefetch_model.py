@@ -1,5 +1,6 @@
 """tools/prefetch_model.py plays a store's replay over its banks and a modelled disk: native reads on demand, perfect
-guesses leave nothing to read on demand and beat it, and bad input gets one line."""
+guesses leave nothing to read on demand and beat it, same-token pre-gating reads most misses a layer early, and bad
+input gets one line."""
 
 import importlib.util
 import json
@@ -33,7 +34,8 @@ def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, mo
     replay = tmp_path / "replay.json"
     replay.write_text(json.dumps({"prompt": ids[:16], "tokens": ids[16:]}))
     monkeypatch.setattr(sys, "argv", ["prefetch_model.py", "--store", str(DEMO_STORE), "--replay", str(replay),
-                                      "--slots", "8,32", "--recall", "1.0", "--confident", "0.05,1"])
+                                      "--slots", "8,32", "--recall", "1.0", "--confident", "0.05,1",
+                                      "--pregate", "4"])
     assert tool.main() == 0
     got = rows(capsys.readouterr().out)
     native, perfect = got[(8, "native")], got[(8, "recall 1.00, lru")]
@@ -45,6 +47,9 @@ def test_the_model_reads_native_on_demand_and_perfect_guesses_ahead(tmp_path, mo
     assert 0 < some[3] < got[(8, "head top 4, score")][3]  # only the guesses the head is surer of are read
     assert none[3] == 0 and none[:3] == native[:3]  # no guess is that sure: native's reads and step
     assert got[(32, "native")][2] < native[2]  # a bank of every expert reads each once
+    pregate = got[(8, "pregate 4")]  # the next layer's router at the same token: most misses read a layer early
+    assert pregate[3] > 0 and pregate[2] < 0.6 * native[2]
+    assert got[(8, "head top 4, score + pregate 4")][2] < got[(8, "head top 4, score")][2]
 
 
 @pytest.mark.parametrize("replay", ["none.json", "short.json", "bad.json"])

@@ -1,7 +1,7 @@
 """What reading ahead by guesses can gain on a store's replay: a model of its banks and disk, not a measurement.
 
     python tools/prefetch_model.py --store S --replay R [--heads F] [--slots 20,26] [--compute-ms 8.1]
-        [--read-ms 4.3] [--layers 2,3,4,5] [--confident 0.1,0.2] [--recall 0.5,0.7,0.9,1.0]
+        [--read-ms 4.3] [--layers 2,3,4,5] [--confident 0.1,0.2] [--pregate 4,8] [--recall 0.5,0.7,0.9,1.0]
 
 The store's own routing of the replay (prompt and forced tokens in one forward, resident experts) and its heads'
 scores for each consumer's next token are computed once; then each decode step is played over the streamed layers'
@@ -10,7 +10,9 @@ reads one bundle at a time (--read-ms each, demand reads first): a step is --com
 misses stall it until read, and a head's guesses for its consumer's next step are read as the owner's layer ends.
 Policies: native (on demand only); the head's top n guesses with the least recently used or the lowest scored held
 expert replaced (`pipeline/prefetch.py` reads the top K; fills replace the lowest scored since this tool was
-written); with --confident P, only the top K guesses the head gives a probability of at least P; and guesses of a given recall (each true expert named with that probability, else a wrong one), which
+written); with --confident P, only the top K guesses the head gives a probability of at least P; with --pregate N, same-token pre-gating (each streamed layer's own router on
+the MoE input of the layer before it, at the same token, names N experts read as soon as that layer has routed, after
+its reads on demand: a lead of one layer, alone and beside the head's top K); and guesses of a given recall (each true expert named with that probability, else a wrong one), which
 says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
 and bundles read a step (on demand, ahead). Calibrate --compute-ms (the resident arm's step) and --read-ms (one
 bundle at the pool's rate) from `edge0 bench` on the same store.
@@ -25,8 +27,9 @@ import numpy as np
 
 
 def routes(store_dir: str, replay: str, heads_file: str | None):
-    """Per layer the routed ids (T, K) of the replay's tokens; per consumer its head's scores (T-1, E) for t+1; the
-    layers whose heads route (the others hold every expert under --placement auto)."""
+    """Per layer the routed ids (T, K) of the replay's tokens; per consumer its head's scores (T-1, E) for t+1; per
+    MoE layer but the first its router's scores (T, E) on the layer before's input, same token (pre-gating); the layers
+    whose heads route (the others hold every expert under --placement auto)."""
     import mlx.core as mx
 
     from edge0.commands.run import read_replay
@@ -51,8 +54,9 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
             h, _, inds = data[o]
             router = blocks[c].logits(h[:-1]).astype(mx.float32)
             scores[c] = np.array(heads.heads[c](window_features(h, inds, m.num_experts), router))
+        pregate = {c: np.array(blocks[c].logits(data[b][0]).astype(mx.float32)) for b, c in zip(layers, layers[1:])}
         streamed = sorted(heads.routes if heads.routes is not None else heads.owners)  # held: the others (--placement)
-        return len(rp["prompt"]), m.num_experts, layers, ids, scores, streamed
+        return len(rp["prompt"]), m.num_experts, layers, ids, scores, pregate, streamed
     finally:
         store.close()
 
@@ -60,12 +64,12 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
 class Replay:
     """One policy played over the decode steps."""
 
-    def __init__(self, prompt, experts, layers, ids, scores, streamed, slots):
+    def __init__(self, prompt, experts, layers, ids, scores, streamed, slots, pregate=None):
         self.prompt, self.E, self.layers, self.ids, self.scores = prompt, experts, layers, ids, scores
-        self.streamed, self.S = streamed, slots
+        self.streamed, self.S, self.pregate = streamed, slots, pregate or {}
 
     def run(self, compute_ms: float, read_ms: float, guesses: int = 0, evict: str = "lru", scores=None,
-            least: float = 0.0) -> dict:
+            least: float = 0.0, pregate: int = 0) -> dict:
         scores = self.scores if scores is None else scores
         steps = len(self.ids[self.layers[0]]) - self.prompt
         last = {c: {} for c in self.streamed}  # expert -> last step it was routed
@@ -99,6 +103,10 @@ class Replay:
                     for e in routed:
                         last[layer][e] = t
                         landed.pop((layer, e), None)
+                following = self.layers[self.layers.index(layer) + 1:][:1]
+                if pregate and following and following[0] in self.streamed:  # the next layer's reads, a layer early
+                    disk, landed, n = self._pregate(following[0], t, pregate, bank, last, clock, disk, landed, read_ms)
+                    ahead += n
                 clock += 0.7 * per_layer
                 consumer = layer + 1
                 if guesses and consumer in self.streamed and t + 1 < self.prompt + steps:
@@ -117,6 +125,26 @@ class Replay:
             times.append(clock - t0)
         settled = times[min(32, steps // 2):]  # the banks settle from the prompt's routing first
         return {"step": float(np.mean(settled)), "demand": demand / steps, "ahead": ahead / steps}
+
+    def _pregate(self, layer: int, t: int, n: int, bank: dict, last: dict, clock: float, disk: float, landed: dict,
+                 read_ms: float) -> tuple[float, dict, int]:
+        """At `clock`, once the layer before has routed (and waited for its reads on demand): read the top n of `layer`'s
+        router on the layer before's input at token t that its bank lacks, after the read under way and ahead of the
+        queued guesses. Returns (when the disk's queue ends, landed, reads)."""
+        start = min(disk, clock + read_ms) if disk > clock else clock  # the read under way ends first
+        queued = max(0.0, disk - start)
+        named = [int(e) for e in np.argsort(-self.pregate[layer][t])[:n]]
+        recent = {e for e in bank[layer] if last[layer].get(e, -1) >= t - 1}  # its last token's experts stay
+        reads = 0
+        for e in named:
+            if e in bank[layer] or not self._replace(bank[layer], last[layer], recent | set(named), e, None):
+                continue
+            start += read_ms
+            if queued:  # the guesses not started yet wait for it
+                landed = {k: v + read_ms if v > start - read_ms else v for k, v in landed.items()}
+            landed[(layer, e)] = start
+            reads += 1
+        return start + queued, landed, reads
 
     def _replace(self, bank: set, last: dict, keep: set, new: int, score) -> bool:
         """Put `new` in the bank, replacing (when full) the least recently used or lowest scored outside `keep`."""
@@ -172,13 +200,16 @@ def main() -> int:
                    help="one bundle read at the disk's rate, ms (default 4.3)")
     p.add_argument("--confident", type=numbers(float), default=[],
                    help="also: the head's top K read only where its probability is at least P (comma-separated)")
+    p.add_argument("--pregate", type=numbers(int), default=[], metavar="N,...",
+                   help="also model same-token pre-gating: each streamed layer's router on the layer before's input "
+                        "names N experts, read one layer early (comma-separated; default none)")
     p.add_argument("--recall", type=numbers(float), default=[0.5, 0.7, 0.9, 1.0],
                    help="recalls of the modelled guesses (comma-separated; default 0.5,0.7,0.9,1.0)")
     a = p.parse_args()
     from edge0.errors import Edge0Error
 
     try:
-        prompt, experts, layers, ids, scores, routed = routes(a.store, a.replay, a.heads)
+        prompt, experts, layers, ids, scores, pregate, routed = routes(a.store, a.replay, a.heads)
         streamed = a.layers or routed
         if set(streamed) - set(scores):
             raise Edge0Error(f"--layers: {sorted(set(streamed) - set(scores))} consume no head of {a.heads or 'the store'} "
@@ -186,12 +217,16 @@ def main() -> int:
         k = ids[layers[0]].shape[-1]
         print(f"| slots | policy | step ms | x native | on demand / step | ahead / step |\n|---|---|---|---|---|---|")
         for s in a.slots:
-            model = Replay(prompt, experts, layers, ids, scores, streamed, s)
+            model = Replay(prompt, experts, layers, ids, scores, streamed, s, pregate)
             base = model.run(a.compute_ms, a.read_ms)
             rows = [("native", base)]
             for n in (k, 2 * k):
                 for evict in ("lru", "score"):
                     rows.append((f"head top {n}, {evict}", model.run(a.compute_ms, a.read_ms, n, evict)))
+            for n in a.pregate:
+                rows.append((f"pregate {n}", model.run(a.compute_ms, a.read_ms, pregate=n)))
+                rows.append((f"head top {k}, score + pregate {n}", model.run(a.compute_ms, a.read_ms, k, "score",
+                                                                            pregate=n)))
             for least in a.confident:
                 rows.append((f"head top {k}, p >= {least:g}, score", model.run(a.compute_ms, a.read_ms, k, "score",
                                                                            least=least)))
