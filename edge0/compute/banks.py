@@ -31,7 +31,9 @@ class BankBusy(RuntimeError):
 
 class Fence:
     """Epochs of graph building. `sync()` is called right after an mx.eval that evaluated everything
-    built so far (the model's graph is one chain: each layer's output depends on every earlier layer)."""
+    built so far (the model's graph is one chain: each layer's output depends on every earlier layer). Decode that
+    builds a step while the one before evaluates (pipeline/steps.py) begins each step's epoch with `advance()` and
+    learns what is evaluated from the values the host takes (`complete`)."""
 
     def __init__(self):
         self.epoch = 0  # the graph being built now
@@ -40,6 +42,15 @@ class Fence:
     def sync(self) -> None:
         self.completed = self.epoch
         self.epoch += 1
+
+    def advance(self) -> int:
+        """A new epoch, the graphs built before it still evaluating; returns the epoch that ended."""
+        self.epoch += 1
+        return self.epoch - 1
+
+    def complete(self, epoch: int) -> None:
+        """Every graph built in epochs <= epoch has been evaluated."""
+        self.completed = max(self.completed, min(epoch, self.epoch - 1))
 
 
 class Bank:

@@ -46,8 +46,17 @@ class Runtime:
     @property
     def sync_free(self) -> bool:
         """No layer's executor syncs with the host inside a step (every expert resident): decode may build the
-        next step's graph while this one evaluates (pipeline/steps.py)."""
+        next step's graph while this one evaluates (pipeline/steps.py), a batch's as well (batching.py)."""
         return self.executor == "resident"
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """One sequence's decode may build step n+1's graph while step n evaluates (pipeline/steps.py)."""
+        return self.sync_free
+
+    def step_built(self) -> None:
+        """Overlapped decode: a step's graph is built (and queued), the one before it may still be evaluating."""
+        self.next_step()
 
     trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
     generation = 0  # bumped by begin(): a step generator of an older generation must not touch the runtime

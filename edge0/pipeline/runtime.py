@@ -30,6 +30,7 @@ class PrefetchRuntime(Runtime):
     candidates: int | None = None  # predicted routing: experts read ahead per consumer, its router choosing K (None: K)
     guesses: int | None = None  # experts read ahead per predicted set, the predictor's likeliest (None: all K)
     pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
+    _built: dict  # overlapped decode: step -> the fence epoch its graph was built in, until known evaluated
     sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
@@ -61,6 +62,7 @@ class PrefetchRuntime(Runtime):
     _prompt_reads = (0, 0.0)  # the reader's (bytes, cold bytes) when the generation began
 
     def begin(self) -> int:
+        self._built = {}
         gen = super().begin()
         st = self.sched.pool.reader.stats
         self._prompt_reads = (st.bytes, st.cold_bytes)
@@ -80,6 +82,24 @@ class PrefetchRuntime(Runtime):
         self._warm = self.sched.pool.reader.sees_cache and self._warm_steps >= self.PAUSE_AFTER
         self.paused = self._warm or not self.gate.ahead
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """Predicted routing where every layer is routed by its head or holds its experts: no layer syncs with the
+        host inside a step (a consumer's ids and slots are on the host a step ahead), so decode builds step n+1's graph
+        while step n evaluates (pipeline/steps.py), waiting for a fill only where it has not landed. The fence then
+        learns what is evaluated from the predictions pulled: those made in step s follow all of step s-1."""
+        return self.predicted_routing and bool(self.executors) and all(
+            ex.held is not None or ex.predicted_routing for ex in self.executors.values())
+
+    def step_built(self) -> None:
+        """Overlapped decode: this step's graph is built and queued, the one before it may still be evaluating; the
+        next step's graph gets its own fence epoch, so fills avoid the slots of both until they are known evaluated."""
+        self.flushed_steps += 1
+        self.paused_steps += self.paused
+        self.gated_steps += self.paused and not self._warm
+        self._built[self.sched.step] = self.fence.advance()
+        self.next_step()
+
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
         self.settle()
@@ -94,6 +114,7 @@ class PrefetchRuntime(Runtime):
         pending, self.pending = self.pending, []
         t0 = now_us()
         host_eval([a for p in pending for a in (p.inds, p.plan, p.scores) if a is not None])  # scheduled already
+        self._evaluated_before(min(p.step for p in pending) - 1)
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
         ready = []
@@ -107,6 +128,15 @@ class PrefetchRuntime(Runtime):
             if p.plan is not None:
                 c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
         return ready
+
+    def _evaluated_before(self, step: int) -> None:
+        """Values made in `step`'s graph are on the host: every step before it is evaluated (its token, or the stream's
+        order for a forced one, comes first). Overlapped decode: their slots may be written again."""
+        done = [s for s in self._built if s < step]
+        if done:
+            self.fence.complete(max(self._built[s] for s in done))
+            for s in done:
+                del self._built[s]
 
     # -- the scheduler's own thread: the step's last plans, made while MLX evaluates the step ----------------
 
@@ -192,6 +222,7 @@ class PrefetchRuntime(Runtime):
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
         self._settle_quietly()
         self.pending = []
+        self._built = {}
         self.sched.reset()
         for ex in self.executors.values():
             ex.reset()
@@ -329,6 +360,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, held=base.held, stats=base.stats,
                          prefill=base.prefill)
     rt.pending = []
+    rt._built = {}
     rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
     reader.pool.trace = trace
     rt.trace = trace

@@ -113,7 +113,7 @@ def _steps(model, prompt, max_tokens, sampler, times, runtime, forced, cache) ->
     t1 = time.perf_counter()
     times.prefill_s = t1 - t0
     if overlapped:
-        advance = runtime.next_step if runtime is not None else (lambda: None)
+        advance = runtime.step_built if runtime is not None else (lambda: None)
         yield from _overlapped(step, advance, token, logprobs, max_tokens, times, t1, cache, trace)
         return
     for n in range(max_tokens):
@@ -144,9 +144,10 @@ def _prefill(model, y: mx.array, cache: list, sync, runtime) -> mx.array:
 
 def overlaps(runtime, cache: list) -> bool:
     """Whether decode may build step n+1's graph before step n is evaluated (as mlx-lm's generate_step does):
-    only when no layer syncs with the host inside a step (every expert resident, or no store runtime) and the
-    KV cache can drop the one token a step built ahead leaves in it when the caller stops early."""
-    return (runtime is None or runtime.sync_free) and can_trim_prompt_cache(cache)
+    only when no layer syncs with the host inside a step (every expert resident, streamed predicted routing where
+    every layer is routed by its head or holds its experts, or no store runtime) and the KV cache can drop the one
+    token a step built ahead leaves in it when the caller stops early."""
+    return (runtime is None or runtime.overlaps_steps) and can_trim_prompt_cache(cache)
 
 
 def _overlapped(step, advance, token: mx.array, logprobs: mx.array, max_tokens: int, times: StepTimes, t1: float,

@@ -1,0 +1,101 @@
+"""Streamed predicted routing where every layer is routed by its head or holds its experts syncs with the host nowhere
+inside a step, so decode builds step n+1's graph while step n evaluates (pipeline/steps.py): the same answers bit for
+bit as one step at a time, on real text and under a slow disk; fills still land a step ahead (the fence learns what is
+evaluated from the predictions the host takes); an early stop leaves the next generation exact."""
+
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from edge0.compute.banks import Fence
+from edge0.config import EngineConfig
+from edge0.engine import open_engine
+from edge0.pipeline.runtime import PrefetchRuntime
+from edge0.pipeline.steps import generate_steps, overlaps
+
+from .test_identity import real_text
+
+GREEDY = make_sampler(temp=0.0)
+HELD = {"routing": "predicted", "executor": "staged", "slots": 20}  # layers 0, 1, 5 hold theirs; heads route 2-4
+
+
+class Counting:
+    """The model, counting its calls (one per decode step after the prompt's)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.model(*a, **k)
+
+
+def decode(engine, ids: list[int], forced: list[int], stop_after: int | None = None):
+    """(log-probabilities as numpy, model calls seen at each yield, the scheduler's counters)."""
+    model = Counting(engine.store.model)
+    lps, calls = [], []
+    with engine.kernel.active():
+        for _, lp in generate_steps(model, ids, max_tokens=len(forced), sampler=GREEDY, runtime=engine.store.runtime,
+                                    forced=forced, cache=make_prompt_cache(engine.store.model)):
+            lps.append(np.array(lp))
+            calls.append(model.calls)
+            if len(lps) == stop_after:
+                break
+    return np.stack(lps), calls, engine.store.runtime.sched.stats
+
+
+def one_at_a_time(monkeypatch):
+    monkeypatch.setattr(PrefetchRuntime, "overlaps_steps", property(lambda self: False))
+
+
+@pytest.mark.parametrize("throttle", [None, 20.0], ids=["page-cache", "slow-disk"])
+def test_the_step_ahead_is_built_while_one_evaluates_with_the_same_answers(throttle, monkeypatch):
+    ids = real_text(80)
+    prompt, forced = ids[:16], ids[16:]
+    config = HELD | ({"io_throttle_mbps": throttle} if throttle else {})
+    with open_engine(EngineConfig(**config)) as engine:
+        assert overlaps(engine.store.runtime, make_prompt_cache(engine.store.model))
+        got, calls, stats = decode(engine, prompt, forced)
+        got_loads = (stats.loads, stats.demand_loads)
+    one_at_a_time(monkeypatch)
+    with open_engine(EngineConfig(**config)) as engine:
+        assert not overlaps(engine.store.runtime, make_prompt_cache(engine.store.model))
+        want, want_calls, stats = decode(engine, prompt, forced)
+        want_loads = (stats.loads, stats.demand_loads)
+    assert got.shape == want.shape and np.array_equal(got, want)
+    n, first = len(forced), want_calls[0]
+    assert want_calls == [first + i for i in range(n)]  # one step at a time
+    assert calls == [first + i + 1 for i in range(n - 1)] + [first + n - 1]  # step n + 1 built at token n's yield
+    # the fills still go ahead: as many bundles read, no more of them on demand (a fence that never learned the step
+    # before was evaluated would leave no slot to fill, and every read would be made on demand)
+    assert got_loads[0] > 0 and got_loads == want_loads
+
+
+def test_no_overlap_where_a_layer_routes_by_its_own_router():
+    """Even banks: layers 0, 1 and 5 route by their own router, a host sync inside the step."""
+    with open_engine(EngineConfig(**(HELD | {"placement": "even"}))) as engine:
+        assert not engine.store.runtime.overlaps_steps
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", executor="staged", slots=20)) as engine:
+        assert not engine.store.runtime.overlaps_steps  # the model's router decides every layer
+
+
+def test_an_early_stop_leaves_the_next_generation_exact(monkeypatch):
+    ids = real_text(64)
+    prompt, forced = ids[:16], ids[16:]
+    with open_engine(EngineConfig(**HELD)) as engine:
+        want, _, _ = decode(engine, prompt, forced)
+        part, _, _ = decode(engine, prompt, forced, stop_after=7)  # step 8 built, then dropped
+        again, _, _ = decode(engine, prompt, forced)
+    assert np.array_equal(part, want[:7]) and np.array_equal(again, want)
+
+
+def test_the_fence_completes_only_epochs_that_ended():
+    fence = Fence()
+    assert fence.advance() == 0 and fence.advance() == 1 and fence.epoch == 2
+    fence.complete(0)
+    assert fence.completed == 0
+    fence.complete(5)  # never past the epoch being built
+    assert fence.completed == 1
+    fence.complete(0)  # never backwards
+    assert fence.completed == 1
