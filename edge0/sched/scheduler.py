@@ -19,7 +19,10 @@ Threads: there is no event loop. Planning and collecting run on the graph-buildi
   graphs (numpy on arrays of a few ids, the trace's `sched` span), except the step's last plans: the
   predictions pulled just before a step is evaluated are planned on the planner thread (pipeline/runtime.py,
   the trace's `plan` span) while the graph-building thread waits for MLX, and settled before it goes on. The
-  two never touch the scheduler at once: a hand-over, not sharing. Workers read bytes into slots, widen bf16
+  two never touch the scheduler at once: a hand-over, not sharing. Where no layer syncs inside a step (predicted
+  routing, every layer routed by its head or holding its experts), decode builds step s+1 while step s evaluates
+  (pipeline/steps.py): the step's last predictions are then pulled and planned on the graph-building thread once the
+  step is built, and a fill's wait for its reads overlaps the step before's compute. Workers read bytes into slots, widen bf16
   scales, and fill in the outcome of their task; they never touch plans or caches. A planned read that
   cannot start now (too few free slots, QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer
   reads its experts on demand.
