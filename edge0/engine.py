@@ -226,7 +226,7 @@ class Engine:
                 "lora": None if c.lora in (None, "none") else c.lora, "top_k": self.top_k,
                 "executor": rt.executor,
                 "slots": rt.banks[0].slots if rt.banks and rt.executor in ("staged", "hot") else None,
-                "held_layers": sorted(rt.held) if rt.held else None,
+                "held_layers": sorted(rt.held) if rt.held else None, "overlaps_steps": rt.overlaps_steps,
                 "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
                 "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
                 "kernel_threads": self.kernel.ext.num_threads() if self.kernel.edge0 else None,

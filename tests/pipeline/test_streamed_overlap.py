@@ -15,20 +15,10 @@ from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps, overlaps
 
 from .test_identity import real_text
+from .test_overlap import Counting
 
 GREEDY = make_sampler(temp=0.0)
 HELD = {"routing": "predicted", "executor": "staged", "slots": 20}  # layers 0, 1, 5 hold theirs; heads route 2-4
-
-
-class Counting:
-    """The model, counting its calls (one per decode step after the prompt's)."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        return self.model(*a, **k)
 
 
 def decode(engine, ids: list[int], forced: list[int], stop_after: int | None = None):
@@ -56,6 +46,7 @@ def test_the_step_ahead_is_built_while_one_evaluates_with_the_same_answers(throt
     config = HELD | ({"io_throttle_mbps": throttle} if throttle else {})
     with open_engine(EngineConfig(**config)) as engine:
         assert overlaps(engine.store.runtime, make_prompt_cache(engine.store.model))
+        assert engine.describe()["overlaps_steps"] and engine.describe()["held_layers"] == [0, 1, 5]
         got, calls, stats = decode(engine, prompt, forced)
         got_loads = (stats.loads, stats.demand_loads)
     one_at_a_time(monkeypatch)
@@ -75,7 +66,7 @@ def test_the_step_ahead_is_built_while_one_evaluates_with_the_same_answers(throt
 def test_no_overlap_where_a_layer_routes_by_its_own_router():
     """Even banks: layers 0, 1 and 5 route by their own router, a host sync inside the step."""
     with open_engine(EngineConfig(**(HELD | {"placement": "even"}))) as engine:
-        assert not engine.store.runtime.overlaps_steps
+        assert not engine.store.runtime.overlaps_steps and not engine.describe()["overlaps_steps"]
     with open_engine(EngineConfig(routing="prefetch", predictor="heads", executor="staged", slots=20)) as engine:
         assert not engine.store.runtime.overlaps_steps  # the model's router decides every layer
 
