@@ -217,6 +217,10 @@ class PrefetchRuntime(Runtime):
         self._settle_quietly()
         self.pending = []
         self.sched.cancel()
+        if self._built:  # overlapped steps: a step built ahead of an early stop may still be computing
+            mx.synchronize()
+            self.fence.sync()
+            self._built = {}
 
     def reset_pipeline(self) -> None:
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""

@@ -21,6 +21,8 @@ SHORT = "x = [1, 2"
 CONFIGS = {  # EngineConfig fields; {} is what `edge0 run` does with no flag
     "default": {},  # predicted routing; every expert of the demo fits: resident (auto)
     "predicted-staged": {"routing": "predicted", "executor": "staged"},
+    # layers 0, 1, 5 hold their experts, the heads route 2-4: no layer syncs, decode overlaps its steps
+    "predicted-staged-held": {"routing": "predicted", "executor": "staged", "slots": 20},
     "prefetch": {"routing": "prefetch"},
     "native": {"routing": "native"},  # every expert of the demo fits: resident (auto)
     "native-staged": {"routing": "native", "executor": "staged"},
