@@ -8,11 +8,13 @@ routed experts of a step are the union over the batch: each layer's executor rea
 follows the batch's rows (runtime.keep_rows / join); when sequences join, the step after routes every
 consumer layer with its own router.
 
-Where no layer syncs with the host inside a step (every expert resident) the batch decodes as one sequence
-alone does (pipeline/steps.py): step n+1's graph is built from step n's unevaluated tokens and queued before
-those reach the host. A sequence that finishes at step n has had step n+1 computed for nothing; its row of
-that step leaves with it (its KV cache, kept for the prompt cache, is trimmed by that token). A newcomer
-waits for the step built ahead to be taken first (`settle`).
+Where no layer syncs with the host inside a step (every expert resident, or streamed predicted routing where
+every layer is routed by its head or holds its experts, and each streamed bank holds two steps' candidates of
+every row: `runtime.overlaps_batch`) the batch decodes as one sequence alone does (pipeline/steps.py): step
+n+1's graph is built from step n's unevaluated tokens and queued before those reach the host. A sequence that
+finishes at step n has had step n+1 computed for nothing; its row of that step leaves with it (its KV cache, kept
+for the prompt cache, is trimmed by that token). A newcomer waits for the step built ahead to be taken first
+(`settle`).
 
 Everything here runs on the engine's one worker thread.
 """
@@ -79,6 +81,7 @@ class BatchDecoder:
         self.cache: list | None = None  # the batch's KV caches, one per layer
         self.early: list[Sequence] = []  # done at their first token, at admission: reported by the next step
         self.ahead: mx.array | None = None  # (B,) tokens of a step built ahead for self.seqs, not yet on the host
+        self.decodes_ahead = True  # build steps ahead where the runtime allows (False: one at a time, to compare)
 
     @property
     def room(self) -> int:
@@ -155,14 +158,14 @@ class BatchDecoder:
         if not self.seqs:
             return early
         rt = self.engine.store.runtime
-        overlap = rt.sync_free and can_trim_prompt_cache(self.cache)
+        overlap = self.decodes_ahead and rt.overlaps_batch(len(self.seqs)) and can_trim_prompt_cache(self.cache)
         counters = _counters(self.engine.store)
         sampled, self.ahead = self.ahead, None
         with self.engine.kernel.active():
             if sampled is None:
                 sampled = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
                 if overlap:
-                    rt.next_step()
+                    rt.step_built()
                     mx.async_eval(sampled)
                 else:
                     host_eval(sampled)
@@ -170,7 +173,7 @@ class BatchDecoder:
                     rt.next_step()
             if overlap:  # the next step from this one's tokens, queued before they reach the host
                 self.ahead = self._build(sampled[:, None])
-                rt.next_step()
+                rt.step_built()  # what it decided ahead is for the step built next; its slots stay fenced
                 mx.async_eval(self.ahead)
         _charge(self.seqs, counters, _counters(self.engine.store))
         return early + self._take_step(sampled)

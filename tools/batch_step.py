@@ -2,7 +2,7 @@
 batch), then the median time of a decode step for all of them, and the graph nodes of one step.
 
     python tools/batch_step.py [--store S] [--batch 1,2,4,8] [--steps 50] [--prompt-tokens 128] [--rounds 3]
-                               [--profile] [--layouts packed,row]
+                               [--profile] [--layouts packed,row] [--ahead on,off] [ENGINE FLAGS]
 
 Each sequence's prompt is a different window of real text (Python's json/decoder.py in the store's tokenizer),
 greedy, EOS ignored; the store's defaults otherwise (for the built-in model: predicted routing over resident
@@ -10,7 +10,10 @@ experts, so the batch builds each step ahead). Prints one line per batch size: a
 token) per sequence, step ms, tokens/s of the batch, nodes per step; with --profile also the time per step
 inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it). With --layouts
 packed,row the rounds alternate between the kernels' packed weight copies and the row layout (kernels' set_packed;
-the same tokens), and a line per layout gives its median step, with the ratio of the two medians.
+the same tokens), and a line per layout gives its median step, with the ratio of the two medians. With --ahead
+on,off they alternate between the batch building its next step while one evaluates (where the runtime allows it:
+batching.py) and one step at a time. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
+--kernel-threads, as `edge0 run` takes them (e.g. `--executor staged --slots 28 --io direct`).
 """
 
 from __future__ import annotations
@@ -58,24 +61,29 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     if ext is not None:
         ext.profile(True)
         ext.set_profile(True)
-    layouts = getattr(args, "layouts", None) or [None]
+    layouts = getattr(args, "layouts", None) or getattr(args, "ahead", None) or [None]
     rounds = {layout: [] for layout in layouts}
     for _ in range(args.rounds):
         for layout in layouts:
             if layout is not None:
                 getattr(batch, "settle", lambda: None)()  # the step built ahead ran on the layout before
-                kernels.load().set_packed(layout == "packed")
+                if layout in ("on", "off"):
+                    batch.decodes_ahead = layout == "on"
+                else:
+                    kernels.load().set_packed(layout == "packed")
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 batch.step()
             rounds[layout].append((time.perf_counter() - t0) / args.steps)
     getattr(batch, "settle", lambda: None)()
-    if layouts != [None]:
+    if getattr(args, "layouts", None):
         kernels.load().set_packed(True)
     step = statistics.median(rounds[layouts[0]])
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
     if layouts != [None]:
         out["layout_step_ms"] = {layout: 1e3 * statistics.median(r) for layout, r in rounds.items()}
+        a, b = layouts
+        out["paired"] = statistics.median(x / y for x, y in zip(rounds[b], rounds[a]))  # b's step / a's, per round
     if ext is not None:
         ext.set_profile(False)
         n = args.rounds * args.steps + 1  # the steps timed and the one settled after them
@@ -96,7 +104,18 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--layouts", default=None,
                    help="packed,row: alternate rounds between the kernels' packed weights and the row layout")
+    p.add_argument("--ahead", default=None, help="on,off: alternate rounds between decoding ahead and one step at a time")
+    p.add_argument("--routing", default=None)
+    p.add_argument("--executor", default="auto")
+    p.add_argument("--slots", type=int, default=None)
+    p.add_argument("--io", default="pread", help="pread | mmap | direct (every read from the disk)")
+    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS")
+    p.add_argument("--kernel-threads", type=int, default=None)
     args = p.parse_args()
+    if args.ahead is not None:
+        args.ahead = [x for x in args.ahead.split(",") if x]
+        if sorted(args.ahead) != ["off", "on"] or args.layouts is not None:
+            sys.exit(f"--ahead {','.join(args.ahead)}: expected on,off (or off,on), without --layouts")
     if args.layouts is not None:
         args.layouts = [x for x in args.layouts.split(",") if x]
         if sorted(args.layouts) != ["packed", "row"]:
@@ -122,7 +141,10 @@ def run(args, sizes: list[int]) -> int:
     from edge0.engine import open_engine
 
     out = []
-    with open_engine(EngineConfig(model=args.store, max_batch=max(sizes), prompt_cache_gib=0)) as engine:
+    config = EngineConfig(model=args.store, max_batch=max(sizes), prompt_cache_gib=0, routing=args.routing,
+                          executor=args.executor, slots=args.slots, io=args.io, io_throttle_mbps=args.io_throttle,
+                          kernel_threads=args.kernel_threads).check()
+    with open_engine(config) as engine:
         ids = engine.encode_text(inspect.getsource(decoder))
         if len(ids) < 50 * (max(sizes) - 1) + args.prompt_tokens:
             sys.exit(f"json/decoder.py is {len(ids)} tokens in this tokenizer: too few for these prompts")
@@ -134,8 +156,9 @@ def run(args, sizes: list[int]) -> int:
                       f"{r['tok_s']:.1f} tok/s, {r['nodes']} graph nodes a step")
                 if "layout_step_ms" in r:
                     ms = r["layout_step_ms"]
+                    a, b = list(ms)
                     print("    " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-                          + f" a step (row / packed: {ms['row'] / ms['packed']:.2f}x)")
+                          + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired)")
                 for kind, ms in r.get("kernel_ms", {}).items():
                     print(f"    {kind}: {ms:.3f} ms a step")
                 if "kernel_ms" in r:

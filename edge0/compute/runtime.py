@@ -45,14 +45,18 @@ class Runtime:
 
     @property
     def sync_free(self) -> bool:
-        """No layer's executor syncs with the host inside a step (every expert resident): decode may build the
-        next step's graph while this one evaluates (pipeline/steps.py), a batch's as well (batching.py)."""
+        """No layer's executor syncs with the host inside a step (every expert resident)."""
         return self.executor == "resident"
 
     @property
     def overlaps_steps(self) -> bool:
-        """One sequence's decode may build step n+1's graph while step n evaluates (pipeline/steps.py)."""
+        """Decode may build step n+1's graph while step n evaluates, one sequence's (pipeline/steps.py) or a
+        batch's (batching.py)."""
         return self.sync_free
+
+    def overlaps_batch(self, rows: int) -> bool:
+        """Whether a batch of `rows` sequences decodes as one does (overlaps_steps; batching.py)."""
+        return self.overlaps_steps
 
     def step_built(self) -> None:
         """Overlapped decode: a step's graph is built (and queued), the one before it may still be evaluating."""

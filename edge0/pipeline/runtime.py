@@ -38,16 +38,12 @@ class PrefetchRuntime(Runtime):
     plan_cpu_s = 0.0  # of which CPU time
     _planner: ThreadPoolExecutor | None = None  # the planner thread, started at the first flush that plans
     _planning: Future | None = None  # its work for the step being evaluated, until settled
-    # Reading ahead only while it pays. Prefetch hides reads from the disk; while every bundle read of
-    # the last PAUSE_AFTER steps came from the page cache (a warm store that fits in memory) a demand read
-    # is a copy of microseconds, and the predictor (its graphs, pulls and plans) costs more than it can
-    # hide: the layers stop predicting until a read comes from the disk again. While reads come from the disk
-    # (and with --io direct or --io-throttle, where every read costs) the gate (pipeline/gate.py) measures
-    # decode steps with and without reading ahead and pauses while not reading ahead is faster. Under
-    # predicted routing the heads that route keep predicting (their prediction is the routing); the
-    # read-ahead ones pause (the next-router guesses for layers without a routing head), and the routing
-    # heads' reads are planned at the step's end. --read-ahead always: nothing pauses (gate None); never: every
-    # step pauses.
+    # Reading ahead only while it pays. While every bundle of the last PAUSE_AFTER steps came from the page cache,
+    # a demand read is a copy of microseconds and the predictor costs more than it can hide: the layers stop
+    # predicting until a read comes from the disk again. While reads come from the disk the gate (pipeline/gate.py)
+    # measures steps with and without reading ahead and pauses while not reading ahead is faster. Under predicted
+    # routing the routing heads keep predicting (their reads planned at the step's end), the guesses pause.
+    # --read-ahead always: nothing pauses (gate None); never: every step pauses.
     PAUSE_AFTER = 4
     PAUSE_ON_PROMPT = True  # a prompt whose reads all came from the page cache pauses from the first step
     paused = False  # this step's layers read nothing ahead (routing heads still decide)
@@ -90,6 +86,13 @@ class PrefetchRuntime(Runtime):
         learns what is evaluated from the predictions pulled: those made in step s follow all of step s-1."""
         return self.predicted_routing and bool(self.executors) and all(
             ex.held is not None or ex.predicted_routing for ex in self.executors.values())
+
+    def overlaps_batch(self, rows: int) -> bool:
+        """A batch's steps overlap where each streamed bank holds two steps' candidates of every row (the step built
+        ahead reads slots no fill may take until it is evaluated: with less room, its fills would wait, and be read)."""
+        m = self.candidates or max(ex.block.top_k for ex in self.executors.values())
+        return self.overlaps_steps and all(ex.held is not None or ex.cache.bank.slots >= 2 * rows * m
+                                           for ex in self.executors.values())
 
     def step_built(self) -> None:
         """Overlapped decode: this step's graph is built and queued, the one before it may still be evaluating; the

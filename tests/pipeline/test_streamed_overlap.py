@@ -8,9 +8,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from edge0.batching import BatchDecoder
 from edge0.compute.banks import Fence
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
+from edge0.generation import GenRequest
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps, overlaps
 
@@ -61,6 +63,43 @@ def test_the_step_ahead_is_built_while_one_evaluates_with_the_same_answers(throt
     # the fills still go ahead: as many bundles read, no more of them on demand (a fence that never learned the step
     # before was evaluated would leave no slot to fill, and every read would be made on demand)
     assert got_loads[0] > 0 and got_loads == want_loads
+
+
+def batch_tokens(engine, prompts: list[list[int]], lengths: list[int]):
+    """A batch the prompts join one by one (the second after two steps, the third after one more) and leave at their
+    lengths: (each one's tokens, whether each step left the next built, bundles read)."""
+    batch, rows, out, ahead = BatchDecoder(engine, len(prompts)), {}, {}, []
+    joins = {0: 0, 2: 1, 3: 2}  # step -> prompt joining before it
+    step = 0
+    while step in joins or batch.seqs:
+        if step in joins:
+            i = joins[step]
+            req = GenRequest(prompt=prompts[i], max_tokens=lengths[i], ignore_eos=True)
+            rows[id(batch.admit(req, lambda t: None, lambda: False))] = i
+        out.update({rows[id(s)]: s.fig.tokens for s in batch.step()})
+        ahead.append(batch.ahead is not None)
+        step += 1
+    return out, ahead, engine.store.runtime.sched.stats.loads
+
+
+@pytest.mark.parametrize("slots", [28, 20])
+def test_a_batch_builds_its_next_step_ahead_where_its_banks_hold_two_steps(slots, monkeypatch):
+    """serve --max-batch: sequences join a batch (each join waits for the step built ahead) and leave it at different
+    steps, under a slow disk; every token as one step at a time. A batch builds its next step ahead only where each
+    streamed bank holds two steps' candidates of every row (28 slots: 24 a routed layer, 3 rows of 4 twice; 20: 8,
+    one row): else a fill would find no slot the step in flight leaves it, and the step would read it on demand."""
+    ids = real_text(96)
+    prompts, lengths = [ids[:16], ids[30:41], ids[60:80]], [14, 9, 11]
+    config = HELD | {"io_throttle_mbps": 20.0, "max_batch": 3, "slots": slots}
+    with open_engine(EngineConfig(**config)) as engine:
+        got, ahead, got_loads = batch_tokens(engine, prompts, lengths)
+    one_at_a_time(monkeypatch)
+    with open_engine(EngineConfig(**config)) as engine:
+        want, none_ahead, want_loads = batch_tokens(engine, prompts, lengths)
+    assert got == want and len({t for toks in want.values() for t in toks}) > 8  # varied answers
+    assert not any(none_ahead) and not ahead[-1]  # the last sequence left: nothing built ahead
+    assert ahead[:-1] == ([True] * (len(ahead) - 1) if slots == 28 else [True, True] + [False] * (len(ahead) - 3))
+    assert 0 < got_loads <= 1.1 * want_loads  # the fills avoid the slots in flight: a few more reads at most
 
 
 def test_no_overlap_where_a_layer_routes_by_its_own_router():
