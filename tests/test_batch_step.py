@@ -29,8 +29,9 @@ def test_batch_step_ahead_times_both_ways_of_a_streamed_batch(monkeypatch, capsy
     assert tool.main() == 0
     out = capsys.readouterr().out
     assert re.search(r"on [\d.]+ ms, off [\d.]+ ms a step \(off / on: [\d.]+x of the medians, [\d.]+x paired\)", out), out
-    timed = modes[1:]  # after the step before the graph is counted: 2 rounds of on (3 steps) then off (3)
-    assert timed == [False, True, True, False, False, False] * 2, modes
+    timed = modes[1:]  # after the step before the graph is counted: on (3 steps), off (3), then off, on
+    on, off = [False, True, True], [False] * 3
+    assert timed == on + off + off + on, modes
 
 
 def test_batch_step_ahead_takes_on_and_off(monkeypatch):

@@ -63,8 +63,8 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         ext.set_profile(True)
     layouts = getattr(args, "layouts", None) or getattr(args, "ahead", None) or [None]
     rounds = {layout: [] for layout in layouts}
-    for _ in range(args.rounds):
-        for layout in layouts:
+    for r in range(args.rounds):
+        for layout in layouts if r % 2 == 0 else layouts[::-1]:  # rotated: neither always runs first
             if layout is not None:
                 getattr(batch, "settle", lambda: None)()  # the step built ahead ran on the layout before
                 if layout in ("on", "off"):
