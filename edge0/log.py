@@ -11,6 +11,7 @@ from __future__ import annotations
 import json as _json
 import sys
 import time
+import traceback
 
 import structlog
 
@@ -45,3 +46,14 @@ def configure(*, json: bool = False) -> None:
 
 configure()
 log = structlog.get_logger()
+
+
+def log_failure(what: str, e: BaseException) -> None:
+    """An operation failed: an Edge0Error (a failed read, a bad file: its message names what and where) as its one
+    line; anything else, a fault of Edge0's own, with its traceback."""
+    from .errors import Edge0Error
+
+    if isinstance(e, Edge0Error):
+        log.error(what, error=" ".join(str(e).split()))
+    else:
+        log.error(what, error=repr(e), traceback="".join(traceback.format_exception(e)))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 
 from ..batching import BatchDecoder
 from ..compute.kernels import graph_thread
 from ..errors import Edge0Error
-from ..log import log
+from ..log import log_failure
 
 
 async def serve_batched(queue, max_batch: int) -> None:
@@ -30,7 +29,7 @@ async def serve_batched(queue, max_batch: int) -> None:
         try:
             admitted, refused, finished = await loop.run_in_executor(queue.worker, _cycle, batch, newcomers, loop)
         except Exception as e:
-            log.error("a batched step failed", error=repr(e), traceback=traceback.format_exc())
+            log_failure("a batched step failed", e)
             failed = [jobs.pop(id(s)) for s in batch.abandon() if id(s) in jobs] + newcomers
             queue.unhealthy = f"a generation failed ({type(e).__name__})"
             await queue._reset()  # before the clients hear of the failure: their next request finds it reset

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from ..engine import Engine
 from ..generation import Figures, GenRequest
-from ..log import log
+from ..log import log, log_failure
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
@@ -217,7 +217,7 @@ class JobQueue:
         try:
             fig = await loop.run_in_executor(self.worker, self.engine.generate, job.req, emit, job.cancel.is_set)
         except Exception as e:  # reported to the client as a 500; the engine is reset before the next job
-            log.error("generation failed", error=repr(e), traceback=traceback.format_exc())
+            log_failure("generation failed", e)
             self.metrics.failed += 1
             self.unhealthy = f"a generation failed ({type(e).__name__})"
             await self._reset()  # before the client hears of the failure: its next request finds the engine reset

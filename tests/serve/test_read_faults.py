@@ -18,11 +18,11 @@ from tests import helpers  # noqa: E402
 DEADLINE = 120.0
 
 
-def start(log: Path, env: dict) -> tuple[subprocess.Popen, str]:
+def start(log: Path, env: dict, flags: list[str]) -> tuple[subprocess.Popen, str]:
     """`edge0 serve` streaming its experts (no prompt cache: both runs read the same); its URL from its log."""
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "serve", "--port", "0", "--prompt-cache-gib", "0",
-                                 "--executor", "staged"],
+                                 "--executor", "staged", *flags],
                                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
     end = time.monotonic() + DEADLINE
     while not (m := re.search(r"(http://127\.0\.0\.1:\d+)/v1", log.read_text())):
@@ -31,20 +31,24 @@ def start(log: Path, env: dict) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-@pytest.mark.parametrize("fault", ["eio@3", "short@9"])
-def test_failed_read_is_a_500_then_the_next_request_is_served(tmp_path, fault):
-    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (predicted routing, streamed)."""
+# --slots 28: layers 0, 1 and 5 hold every expert (read at start: reads 1-3), the heads route 2-4, and the batch (one
+# request) builds each decode step while the one before evaluates: a failed fill is met with a step in flight
+@pytest.mark.parametrize("fault,flags", [("eio@3", []), ("short@9", []), ("short@15", ["--slots", "28"]),
+                                         ("eio@20", ["--slots", "28"])])
+def test_failed_read_is_a_500_then_the_next_request_is_served(tmp_path, fault, flags):
+    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (predicted routing, streamed);
+    short@15 and eio@20 decode fills where steps overlap."""
     answers = {}
     for env in ({}, {"EDGE0_FAULT": fault}):
-        answers[bool(env)] = _serve_one(tmp_path / "log.txt", env)
+        answers[bool(env)] = _serve_one(tmp_path / "log.txt", env, flags)
         text = (tmp_path / "log.txt").read_text()
         assert "Traceback" not in text, text
     assert answers[True] == answers[False]
 
 
-def _serve_one(log: Path, env: dict) -> str:
+def _serve_one(log: Path, env: dict, flags: list[str]) -> str:
     """With a fault: the first request fails with a clear 500 and /health stays ok. The next answer."""
-    proc, url = start(log, env)
+    proc, url = start(log, env, flags)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE)
 
     def ask():

@@ -1,0 +1,27 @@
+"""The log's lines for a failure: an Edge0Error (a failed read, a bad file) is its one clear line, anything else (a
+fault of Edge0's own) comes with its traceback."""
+
+from edge0.errors import Edge0Error
+from edge0.log import configure, log_failure
+
+
+def test_an_edge0_error_is_one_line_and_an_internal_error_keeps_its_traceback(capsys):
+    log_failure("generation failed", Edge0Error("/s/experts/layer_003.safetensors: read of expert 31 failed\n(EIO)"))
+    err = capsys.readouterr().err
+    assert err == "edge0: error: generation failed (error=/s/experts/layer_003.safetensors: read of expert 31 failed (EIO))\n"
+    try:
+        raise RuntimeError("injected")
+    except RuntimeError as e:
+        log_failure("a batched step failed", e)
+    err = capsys.readouterr().err
+    assert err.startswith("edge0: error: a batched step failed (error=RuntimeError('injected') traceback=Traceback")
+    assert "test_log.py" in err
+
+
+def test_json_lines_carry_the_same_fields(capsys):
+    configure(json=True)
+    try:
+        log_failure("generation failed", Edge0Error("short read"))
+    finally:
+        configure()
+    assert '"event": "generation failed"' in capsys.readouterr().err
