@@ -216,6 +216,39 @@ def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypat
         srv.stop()
 
 
+def test_a_serving_loop_that_dies_answers_its_clients_and_says_so(monkeypatch):
+    """Should the batched serving loop itself raise (here: its error handling, after a failed step), no client waits
+    forever: the running request and every later one get a 503 naming it, and /health says the server is unhealthy."""
+    openai = pytest.importorskip("openai")
+    import edge0.serve.batched as batched
+    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.serve.server import BackgroundServer
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    srv = BackgroundServer(*serve_configs(p.parse_args([])), port=0).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    engine = srv.server.engine
+
+    def failing(*a, **k):
+        raise RuntimeError("injected failure")
+
+    def broken(*a, **k):
+        raise RuntimeError("injected fault in the loop's own error handling")
+
+    try:
+        monkeypatch.setattr(engine.store, "model", failing)
+        monkeypatch.setattr(batched, "log_failure", broken)
+        for _ in range(2):  # the request the loop died on, then one sent after
+            with pytest.raises(openai.APIStatusError) as e:
+                client.completions.create(model="edge0-demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+            assert e.value.status_code == 503 and "serving loop stopped (RuntimeError)" in str(e.value), str(e.value)
+        status, body, _ = helpers.http_request(srv.url, "GET", "/health")
+        assert status == 503 and "serving loop stopped" in body["error"], body
+    finally:
+        srv.stop()
+
+
 def _error_or_text(ask, prompt):
     try:
         return ask(prompt)

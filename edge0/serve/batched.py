@@ -26,6 +26,7 @@ async def serve_batched(queue, max_batch: int) -> None:
     while True:
         newcomers = await _take(queue, batch, block=not batch.seqs)
         queue.batch_size = len(batch.seqs) + len(newcomers)
+        queue.active = [*jobs.values(), *newcomers]  # the cycle's jobs (answered should the loop itself fail)
         try:
             admitted, refused, finished = await loop.run_in_executor(queue.worker, _cycle, batch, newcomers, loop)
         except Exception as e:

@@ -163,10 +163,27 @@ class JobQueue:
         else:
             serving = self._serve()
         self.task = asyncio.get_running_loop().create_task(serving)
+        self.task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task) -> None:
+        """The serving loop ended. Cancelled: the server stops. Raised (a fault of Edge0's own): nothing would take a
+        job again, so its jobs and every later request fail at once with 503 (no client waits forever), /health
+        says why, and the log has the traceback."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log_failure("the serving loop stopped", task.exception())
+        self.unhealthy = f"its serving loop stopped ({type(task.exception()).__name__}); restart the server"
+        jobs = self.active + [self.waiting.get_nowait() for _ in range(self.waiting.qsize())]
+        for job in jobs:
+            job.events.put_nowait(("error", self._unhealthy_error()))
+        self.active, self.running = [], None
+        self.idle.set()
 
     def submit(self, req: GenRequest) -> Job:
         if self.closing:
             raise shutting_down()
+        if self.task is not None and self.task.done() and not self.task.cancelled():
+            raise self._unhealthy_error()
         if self.unhealthy is not None and getattr(self.engine, "reset", None) is None:
             raise self._unhealthy_error()
         if self.waiting.qsize() >= self.max_queue:
