@@ -90,7 +90,7 @@ class PrefetchRuntime(Runtime):
     def overlaps_batch(self, rows: int) -> bool:
         """A batch's steps overlap where each streamed bank holds two steps' candidates of every row (the step built
         ahead reads slots no fill may take until it is evaluated: with less room, its fills would wait, and be read)."""
-        m = self.candidates or max(ex.block.top_k for ex in self.executors.values())
+        m = self.candidates or max((ex.block.top_k for ex in self.executors.values() if ex.held is None), default=0)
         return self.overlaps_steps and all(ex.held is not None or ex.cache.bank.slots >= 2 * rows * m
                                            for ex in self.executors.values())
 
