@@ -176,17 +176,22 @@ def test_a_full_batch_stays_inside_the_memory_budget():
         srv.stop()
 
 
-def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypatch):
-    """An internal error inside a batched step: every request in the batch gets a 500, the engine is reset,
-    and the next request gets its reference answer (the default server: batched, predicted routing)."""
-    openai = pytest.importorskip("openai")
+def default_server(openai):
+    """`edge0 serve` with no flag (batched, predicted routing), in this process; its openai client."""
     from edge0.serve import add_serve_flags, serve_configs
     from edge0.serve.server import BackgroundServer
 
     p = argparse.ArgumentParser()
     add_serve_flags(p)
     srv = BackgroundServer(*serve_configs(p.parse_args([])), port=0).start()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_a_failed_batch_step_fails_its_requests_and_the_next_is_served(monkeypatch):
+    """An internal error inside a batched step: every request in the batch gets a 500, the engine is reset,
+    and the next request gets its reference answer (the default server: batched, predicted routing)."""
+    openai = pytest.importorskip("openai")
+    srv, client = default_server(openai)
     engine = srv.server.engine
     real = engine.store.model
 
@@ -221,13 +226,8 @@ def test_a_serving_loop_that_dies_answers_its_clients_and_says_so(monkeypatch):
     forever: the running request and every later one get a 503 naming it, and /health says the server is unhealthy."""
     openai = pytest.importorskip("openai")
     import edge0.serve.batched as batched
-    from edge0.serve import add_serve_flags, serve_configs
-    from edge0.serve.server import BackgroundServer
 
-    p = argparse.ArgumentParser()
-    add_serve_flags(p)
-    srv = BackgroundServer(*serve_configs(p.parse_args([])), port=0).start()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    srv, client = default_server(openai)
     engine = srv.server.engine
 
     def failing(*a, **k):
