@@ -23,6 +23,8 @@ from collections import deque
 class ReadAheadGate:
     """Decides, step by step, whether the next decode step reads ahead. `step()` at every step boundary."""
 
+    warm_pause = True  # a warm page cache pauses reading ahead (pipeline/runtime.py PAUSE_AFTER)
+
     WINDOW = 8  # steps measured per mode before a choice: the last WINDOW of its stretch
     SETTLE = 2  # a probe's steps before its window: the first step after resuming has nothing read ahead yet,
     # the first paused one still consumes what was planned before it
@@ -128,9 +130,17 @@ class CertainReads(ReadAheadGate):
     """The measured gate of a runtime that guesses nothing: predicted routing where every layer is routed by its head
     or holds its experts (pipeline/runtime.py held_layers). Each read ahead is one its step makes anyway, so reading
     ahead adds no read, and pausing would only start the reads later (at the step's end instead of the next layer):
-    while reads come from the disk every step reads ahead, with nothing to measure. (A warm page cache still pauses,
-    pipeline/runtime.py.) On the workload at 24 slots, every read from the disk: always reading ahead 61.8 tok/s,
-    never 55.0, measured 54.1 (docs/results/pipeline.md, "Twelfth sitting")."""
+    while reads come from the disk every step reads ahead, with nothing to measure. On the workload at 24 slots, every
+    read from the disk: always reading ahead 61.8 tok/s, never 55.0, measured 54.1 (docs/results/pipeline.md, "Twelfth
+    sitting"). A warm page cache pauses it (one pull a step instead of one a layer) only for bundles under
+    WARM_PAUSE_BYTES: a bigger one's copy from the page cache (about 0.4 ms for 5 MiB) is worth hiding ("Nineteenth
+    sitting": the workload warm 52.6-56.2 tok/s paused, 56.7-58.4 reading ahead)."""
+
+    WARM_PAUSE_BYTES = 1 << 20
+
+    def __init__(self, bundle_bytes: int = 0):
+        super().__init__()
+        self.warm_pause = bundle_bytes < self.WARM_PAUSE_BYTES
 
     def step(self) -> bool:
         return True

@@ -38,9 +38,9 @@ class PrefetchRuntime(Runtime):
     plan_cpu_s = 0.0  # of which CPU time
     _planner: ThreadPoolExecutor | None = None  # the planner thread, started at the first flush that plans
     _planning: Future | None = None  # its work for the step being evaluated, until settled
-    # Reading ahead only while it pays. While every bundle of the last PAUSE_AFTER steps came from the page cache,
-    # a demand read is a copy of microseconds and the predictor costs more than it can hide: the layers stop
-    # predicting until a read comes from the disk again. While reads come from the disk the gate (pipeline/gate.py)
+    # Reading ahead only while it pays. While every bundle of the last PAUSE_AFTER steps came from the page cache (and
+    # the gate's warm_pause), a demand read is a cheap copy and the predictor costs more than it can hide: the layers
+    # stop predicting until a read comes from the disk again. While reads come from the disk the gate (pipeline/gate.py)
     # measures steps with and without reading ahead and pauses while not reading ahead is faster. Under predicted
     # routing the routing heads keep predicting (their reads planned at the step's end), the guesses pause.
     # --read-ahead always: nothing pauses (gate None); never: every step pauses.
@@ -54,7 +54,6 @@ class PrefetchRuntime(Runtime):
     _warm = False  # the step being built is paused by a warm page cache
     _warm_steps = 0  # steps since a bundle came from the disk
     _cold_bytes = 0.0  # the pool's cold bytes at the last step boundary
-
     _prompt_reads = (0, 0.0)  # the reader's (bytes, cold bytes) when the generation began
 
     def begin(self) -> int:
@@ -73,9 +72,10 @@ class PrefetchRuntime(Runtime):
         if self.gate is None:
             return
         st, (read0, cold0) = self.sched.pool.reader.stats, self._prompt_reads
-        if self.PAUSE_ON_PROMPT and self.sched.pool.reader.sees_cache and st.bytes != read0:
+        sees = self.sched.pool.reader.sees_cache and self.gate.warm_pause
+        if self.PAUSE_ON_PROMPT and sees and st.bytes != read0:
             self._warm_steps = self.PAUSE_AFTER if st.cold_bytes == cold0 else 0
-        self._warm = self.sched.pool.reader.sees_cache and self._warm_steps >= self.PAUSE_AFTER
+        self._warm = sees and self._warm_steps >= self.PAUSE_AFTER
         self.paused = self._warm or not self.gate.ahead
 
     @property
@@ -204,7 +204,7 @@ class PrefetchRuntime(Runtime):
         if gate is None:
             return
         was_warm = self._warm
-        if pool.reader.sees_cache:
+        if pool.reader.sees_cache and gate.warm_pause:
             cold = pool.stats.cold_bytes
             self._warm_steps = 0 if cold > self._cold_bytes else self._warm_steps + 1
             self._cold_bytes = cold
@@ -285,7 +285,7 @@ class PrefetchRuntime(Runtime):
         self._link_heads(blocks)
         if type(self.gate) is ReadAheadGate and self.predicted_routing and all(
                 ex.held is not None or ex.predicted_routing for ex in self.executors.values()):
-            self.gate = CertainReads()  # nothing is guessed: every read ahead is one the step makes
+            self.gate = CertainReads(self.sched.pool.reader.manifest.bundle_bytes)  # every read ahead is made
 
     def _link_heads(self, blocks: dict) -> None:
         """Each head to its owner's executor, but a held layer's that only reads ahead; routing heads to their blocks."""

@@ -13,7 +13,7 @@ import pytest
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.pipeline.gate import ReadAheadGate
+from edge0.pipeline.gate import CertainReads, ReadAheadGate
 
 from .test_identity import real_text
 from .test_pause import ahead, forced
@@ -312,3 +312,9 @@ def test_a_served_batchs_joins_and_leaves_are_not_timed_as_steps():
         next_step, rt.join, rt.next_step = rt.next_step, slow_join, tick
         run_batch(engine, PROMPTS, max_batch=4, stagger=True)
     assert len(timed) >= 8 and max(timed) < 1.0
+
+
+def test_certain_reads_always_read_ahead_and_pause_warm_only_for_small_bundles():
+    small, big = CertainReads(50 * 1024), CertainReads(5 << 20)  # the demo's bundles, the workload's
+    assert small.step() and big.step()  # nothing is guessed: every step reads ahead while reads come from the disk
+    assert small.warm_pause and not big.warm_pause and ReadAheadGate().warm_pause

@@ -18,6 +18,7 @@ from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.io.pagecache import Residency, evict
 from edge0.model.demo import DEMO_STORE
+from edge0.pipeline.gate import CertainReads
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps
 
@@ -231,3 +232,23 @@ def test_the_prompts_reads_decide_the_first_steps(text, cached):
         assert cold == 0 and rt.paused_steps == n
     else:
         assert cold > 0 and rt.paused_steps <= n - PrefetchRuntime.PAUSE_AFTER
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["50KB-bundles", "bundles-over-the-bar"])
+def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monkeypatch):
+    """Predicted routing with every layer routed by its head or held (--slots 20: CertainReads) reads nothing it
+    would not: a warm page cache pauses it (one pull a step) where a bundle is a cheap copy (the demo's 50 KB), never
+    where a bundle's copy is worth hiding (the bar lowered under the demo's bundles to stand for 5 MiB ones). The same
+    log-probabilities either way."""
+    ids, _ = text
+    if big:
+        monkeypatch.setattr(CertainReads, "WARM_PAUSE_BYTES", 1024)
+    with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged", slots=20)) as engine:
+        rt = engine.store.runtime
+        assert isinstance(rt.gate, CertainReads) and rt.gate.warm_pause == (not big)
+        got = forced(engine, ids)
+        n, cold = rt.paused_steps, engine.store.reader.stats.cold_bytes
+    assert cold == 0
+    assert (n == 0) if big else (n >= len(ids) - 1 - PrefetchRuntime.PAUSE_AFTER)
+    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, read_ahead="always")) as engine:
+        assert np.array_equal(got, forced(engine, ids))
