@@ -25,3 +25,9 @@ def test_a_round_the_first_arm_missed_is_left_out():
     base = [{"round": 0, "decode_tok_s": 100.0}]
     assert tool.paired(runs(150, 90), base) == (1.5, 1)
     assert math.isnan(tool.paired(runs(150), [])[0])
+
+
+def test_the_prompt_figure_pairs_the_same_way():
+    base = [{"round": r, "decode_tok_s": 1.0, "prefill_tok_s": s} for r, s in enumerate((60.0, 30.0))]
+    other = [{"round": r, "decode_tok_s": 1.0, "prefill_tok_s": s} for r, s in enumerate((75.0, 36.0))]
+    assert tool.paired(other, base, "prefill_tok_s") == (1.225, 2) and tool.paired(other, base) == (1.0, 0)

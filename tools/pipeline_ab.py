@@ -8,7 +8,7 @@ measure, put first on PYTHONPATH; '-' for the installed one). Each run is its ow
 across rounds; `direct` runs with --io direct --cold (every read from the disk), `warm` reads the store's
 files once first and runs with pread. Every run's JSON goes to --out; the medians are printed as markdown, with
 each arm's paired ratio to the first arm (the median over rounds of their ratio in the same round: robust to a host
-whose speed drifts between rounds).
+whose speed drifts between rounds). --figure prefill_tok_s compares the prompts' speed instead of decode's.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--io", default="direct")
     p.add_argument("--out", required=True)
+    p.add_argument("--figure", default="decode_tok_s", choices=("decode_tok_s", "prefill_tok_s"),
+                   help="the figure compared (default decode_tok_s; prefill_tok_s: the prompt's)")
     p.add_argument("arms", nargs="+")
     a = p.parse_args()
     a.store, a.replay = str(Path(a.store).resolve()), str(Path(a.replay).resolve())  # runs start in /
@@ -83,28 +85,29 @@ def main() -> None:
                     log.write(json.dumps({k: v for k, v in d.items() if k != "text"}) + "\n")
                     log.flush()
                     runs.setdefault((label, io), []).append(d)
-                    print(f"round {r} {label:28s} {io:6s} {d['decode_tok_s']:7.2f} tok/s", file=sys.stderr, flush=True)
+                    print(f"round {r} {label:28s} {io:6s} {d[a.figure]:7.2f} tok/s", file=sys.stderr, flush=True)
     first = arms[0][0]
-    print(f"| arm | io | decode tok/s | runs | x {first} (paired) | stall ms/tok | sched ms/tok (cpu) | loads/step "
+    what = a.figure.replace("_tok_s", "")
+    print(f"| arm | io | {what} tok/s | runs | x {first} (paired) | stall ms/tok | sched ms/tok (cpu) | loads/step "
           "| recall |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (label, io), ds in runs.items():
         def med(k):
             return statistics.median((d.get(k) or 0.0) for d in ds)
         steps = max(len(ds[0]["tokens"]) - 1, 1)
-        ratio, faster = paired(ds, runs[(first, io)])
-        print(f"| {label} | {io} | {med('decode_tok_s'):.2f} | {', '.join('%.2f' % d['decode_tok_s'] for d in ds)} | "
+        ratio, faster = paired(ds, runs[(first, io)], a.figure)
+        print(f"| {label} | {io} | {med(a.figure):.2f} | {', '.join('%.2f' % d[a.figure] for d in ds)} | "
               f"{ratio:.3f}x ({faster}/{len(ds)} faster) | "
               f"{med('stall_ms_per_token'):.1f} | {med('sched_ms_per_token'):.1f} ({med('sched_cpu_ms_per_token'):.1f}) | "
               f"{med('loads') / steps:.1f} | {med('recall'):.2f} |")
 
 
-def paired(runs: list[dict], base: list[dict]) -> tuple[float, int]:
-    """An arm against the first arm round by round: the median of its decode tok/s over the first arm's in the same
+def paired(runs: list[dict], base: list[dict], figure: str = "decode_tok_s") -> tuple[float, int]:
+    """An arm against the first arm round by round: the median of its figure (tok/s) over the first arm's in the same
     round, and in how many rounds it was faster. Arms of a round run back to back, so a host that speeds up or slows
     down between rounds (another tenant) moves both: the ratio keeps what the medians of the arms apart can lose."""
-    by_round = {d["round"]: d["decode_tok_s"] for d in base}
-    ratios = [d["decode_tok_s"] / by_round[d["round"]] for d in runs if by_round.get(d["round"])]
+    by_round = {d["round"]: d[figure] for d in base}
+    ratios = [d[figure] / by_round[d["round"]] for d in runs if by_round.get(d["round"])]
     return (statistics.median(ratios) if ratios else float("nan")), sum(r > 1 for r in ratios)
 
 

@@ -251,15 +251,17 @@ def hits_first(x: mx.array, host: np.ndarray, ids: np.ndarray, slots: np.ndarray
 
 class WholeLayer:
     """Prefill: each MoE layer's experts read whole (one preadv per layer, or a few), used for every
-    prompt token, the next layer's read running on a worker thread while this layer computes.
+    prompt token, the next layer's read running on a worker thread while this layer's read lands and it computes.
 
     Two E-slot banks alternate between layers; they exist only during prefill (`release`). The reads run
-    on the store's I/O pool as demand reads.
+    on the store's I/O pool as demand reads. pack_group_size: the banks keep the edge0 kernel's packed copy, made as
+    each layer's read lands, on the thread that read it (compute/banks.py Bank): a prompt's products run faster on it.
     """
 
-    def __init__(self, reader, fence: Fence, compute_dtype):
+    def __init__(self, reader, fence: Fence, compute_dtype, pack_group_size: int | None = None):
         m = reader.manifest
         self.reader, self.fence, self.compute_dtype = reader, fence, compute_dtype
+        self.pack_group_size = pack_group_size
         self.order = [e.layer for e in m.layers]
         self.next = dict(zip(self.order, self.order[1:]))
         self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
@@ -275,7 +277,8 @@ class WholeLayer:
     def _start(self, layer: int, in_use: Bank | None = None) -> None:
         if not self.banks:
             m = self.reader.manifest
-            self.banks = [Bank(m.pieces, m.num_experts, self.fence, self.compute_dtype) for _ in range(2)]
+            self.banks = [Bank(m.pieces, m.num_experts, self.fence, self.compute_dtype,
+                               pack_group_size=self.pack_group_size) for _ in range(2)]
         busy = {id(b) for b, _ in self.pending.values()} | {id(in_use)}
         bank = next((b for b in self.banks if id(b) not in busy and b.writable), None)
         if bank is None:
@@ -290,10 +293,11 @@ class WholeLayer:
         if layer not in self.pending:
             self._start(layer)
         bank, task = self.pending.pop(layer)
-        self.reader.pool.wait([task], layer=layer, why="prefill")
         nxt = self.next.get(layer)
-        if nxt is not None and nxt not in self.pending:
-            self._start(nxt, in_use=bank)  # overlaps the read of the next layer with this layer's compute
+        if nxt is not None and nxt not in self.pending:  # the other bank is free (the layer before is evaluated):
+            self._start(nxt, in_use=bank)  # the next layer's read runs beside this one's and this layer's compute
+        mx.async_eval(x)  # the layers before compute while this layer's read lands
+        self.reader.pool.wait([task], layer=layer, why="prefill")
         y = switch_glu(x, inds, bank.read(), self.quant)
         mx.eval(y)  # SYNC: compute this layer now so its bank can take the layer after next
         self.fence.sync()

@@ -366,3 +366,44 @@ def test_a_bank_keeps_its_packed_copy_in_step_with_its_fills(slots, monkeypatch)
                     ext.set_packed(True)
     assert np.array_equal(out["staged"], out["resident"])
     assert np.array_equal(out["rows"], out["resident"])
+
+
+def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch):
+    """Prefill reads each MoE layer whole into one of two banks; where bundles are over PACK_BANK_BYTES (the workload's
+    5 MiB; lowered here under the built-in model's) those banks keep the kernel's packed copy too, made as each read
+    lands: a prompt's log-probabilities bit for bit those of the banks without it (a copy left stale, or packed
+    before the bytes landed, would not)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.compute import runtime
+    from edge0.compute.executors import WholeLayer
+    from edge0.engine import EngineConfig, open_engine
+    from edge0.io.manifest import read_manifest
+    from edge0.model.demo import DEMO_STORE
+    from edge0.pipeline.steps import generate_steps
+
+    ext = kernels.load()
+    if ext is None or not ext.packed_on() or ext.impl() != "avx512":
+        pytest.skip("the packed layout is the edge0 kernels' AVX-512 VNNI path's")
+    ids = list(range(100, 164))
+    packed, release = [], WholeLayer.release
+
+    def recorded(self):
+        packed.extend(b.packed for b in self.banks)
+        release(self)
+
+    monkeypatch.setattr(WholeLayer, "release", recorded)
+    out = {}
+    for big in (False, True):
+        if big:
+            monkeypatch.setattr(runtime, "PACK_BANK_BYTES", read_manifest(DEMO_STORE).bundle_bytes - 1)
+        c = EngineConfig(routing="native", executor="staged", kernel="edge0", lora="none", prompt_cache_gib=0)
+        with open_engine(c) as e:
+            assert (e.store.runtime.prefill.pack_group_size is not None) == big
+            with e.kernel.active():
+                steps = generate_steps(e.store.model, ids[:48], max_tokens=16, sampler=make_sampler(0.0),
+                                       runtime=e.store.runtime, forced=ids[48:])
+                out[big] = np.stack([np.array(lp.astype(mx.float32)) for _, lp in steps])
+        assert packed and all(n == (3 if big else 0) for n in packed), packed
+        packed.clear()
+    assert np.array_equal(out[True], out[False])
