@@ -224,7 +224,8 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
     quant = next(iter(exact.values())).quant if exact else None
     packable = quant is not None and quant.bits == 4 and need <= left  # packed copies fit
     pack = quant.group_size if packable and m.bundle_bytes > PACK_BANK_BYTES else None  # and pay, refilled
-    if rt.prefill is not None and pack is not None and need + 2 * m.num_experts * per_slot <= left:
+    if (rt.prefill is not None and pack is not None and cdtype == mx.float32  # (the kernel's products' activations)
+            and need + 2 * m.num_experts * per_slot <= left):
         rt.prefill.pack_group_size = pack  # the prompt's two layers' packed copies fit too
     held = [layer for layer in layers if layer in held]
     per_bank = streamed_slots(s, len(layers), len(held), m.num_experts)
