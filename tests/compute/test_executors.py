@@ -407,3 +407,5 @@ def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch
         assert packed and all(n == (3 if big else 0) for n in packed), packed
         packed.clear()
     assert np.array_equal(out[True], out[False])
+    with open_engine(EngineConfig(routing="native", executor="staged", kernel="edge0", dtype="bfloat16")) as e:
+        assert e.store.runtime.prefill.pack_group_size is None  # MLX's products run bfloat16: a copy none would use
