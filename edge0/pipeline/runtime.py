@@ -57,7 +57,6 @@ class PrefetchRuntime(Runtime):
     _prompt_reads = (0, 0.0)  # the reader's (bytes, cold bytes) when the generation began
 
     def begin(self) -> int:
-        self._built = {}
         gen = super().begin()
         st = self.sched.pool.reader.stats
         self._prompt_reads = (st.bytes, st.cold_bytes)
@@ -78,30 +77,29 @@ class PrefetchRuntime(Runtime):
         self._warm = sees and self._warm_steps >= self.PAUSE_AFTER
         self.paused = self._warm or not self.gate.ahead
 
-    @property
-    def overlaps_steps(self) -> bool:
-        """Predicted routing where every layer is routed by its head or holds its experts: no layer syncs with the
-        host inside a step (a consumer's ids and slots are on the host a step ahead), so decode builds step n+1's graph
-        while step n evaluates (pipeline/steps.py), waiting for a fill only where it has not landed. The fence then
-        learns what is evaluated from the predictions pulled: those made in step s follow all of step s-1."""
-        return self.predicted_routing and bool(self.executors) and all(
-            ex.held is not None or ex.predicted_routing for ex in self.executors.values())
+    # Predicted routing where every layer is routed by its head or holds its experts (set by link): no layer syncs with
+    # the host inside a step (a consumer's ids and slots are on the host a step ahead), so decode builds step n+1's
+    # graph while step n evaluates (pipeline/steps.py), waiting for a fill only where it has not landed; the fence
+    # learns what is evaluated from the predictions pulled (those made in step s follow all of step s-1). A batch's
+    # steps overlap up to `_overlap_rows` rows: each streamed bank holds two steps' candidates of every row (the step
+    # built ahead reads slots no fill may take until it is evaluated: with less room, its fills would be read again).
+    overlaps_steps = False
+    _overlap_rows = 0
 
     def overlaps_batch(self, rows: int) -> bool:
-        """A batch's steps overlap where each streamed bank holds two steps' candidates of every row (the step built
-        ahead reads slots no fill may take until it is evaluated: with less room, its fills would wait, and be read)."""
-        m = self.candidates or max((ex.block.top_k for ex in self.executors.values() if ex.held is None), default=0)
-        return self.overlaps_steps and all(ex.held is not None or ex.cache.bank.slots >= 2 * rows * m
-                                           for ex in self.executors.values())
+        return self.overlaps_steps and rows <= self._overlap_rows
 
     def step_built(self) -> None:
         """Overlapped decode: this step's graph is built and queued, the one before it may still be evaluating; the
         next step's graph gets its own fence epoch, so fills avoid the slots of both until they are known evaluated."""
+        self._count_step()
+        self._built[self.sched.step] = self.fence.advance()
+        self.next_step()
+
+    def _count_step(self) -> None:
         self.flushed_steps += 1
         self.paused_steps += self.paused
         self.gated_steps += self.paused and not self._warm
-        self._built[self.sched.step] = self.fence.advance()
-        self.next_step()
 
     def pull(self) -> None:
         """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
@@ -176,9 +174,7 @@ class PrefetchRuntime(Runtime):
         """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
         here; its fills are planned on the planner thread while this one waits for MLX to evaluate the step,
         and settled before the fence moves (pipeline/steps.py), so the plans are the ones made before."""
-        self.flushed_steps += 1
-        self.paused_steps += self.paused
-        self.gated_steps += self.paused and not self._warm
+        self._count_step()
         self.settle()
         if not self.pending:  # nothing predicted this step (paused, or no head): no span to time
             return
@@ -283,8 +279,12 @@ class PrefetchRuntime(Runtime):
         if self.heads is None:
             return
         self._link_heads(blocks)
-        if type(self.gate) is ReadAheadGate and self.predicted_routing and all(
-                ex.held is not None or ex.predicted_routing for ex in self.executors.values()):
+        streamed = [ex for ex in self.executors.values() if ex.held is None]
+        self.overlaps_steps = (self.predicted_routing and bool(self.executors)
+                               and all(ex.predicted_routing for ex in streamed))
+        m = self.candidates or max((ex.block.top_k for ex in streamed), default=1)
+        self._overlap_rows = min((ex.cache.bank.slots // (2 * m) for ex in streamed), default=1 << 30)  # (none: any)
+        if type(self.gate) is ReadAheadGate and self.overlaps_steps:
             self.gate = CertainReads(self.sched.pool.reader.manifest.bundle_bytes)  # every read ahead is made
 
     def _link_heads(self, blocks: dict) -> None:

@@ -38,7 +38,14 @@ def decode(engine, ids: list[int], forced: list[int], stop_after: int | None = N
 
 
 def one_at_a_time(monkeypatch):
-    monkeypatch.setattr(PrefetchRuntime, "overlaps_steps", property(lambda self: False))
+    """Runtimes built from now on decode one step at a time (their gate as before: nothing guessed)."""
+    link = PrefetchRuntime.link
+
+    def linked(self, blocks):
+        link(self, blocks)
+        self.overlaps_steps = False
+
+    monkeypatch.setattr(PrefetchRuntime, "link", linked)
 
 
 @pytest.mark.parametrize("throttle", [None, 20.0], ids=["page-cache", "slow-disk"])
