@@ -51,7 +51,8 @@ def test_untrained_heads_are_the_projects_predictors_and_the_next_token_lifts_th
 def test_bad_input_gets_one_line(monkeypatch, capsys):
     for args, words in ((["--variants", "previous,oracle"], "--variants previous,oracle: choose from"),
                         (["--consumers", "9"], "--consumers: [9] are not MoE layers"),
-                        (["--consumers", "two"], "--consumers two: expected comma-separated layer numbers")):
+                        (["--consumers", "two"], "--consumers two: expected comma-separated layer numbers"),
+                        (["--k", "0"], "--k 0: between 1 and the model's 32 experts")):
         monkeypatch.setattr(sys, "argv", ["head_ceiling.py", "--store", str(DEMO_STORE), *args])
         assert tool.main() == 1
         err = capsys.readouterr().err

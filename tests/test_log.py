@@ -8,7 +8,8 @@ from edge0.log import configure, log_failure
 def test_an_edge0_error_is_one_line_and_an_internal_error_keeps_its_traceback(capsys):
     log_failure("generation failed", Edge0Error("/s/experts/layer_003.safetensors: read of expert 31 failed\n(EIO)"))
     err = capsys.readouterr().err
-    assert err == "edge0: error: generation failed (error=/s/experts/layer_003.safetensors: read of expert 31 failed (EIO))\n"
+    assert err == ("edge0: error: generation failed "
+                   "(error=/s/experts/layer_003.safetensors: read of expert 31 failed (EIO))\n")
     try:
         raise RuntimeError("injected")
     except RuntimeError as e:

@@ -12,7 +12,7 @@ inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdow
 packed,row the rounds alternate between the kernels' packed weight copies and the row layout (kernels' set_packed;
 the same tokens), and a line per layout gives its median step, with the ratio of the two medians. With --ahead
 on,off they alternate between the batch building its next step while one evaluates (where the runtime allows it:
-batching.py) and one step at a time. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
+batching.py) and one step at a time; each line also gives the bundles read a step in each arm. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
 --kernel-threads, as `edge0 run` takes them (e.g. `--executor staged --slots 28 --io direct`).
 """
 
@@ -63,6 +63,8 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         ext.set_profile(True)
     layouts = getattr(args, "layouts", None) or getattr(args, "ahead", None) or [None]
     rounds = {layout: [] for layout in layouts}
+    reads = {layout: 0 for layout in layouts}  # bundles read while each was timed
+    stats = engine.store.reader.stats
     for r in range(args.rounds):
         for layout in layouts if r % 2 == 0 else layouts[::-1]:  # rotated: neither always runs first
             if layout is not None:
@@ -71,10 +73,11 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
                     batch.decodes_ahead = layout == "on"
                 else:
                     kernels.load().set_packed(layout == "packed")
-            t0 = time.perf_counter()
+            t0, n0 = time.perf_counter(), stats.reads
             for _ in range(args.steps):
                 batch.step()
             rounds[layout].append((time.perf_counter() - t0) / args.steps)
+            reads[layout] += stats.reads - n0
     getattr(batch, "settle", lambda: None)()
     if getattr(args, "layouts", None):
         kernels.load().set_packed(True)
@@ -82,6 +85,7 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
     if layouts != [None]:
         out["layout_step_ms"] = {layout: 1e3 * statistics.median(r) for layout, r in rounds.items()}
+        out["reads_per_step"] = {layout: n / (args.rounds * args.steps) for layout, n in reads.items()}
         a, b = layouts
         out["paired"] = statistics.median(x / y for x, y in zip(rounds[b], rounds[a]))  # b's step / a's, per round
     if ext is not None:
@@ -104,7 +108,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--layouts", default=None,
                    help="packed,row: alternate rounds between the kernels' packed weights and the row layout")
-    p.add_argument("--ahead", default=None, help="on,off: alternate rounds between decoding ahead and one step at a time")
+    p.add_argument("--ahead", default=None,
+                   help="on,off: alternate rounds between decoding ahead and one step at a time")
     p.add_argument("--routing", default=None)
     p.add_argument("--executor", default="auto")
     p.add_argument("--slots", type=int, default=None)
@@ -158,7 +163,8 @@ def run(args, sizes: list[int]) -> int:
                     ms = r["layout_step_ms"]
                     a, b = list(ms)
                     print("    " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-                          + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired)")
+                          + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired); "
+                          + "bundles read a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["reads_per_step"].items()))
                 for kind, ms in r.get("kernel_ms", {}).items():
                     print(f"    {kind}: {ms:.3f} ms a step")
                 if "kernel_ms" in r:

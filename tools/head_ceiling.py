@@ -4,8 +4,8 @@ given the next token itself (a ceiling no served head reaches: that token is wha
     python tools/head_ceiling.py --store S [--windows 400] [--steps 1200] [--heldout-windows 8] [--consumers 2,3,4]
         [--variants previous,self,last,history,next-token] [--k K]
 
-Every variant is a head of the served form (the consumer's router on the owner's MoE input, plus a linear residual
-and an MLP of width 512 over the features, both starting at zero: untrained, the router alone), trained as `edge0 train
+Every variant is the served head (edge0/model/heads.py Head: the consumer's router on the owner's MoE input, plus a
+linear residual and an MLP of width 512 over the features, both starting at zero: untrained, the router alone), trained as `edge0 train
 heads` trains (KL to the consumer's router distribution at t+1, AdamW 1e-3, one window of 256 tokens a step) on the
 forward passes of the stdlib train split's first windows, recorded once. Variants (features at token t):
   previous    owner the MoE layer before the consumer (as served; the last layer for the first): its input h and its
@@ -29,6 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+
+from edge0.model.heads import Head
 
 VARIANTS = ("previous", "self", "last", "history", "next-token")
 
@@ -76,7 +78,7 @@ def fit(train: list, held: list, consumer: int, owner: int, variant: str, blocks
 
     tr, ho = [prep(r) for r in train], [prep(r) for r in held]
     mx.random.seed(0)
-    head = Probe(tr[0][0].shape[1], experts)
+    head = Head(tr[0][0].shape[1] - 2 * experts, experts, experts)  # the served head over features of this width
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.0)
 
     def loss(mod, f, router, target):
@@ -105,20 +107,6 @@ def fit(train: list, held: list, consumer: int, owner: int, variant: str, blocks
     return before, held_recall(head)
 
 
-class Probe(nn.Module):
-    """A head of the served form over features of any width (edge0/model/heads.py Head's layout)."""
-
-    def __init__(self, width: int, experts: int, hidden: int = 512):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, experts)
-        self.delta = nn.Linear(width, experts, bias=False)
-        self.fc2.weight, self.fc2.bias = mx.zeros_like(self.fc2.weight), mx.zeros_like(self.fc2.bias)
-        self.delta.weight = mx.zeros_like(self.delta.weight)
-
-    def __call__(self, f: mx.array, router: mx.array) -> mx.array:
-        return router + self.delta(f) + self.fc2(nn.gelu(self.fc1(f)))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", required=True, help="the Edge0 store")
@@ -126,7 +114,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1200, help="training steps of each head (default 1200)")
     p.add_argument("--heldout-windows", type=int, default=8, help="held-out windows scored (default 8)")
     p.add_argument("--consumers", help="MoE layers predicted (comma-separated; default every one)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)} (default all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated of {', '.join(VARIANTS)} (default all)")
     p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
     a = p.parse_args()
     from edge0.errors import Edge0Error
@@ -153,13 +142,16 @@ def run(a) -> int:
     store = load_store(a.store, dtype="float32", executor="staged")
     try:
         m = store.manifest
-        layers, k = [e.layer for e in m.layers], a.k or m.top_k
+        layers, k = [e.layer for e in m.layers], m.top_k if a.k is None else a.k
         try:
             consumers = [int(c) for c in a.consumers.split(",")] if a.consumers else layers
         except ValueError:
             raise Edge0Error(f"--consumers {a.consumers}: expected comma-separated layer numbers") from None
         if set(consumers) - set(layers):
-            raise Edge0Error(f"--consumers: {sorted(set(consumers) - set(layers))} are not MoE layers (those: {layers})")
+            raise Edge0Error(f"--consumers: {sorted(set(consumers) - set(layers))} are not MoE layers "
+                             f"(those: {layers})")
+        if not 1 <= k <= m.num_experts:
+            raise Edge0Error(f"--k {k}: between 1 and the model's {m.num_experts} experts")
         blocks = moe_blocks(store.model)
         for i in layers:
             blocks[i].top_k = k
@@ -176,8 +168,8 @@ def run(a) -> int:
             held_stream, _ = token_stream(Path(a.store), None)
             train = record(store, _windows(stream, 256)[:a.windows], layers)
             held = record(store, _windows(held_stream, 256)[:a.heldout_windows], layers)
-            print(f"recorded {len(train)} training and {len(held)} held-out windows in {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr)
+            took = time.perf_counter() - t0
+            print(f"recorded {len(train)} training and {len(held)} held-out windows in {took:.0f} s", file=sys.stderr)
             print(f"| consumer | variant | owner | recall@{k} untrained | trained |\n|---|---|---|---|---|")
             for c in consumers:
                 for v in variants:

@@ -10,10 +10,11 @@ reads one bundle at a time (--read-ms each, demand reads first): a step is --com
 misses stall it until read, and a head's guesses for its consumer's next step are read as the owner's layer ends.
 Policies: native (on demand only); the head's top n guesses with the least recently used or the lowest scored held
 expert replaced (`pipeline/prefetch.py` reads the top K; fills replace the lowest scored since this tool was
-written); with --confident P, only the top K guesses the head gives a probability of at least P; with --pregate N, same-token pre-gating (each streamed layer's own router on
-the MoE input of the layer before it, at the same token, names N experts read as soon as that layer has routed, after
-its reads on demand: a lead of one layer, alone and beside the head's top K); and guesses of a given recall (each true expert named with that probability, else a wrong one), which
-says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
+written); with --confident P, only the top K guesses the head gives a probability of at least P; with --pregate N,
+same-token pre-gating (each streamed layer's own router on the MoE input of the layer before it, at the same token,
+names N experts read as soon as that layer has routed, after its reads on demand: a lead of one layer, alone and
+beside the head's top K); and guesses of a given recall (each true expert named with that probability, else a wrong
+one), which says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
 and bundles read a step (on demand, ahead). Calibrate --compute-ms (the resident arm's step) and --read-ms (one
 bundle at the pool's rate) from `edge0 bench` on the same store.
 """
@@ -128,8 +129,8 @@ class Replay:
 
     def _pregate(self, layer: int, t: int, n: int, bank: dict, last: dict, clock: float, disk: float, landed: dict,
                  read_ms: float) -> tuple[float, dict, int]:
-        """At `clock`, once the layer before has routed (and waited for its reads on demand): read the top n of `layer`'s
-        router on the layer before's input at token t that its bank lacks, after the read under way and ahead of the
+        """At `clock`, once the layer before has routed (and waited for its reads on demand): read the top n of
+        `layer`'s router on the layer before's input at token t that its bank lacks, after the read under way and ahead of the
         queued guesses. Returns (when the disk's queue ends, landed, reads)."""
         start = min(disk, clock + read_ms) if disk > clock else clock  # the read under way ends first
         queued = max(0.0, disk - start)

@@ -22,8 +22,8 @@ Threads: there is no event loop. Planning and collecting run on the graph-buildi
   two never touch the scheduler at once: a hand-over, not sharing. Where no layer syncs inside a step (predicted
   routing, every layer routed by its head or holding its experts), decode builds step s+1 while step s evaluates
   (pipeline/steps.py): the step's last predictions are then pulled and planned on the graph-building thread once the
-  step is built, and a fill's wait for its reads overlaps the step before's compute. Workers read bytes into slots, widen bf16
-  scales, and fill in the outcome of their task; they never touch plans or caches. A planned read that
+  step is built, and a fill's wait for its reads overlaps the step before's compute. Workers read bytes into slots,
+  widen bf16 scales, and fill in the outcome of their task; they never touch plans or caches. A planned read that
   cannot start now (too few free slots, QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer
   reads its experts on demand.
 

@@ -52,8 +52,8 @@ def failed_key(engine, fault) -> tuple[object, int] | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["predicted-staged", "predicted-staged-held", "prefetch", "native-staged", "native-hot",
-                                  "native-exact"])
+@pytest.mark.parametrize("name", ["predicted-staged", "predicted-staged-held", "prefetch", "native-staged",
+                                  "native-hot", "native-exact"])
 @pytest.mark.parametrize("spec", ["eio@2", "short@2", "eio@3"])
 def test_a_fault_inside_a_generation_leaves_the_next_one_exact(name, spec):
     """eio@2, short@2: a slot fill of a one-token prompt (decode reads); eio@3: a whole-layer prefill read
