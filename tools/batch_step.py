@@ -12,7 +12,8 @@ inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdow
 packed,row the rounds alternate between the kernels' packed weight copies and the row layout (kernels' set_packed;
 the same tokens), and a line per layout gives its median step, with the ratio of the two medians. With --ahead
 on,off they alternate between the batch building its next step while one evaluates (where the runtime allows it:
-batching.py) and one step at a time; each line also gives the bundles read a step in each arm. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
+batching.py) and one step at a time. The arms time different stretches of one greedy generation (the order
+rotated each round), so their reads are not the same: the same tokens both ways are the tests'. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
 --kernel-threads, as `edge0 run` takes them (e.g. `--executor staged --slots 28 --io direct`).
 """
 
@@ -63,8 +64,6 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         ext.set_profile(True)
     layouts = getattr(args, "layouts", None) or getattr(args, "ahead", None) or [None]
     rounds = {layout: [] for layout in layouts}
-    reads = {layout: 0 for layout in layouts}  # bundles read while each was timed
-    stats = engine.store.reader.stats
     for r in range(args.rounds):
         for layout in layouts if r % 2 == 0 else layouts[::-1]:  # rotated: neither always runs first
             if layout is not None:
@@ -73,11 +72,10 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
                     batch.decodes_ahead = layout == "on"
                 else:
                     kernels.load().set_packed(layout == "packed")
-            t0, n0 = time.perf_counter(), stats.reads
+            t0 = time.perf_counter()
             for _ in range(args.steps):
                 batch.step()
             rounds[layout].append((time.perf_counter() - t0) / args.steps)
-            reads[layout] += stats.reads - n0
     getattr(batch, "settle", lambda: None)()
     if getattr(args, "layouts", None):
         kernels.load().set_packed(True)
@@ -85,7 +83,6 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
     if layouts != [None]:
         out["layout_step_ms"] = {layout: 1e3 * statistics.median(r) for layout, r in rounds.items()}
-        out["reads_per_step"] = {layout: n / (args.rounds * args.steps) for layout, n in reads.items()}
         a, b = layouts
         out["paired"] = statistics.median(x / y for x, y in zip(rounds[b], rounds[a]))  # b's step / a's, per round
     if ext is not None:
@@ -163,8 +160,7 @@ def run(args, sizes: list[int]) -> int:
                     ms = r["layout_step_ms"]
                     a, b = list(ms)
                     print("    " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-                          + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired); "
-                          + "bundles read a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["reads_per_step"].items()))
+                          + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired)")
                 for kind, ms in r.get("kernel_ms", {}).items():
                     print(f"    {kind}: {ms:.3f} ms a step")
                 if "kernel_ms" in r:
