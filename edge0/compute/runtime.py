@@ -21,7 +21,8 @@ PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of 
 # more than the products of small experts gain. `python tools/layout_ab.py --executor staged --bank-copies [--io
 # direct]` (docs/results/pipeline.md, "Thirteenth sitting"): the built-in model's native staged decode 1.25x faster
 # without the copy; the workload's (5.35 MiB bundles) 1.00-1.09x warm and 1.13x from the disk with it. The same
-# for the whole-layer prefill banks: the workload's prompt 61-63 -> 77 tok/s with every read from the disk.
+# for the whole-layer prefill banks (docs/results/pipeline.md, "Nineteenth sitting", with their reads started earlier:
+# the workload's prompt 62.35 -> 84.15 tok/s with every read from the disk).
 
 
 @dataclass

@@ -133,7 +133,7 @@ class CertainReads(ReadAheadGate):
     while reads come from the disk every step reads ahead, with nothing to measure. On the workload at 24 slots, every
     read from the disk: always reading ahead 61.8 tok/s, never 55.0, measured 54.1 (docs/results/pipeline.md, "Twelfth
     sitting"). A warm page cache pauses it (one pull a step instead of one a layer) only for bundles under
-    WARM_PAUSE_BYTES: a bigger one's copy from the page cache (about 0.4 ms for 5 MiB) is worth hiding ("Nineteenth
+    WARM_PAUSE_BYTES: a bigger one's copy from the page cache is worth hiding (docs/results/pipeline.md, "Nineteenth
     sitting": the workload warm 52.6-56.2 tok/s paused, 56.7-58.4 reading ahead)."""
 
     WARM_PAUSE_BYTES = 1 << 20
