@@ -15,6 +15,8 @@ import traceback
 
 import structlog
 
+from .errors import Edge0Error
+
 
 def _human(_, level: str, event: dict) -> str:
     msg = event.pop("event", "")
@@ -51,8 +53,6 @@ log = structlog.get_logger()
 def log_failure(what: str, e: BaseException) -> None:
     """An operation failed: an Edge0Error (a failed read, a bad file: its message names what and where) as its one
     line; anything else, a fault of Edge0's own, with its traceback."""
-    from .errors import Edge0Error
-
     if isinstance(e, Edge0Error):
         log.error(what, error=" ".join(str(e).split()))
     else:

@@ -46,15 +46,10 @@ class Runtime:
         return held
 
     @property
-    def sync_free(self) -> bool:
-        """No layer's executor syncs with the host inside a step (every expert resident)."""
-        return self.executor == "resident"
-
-    @property
     def overlaps_steps(self) -> bool:
         """Decode may build step n+1's graph while step n evaluates, one sequence's (pipeline/steps.py) or a
-        batch's (batching.py)."""
-        return self.sync_free
+        batch's (batching.py): no layer's executor syncs with the host inside a step (every expert resident)."""
+        return self.executor == "resident"
 
     def overlaps_batch(self, rows: int) -> bool:
         """Whether a batch of `rows` sequences decodes as one does (overlaps_steps; batching.py)."""
