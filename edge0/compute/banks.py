@@ -14,9 +14,35 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..io.reader import DIRECT_ALIGN
 from .kernel import current
 
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
+
+
+def aligned_zeros(shape, dtype: mx.Dtype) -> mx.array:
+    """An evaluated array of zeros whose memory starts on DIRECT_ALIGN bytes (MLX's own allocations start a few bytes
+    past a page), so that --io direct reads land in its slots without a bounce buffer (io/reader.py): a view into a
+    buffer DIRECT_ALIGN bytes larger, row-contiguous, which MLX and the edge0 kernel compute on as on any other array.
+    Where a slot's piece is not a whole number of DIRECT_ALIGN bytes no read could go straight: MLX's zeros."""
+    nbytes = int(np.prod(shape)) * dtype.size
+    if (nbytes // shape[0]) % DIRECT_ALIGN:
+        out = mx.zeros(shape, dtype=dtype)
+        mx.eval(out)
+        return out
+    base = mx.zeros((nbytes + DIRECT_ALIGN,), dtype=mx.uint8)
+    mx.eval(base)
+    at = -np.frombuffer(memoryview(base), dtype=np.uint8).ctypes.data % DIRECT_ALIGN
+    out = mx.view(base[at:at + nbytes], dtype).reshape(shape)
+    mx.eval(out)
+    return out
+
+
+def aligned_bytes(shape) -> np.ndarray:
+    """numpy's zeros of uint8 starting on DIRECT_ALIGN bytes (a bank's staging rows, which reads land in too)."""
+    raw = np.zeros(int(np.prod(shape)) + DIRECT_ALIGN, dtype=np.uint8)
+    at = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[at:at + raw.size - DIRECT_ALIGN].reshape(shape)
 
 
 def scales_as_stored(compute_dtype) -> bool:
@@ -84,11 +110,10 @@ class Bank:
     @property
     def arrays(self) -> dict[str, mx.array]:
         if self._arrays is None:  # on the graph-building thread: write_buffers and read come first
-            self._arrays = {p.name: mx.zeros((self.slots, *p.shape), dtype=mx.float32 if w else MLX_DTYPES[p.dtype])
+            self._arrays = {p.name: aligned_zeros((self.slots, *p.shape), mx.float32 if w else MLX_DTYPES[p.dtype])
                             for p, w in zip(self.pieces, self.widen)}
-            mx.eval(list(self._arrays.values()))
             self._flat = [memoryview(self._arrays[p.name]).cast("B") for p in self.pieces]
-            self._stage = np.zeros((self.slots, self._stage_bytes), dtype=np.uint8) if self._stage_bytes else None
+            self._stage = aligned_bytes((self.slots, self._stage_bytes)) if self._stage_bytes else None
             self._views = [self._slot_views(slot) for slot in range(self.slots)]  # made once: fills are per token
             # commit's views, made once: the staged bf16 words and, per widened piece, (first word, words, (S, n) dst)
             self._stage16 = self._stage.view(np.uint16) if self._stage_bytes else None

@@ -13,7 +13,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from . import expert_math
-from .banks import MLX_DTYPES, scales_as_stored
+from .banks import MLX_DTYPES, aligned_zeros, scales_as_stored
 from .kernel import current
 from .kernels import host_eval
 from .qmm import gather_glu, gather_qmm
@@ -87,8 +87,7 @@ class ExactExperts:
     def load(self, ids: np.ndarray) -> dict[str, mx.array]:
         """Read bundles of experts `ids` into new (U, ...) arrays, one per piece."""
         u = len(ids)
-        bank = {p.name: mx.zeros((u, *p.shape), dtype=MLX_DTYPES[p.dtype]) for p in self.pieces}
-        mx.eval(list(bank.values()))
+        bank = {p.name: aligned_zeros((u, *p.shape), MLX_DTYPES[p.dtype]) for p in self.pieces}
         flat = [memoryview(bank[p.name]).cast("B") for p in self.pieces]
         items = [(expert, [f[slot * p.nbytes:(slot + 1) * p.nbytes] for f, p in zip(flat, self.pieces)])
                  for slot, expert in enumerate(ids.tolist())]
