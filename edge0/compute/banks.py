@@ -20,21 +20,46 @@ from .kernel import current
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
 
-def aligned_zeros(shape, dtype: mx.Dtype) -> mx.array:
+_alloc_stream = None
+
+
+def alloc_stream():
+    """The CPU stream banks are allocated on: one of their own (its own thread), so that the layers of a prompt queued
+    on the default stream compute while a prefill bank is allocated, and the decode banks are allocated during the
+    prompt (on the default stream an allocation waits for everything queued before it)."""
+    global _alloc_stream
+    if _alloc_stream is None:
+        _alloc_stream = mx.new_stream(mx.cpu)
+    return _alloc_stream
+
+
+def alignable(shape, dtype: mx.Dtype) -> bool:
+    """Whether a slot of an (S, ...) array is a whole number of DIRECT_ALIGN bytes, so that reads may go straight."""
+    return (int(np.prod(shape[1:])) * dtype.size) % DIRECT_ALIGN == 0
+
+
+def zeroed(nbytes: int) -> mx.array:
+    """nbytes + DIRECT_ALIGN zero bytes, queued on the allocation stream (aligned_zeros makes its view)."""
+    with mx.stream(alloc_stream()):
+        return mx.zeros((nbytes + DIRECT_ALIGN,), dtype=mx.uint8)
+
+
+def aligned_zeros(shape, dtype: mx.Dtype, base: mx.array | None = None) -> mx.array:
     """An evaluated array of zeros whose memory starts on DIRECT_ALIGN bytes (MLX's own allocations start a few bytes
     past a page), so that --io direct reads land in its slots without a bounce buffer (io/reader.py): a view into a
-    buffer DIRECT_ALIGN bytes larger, row-contiguous, which MLX and the edge0 kernel compute on as on any other array.
-    Where a slot's piece is not a whole number of DIRECT_ALIGN bytes no read could go straight: MLX's zeros."""
-    nbytes = int(np.prod(shape)) * dtype.size
-    if (nbytes // shape[0]) % DIRECT_ALIGN:
-        out = mx.zeros(shape, dtype=dtype)
+    buffer DIRECT_ALIGN bytes larger (`base`, from zeroed, where one was queued already), row-contiguous, which MLX
+    and the edge0 kernel compute on as on any other array. Where a slot is not a whole number of DIRECT_ALIGN bytes
+    no read could go straight: MLX's zeros."""
+    with mx.stream(alloc_stream()):
+        if not alignable(shape, dtype):
+            out = mx.zeros(shape, dtype=dtype)
+        else:
+            nbytes = int(np.prod(shape)) * dtype.size
+            base = zeroed(nbytes) if base is None else base
+            mx.eval(base)
+            at = -np.frombuffer(memoryview(base), dtype=np.uint8).ctypes.data % DIRECT_ALIGN
+            out = mx.view(base[at:at + nbytes], dtype).reshape(shape)
         mx.eval(out)
-        return out
-    base = mx.zeros((nbytes + DIRECT_ALIGN,), dtype=mx.uint8)
-    mx.eval(base)
-    at = -np.frombuffer(memoryview(base), dtype=np.uint8).ctypes.data % DIRECT_ALIGN
-    out = mx.view(base[at:at + nbytes], dtype).reshape(shape)
-    mx.eval(out)
     return out
 
 
@@ -95,6 +120,7 @@ class Bank:
         self._packed: list[tuple[mx.array, mx.array, mx.array]] = []  # (w, scales, biases) with a packed copy
         self.widen = self.widened(pieces, compute_dtype)
         self._arrays: dict[str, mx.array] | None = None  # allocated on first use (decode banks wait for decode)
+        self._bases: dict[str, mx.array] = {}  # their memory, queued by prepare() and not yet used
         widened = [p for p, w in zip(pieces, self.widen) if w]
         self._stage_bytes = sum(p.nbytes for p in widened)
         self._stage_at = {}  # piece index -> byte offset inside a slot's staging row
@@ -110,8 +136,9 @@ class Bank:
     @property
     def arrays(self) -> dict[str, mx.array]:
         if self._arrays is None:  # on the graph-building thread: write_buffers and read come first
-            self._arrays = {p.name: aligned_zeros((self.slots, *p.shape), mx.float32 if w else MLX_DTYPES[p.dtype])
+            self._arrays = {p.name: aligned_zeros((self.slots, *p.shape), self._dtype(p, w), self._bases.get(p.name))
                             for p, w in zip(self.pieces, self.widen)}
+            self._bases = {}
             self._flat = [memoryview(self._arrays[p.name]).cast("B") for p in self.pieces]
             self._stage = aligned_bytes((self.slots, self._stage_bytes)) if self._stage_bytes else None
             self._views = [self._slot_views(slot) for slot in range(self.slots)]  # made once: fills are per token
@@ -122,6 +149,22 @@ class Bank:
                                  for i, p in enumerate(self.pieces) if self.widen[i]]
             self._pack()
         return self._arrays
+
+    @staticmethod
+    def _dtype(piece, widened: bool) -> mx.Dtype:
+        return mx.float32 if widened else MLX_DTYPES[piece.dtype]
+
+    def prepare(self) -> None:
+        """Queue the zeros of the bank's memory on the allocation stream, to be taken by its first use (`arrays`): a
+        decode bank's memory is written while the prompt computes, not at the first decode step (on the workload, four
+        banks of 20 slots: some 0.3 s of every prompt)."""
+        if self._arrays is not None or self._bases:
+            return
+        for p, w in zip(self.pieces, self.widen):
+            shape, dtype = (self.slots, *p.shape), self._dtype(p, w)
+            if alignable(shape, dtype):
+                self._bases[p.name] = zeroed(int(np.prod(shape)) * dtype.size)
+        mx.async_eval(list(self._bases.values()))
 
     def _pack(self) -> None:
         """The edge0 kernel's packed copy of each projection whose layout pays for it (csrc/qmv.h Packed: the same
@@ -145,6 +188,11 @@ class Bank:
     @property
     def allocated(self) -> bool:
         return self._arrays is not None
+
+    @property
+    def prepared(self) -> bool:
+        """Its memory allocated, or queued (prepare)."""
+        return self.allocated or bool(self._bases)
 
     @staticmethod
     def widened(pieces, compute_dtype) -> list[bool]:

@@ -268,6 +268,7 @@ class WholeLayer:
         self.min_rows = m.num_experts  # T*K at which a step touches about every expert
         self.banks: list[Bank] = []
         self.pending: dict[int, tuple[Bank, ReadTask]] = {}
+        self.then_prepare: list[Bank] = []  # the decode banks to allocate once this prompt's banks are (Runtime.begin)
 
     def wants(self, inds: mx.array) -> bool:
         """A prompt chunk touching about every expert; never a decode step, even a batch's (B rows of one
@@ -290,13 +291,16 @@ class WholeLayer:
         self.pending[layer] = (bank, self.reader.pool.submit([task])[0])
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        mx.async_eval(x)  # the layers before compute while the banks are allocated (their own stream) and read
         if layer not in self.pending:
             self._start(layer)
         bank, task = self.pending.pop(layer)
         nxt = self.next.get(layer)
         if nxt is not None and nxt not in self.pending:  # the other bank is free (the layer before is evaluated):
             self._start(nxt, in_use=bank)  # the next layer's read runs beside this one's and this layer's compute
-        mx.async_eval(x)  # the layers before compute while this layer's read lands
+        for waiting in self.then_prepare:  # after the prompt's own banks, on the allocation stream
+            waiting.prepare()
+        self.then_prepare = []
         self.reader.pool.wait([task], layer=layer, why="prefill")
         y = switch_glu(x, inds, bank.read(), self.quant)
         mx.eval(y)  # SYNC: compute this layer now so its bank can take the layer after next

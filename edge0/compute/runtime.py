@@ -66,6 +66,8 @@ class Runtime:
         """Start a generation (generate_steps calls it before prefill): nothing of an earlier generation is
         carried but fully written slots. Returns the generation's number."""
         self.recover()
+        if self.prefill is not None:  # the decode banks' memory is written while the prompt computes
+            self.prefill.then_prepare = [b for b in self.banks if not b.allocated]
         self.generation += 1
         return self.generation
 

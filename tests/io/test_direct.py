@@ -3,7 +3,6 @@ bounce buffer for buffers O_DIRECT cannot take."""
 
 import errno
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -12,9 +11,8 @@ import pytest
 from edge0.compute.banks import Bank, Fence
 from edge0.compute.experts import ExactExperts
 from edge0.io import reader as reader_module
-from edge0.io.reader import DIRECT_ALIGN, BundleReader, aligned
-
-DEMO = Path(__file__).resolve().parents[2] / "edge0" / "model" / "demo" / "store"  # pieces of 512-byte multiples
+from edge0.io.reader import BundleReader
+from edge0.model.demo import DEMO_STORE as DEMO  # its pieces are whole 512-byte blocks
 
 
 def open_direct():
@@ -28,14 +26,6 @@ def open_direct():
 def as_bytes(arrays: dict) -> dict:
     """A bank's pieces as bytes (bf16 has no numpy dtype)."""
     return {k: np.array(mx.view(a, mx.uint8)) for k, a in arrays.items()}
-
-
-def test_bank_memory_starts_where_o_direct_can_read_into_it():
-    m = BundleReader(DEMO).manifest
-    for dtype in (None, mx.float32):  # float32 under MLX's kernels (the tests'): bf16 scales staged, then widened
-        bank = Bank(m.pieces, 3, Fence(), dtype)
-        assert all(bank.address(p.name) % DIRECT_ALIGN == 0 for p in m.pieces)
-    assert any(bank.widen) and all(aligned(bank.write_buffers(s)) for s in range(3))  # every slot's pieces, staged too
 
 
 def test_direct_fills_land_straight_in_slots_with_pread_bytes():

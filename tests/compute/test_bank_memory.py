@@ -1,0 +1,61 @@
+"""Banks' memory: it starts where O_DIRECT can read into it, and a decode bank's is allocated while the prompt
+computes (on the allocation stream), then taken by its first use."""
+
+import mlx.core as mx
+import numpy as np
+
+from edge0.compute.banks import Bank, Fence
+from edge0.io.reader import DIRECT_ALIGN, BundleReader, aligned
+from edge0.model.demo import DEMO_STORE as DEMO
+
+
+def test_bank_memory_starts_where_o_direct_can_read_into_it():
+    m = BundleReader(DEMO).manifest
+    for dtype in (None, mx.float32):  # float32 under MLX's kernels (the tests'): bf16 scales staged, then widened
+        bank = Bank(m.pieces, 3, Fence(), dtype)
+        assert all(bank.address(p.name) % DIRECT_ALIGN == 0 for p in m.pieces)
+    assert any(bank.widen) and all(aligned(bank.write_buffers(s)) for s in range(3))  # every slot's pieces, staged too
+
+
+def test_a_prepared_bank_takes_the_memory_queued_for_it():
+    m = BundleReader(DEMO).manifest
+    bank = Bank(m.pieces, 4, Fence())
+    bank.prepare()  # queued on the allocation stream: not yet the bank's
+    assert bank.prepared and not bank.allocated
+    queued = {name: np.frombuffer(memoryview(mx.eval(b) or b), np.uint8).ctypes.data for name, b in bank._bases.items()}
+    assert set(queued) == {p.name for p in m.pieces}
+    bank.prepare()  # again: nothing more queued
+    arrays = bank.arrays
+    for p in m.pieces:
+        at = bank.address(p.name)
+        assert at % DIRECT_ALIGN == 0 and queued[p.name] <= at < queued[p.name] + DIRECT_ALIGN
+        assert arrays[p.name].shape == (4, *p.shape) and not np.array(mx.view(arrays[p.name], mx.uint8)).any()
+    assert bank.allocated and not bank._bases
+
+
+def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
+    """A prompt read whole layer by layer queues the decode banks' memory after its own banks (Runtime.begin, then
+    WholeLayer): by its end every decode bank has its memory, and decode gives the tokens of banks allocated late."""
+    from edge0.compute.executors import WholeLayer
+    from edge0.engine import EngineConfig, open_engine
+    from edge0.generation import GenRequest, generate
+
+    seen, release = [], WholeLayer.release
+
+    def recorded(self):
+        seen.append([b.prepared for b in runtime.banks])
+        release(self)
+
+    monkeypatch.setattr(WholeLayer, "release", recorded)
+    tokens = {}
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(Bank, "prepare", lambda self: None)
+        with open_engine(EngineConfig(routing="native", executor="staged", lora="none", prompt_cache_gib=0)) as e:
+            runtime = e.store.runtime
+            assert runtime.banks and not any(b.prepared for b in runtime.banks)
+            req = GenRequest(prompt=list(range(100, 164)), max_tokens=12, ignore_eos=True)
+            tokens[early] = generate(e, req, lambda _: None, lambda: False).tokens
+        assert seen == [[early] * len(runtime.banks)]
+        seen.clear()
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 12
