@@ -376,8 +376,6 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
     rt.gate = read_ahead_gate(read_ahead)
-    if __import__('os').environ.get('EDGE0_PREALLOC'):
-        [b.arrays for b in rt.banks]
     for layer, staged in base.executors.items():
         if layer in base.held:
             exact = ExactExperts(reader, layer, compute_dtype)  # its quantization and experts (nothing is read)
