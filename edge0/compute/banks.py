@@ -11,6 +11,8 @@ Shapes: S slots, and per piece the expert's own shape (e.g. (H, D/8) uint32 for 
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -20,17 +22,17 @@ from .kernel import current
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
 
-_alloc_stream = None
+_alloc = threading.local()  # MLX's streams belong to the thread that made them (the server's generations have their own)
 
 
 def alloc_stream():
-    """The CPU stream banks are allocated on: one of their own (its own thread), so that the layers of a prompt queued
-    on the default stream compute while a prefill bank is allocated, and the decode banks are allocated during the
-    prompt (on the default stream an allocation waits for everything queued before it)."""
-    global _alloc_stream
-    if _alloc_stream is None:
-        _alloc_stream = mx.new_stream(mx.cpu)
-    return _alloc_stream
+    """The calling thread's CPU stream for allocating banks: one of their own (its own thread), so that the layers of a
+    prompt queued on the default stream compute while a prefill bank is allocated, and the decode banks are allocated
+    during the prompt (on the default stream an allocation waits for everything queued before it)."""
+    stream = getattr(_alloc, "stream", None)
+    if stream is None:
+        stream = _alloc.stream = mx.new_stream(mx.cpu)
+    return stream
 
 
 def alignable(shape, dtype: mx.Dtype) -> bool:
@@ -121,6 +123,7 @@ class Bank:
         self.widen = self.widened(pieces, compute_dtype)
         self._arrays: dict[str, mx.array] | None = None  # allocated on first use (decode banks wait for decode)
         self._bases: dict[str, mx.array] = {}  # their memory, queued by prepare() and not yet used
+        self._bases_thread = None  # the thread that queued them (its stream computes them)
         widened = [p for p, w in zip(pieces, self.widen) if w]
         self._stage_bytes = sum(p.nbytes for p in widened)
         self._stage_at = {}  # piece index -> byte offset inside a slot's staging row
@@ -136,6 +139,8 @@ class Bank:
     @property
     def arrays(self) -> dict[str, mx.array]:
         if self._arrays is None:  # on the graph-building thread: write_buffers and read come first
+            if self._bases_thread != threading.get_ident():  # queued on another thread's stream: not this thread's
+                self._bases = {}
             self._arrays = {p.name: aligned_zeros((self.slots, *p.shape), self._dtype(p, w), self._bases.get(p.name))
                             for p, w in zip(self.pieces, self.widen)}
             self._bases = {}
@@ -164,6 +169,7 @@ class Bank:
             shape, dtype = (self.slots, *p.shape), self._dtype(p, w)
             if alignable(shape, dtype):
                 self._bases[p.name] = zeroed(int(np.prod(shape)) * dtype.size)
+        self._bases_thread = threading.get_ident()
         mx.async_eval(list(self._bases.values()))
 
     def _pack(self) -> None:

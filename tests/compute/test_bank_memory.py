@@ -59,3 +59,25 @@ def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
         assert seen == [[early] * len(runtime.banks)]
         seen.clear()
     assert tokens[True] == tokens[False] and len(tokens[True]) == 12
+
+
+def test_banks_are_allocated_on_any_thread():
+    """MLX's streams belong to the thread that made them: a server allocates its banks on its worker thread, after
+    this one made its own allocation stream (the whole serve suite failed with "There is no Stream(cpu, 1) in current
+    thread" when one stream was shared); a bank prepared on one thread and first used on another takes fresh memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = BundleReader(DEMO).manifest
+    Bank(m.pieces, 2, Fence()).arrays  # this thread's allocation stream exists
+    prepared_here = Bank(m.pieces, 2, Fence())
+    prepared_here.prepare()
+
+    def on_worker():
+        fresh, prepared = Bank(m.pieces, 2, Fence()), Bank(m.pieces, 2, Fence())
+        prepared.prepare()
+        banks = [fresh, prepared, prepared_here]
+        return [all(b.address(p.name) % DIRECT_ALIGN == 0 for p in m.pieces) and
+                not any(np.array(mx.view(a, mx.uint8)).any() for a in b.arrays.values()) for b in banks]
+
+    with ThreadPoolExecutor(1) as worker:
+        assert worker.submit(on_worker).result() == [True, True, True]
