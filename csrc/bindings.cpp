@@ -215,7 +215,7 @@ static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs, bool zer
 // packed copy follows. Only while no product reads those experts (the bank's rule for its slots); products of other
 // experts may run meanwhile (they read other rows of the copy). False where the arrays have no packed copy.
 static bool repack_weights(mx::array w, mx::array s, mx::array b, int gs, const std::vector<int64_t>& slots) {
-  nb::gil_scoped_release nogil;  // on an I/O thread, about 0.5 ms a 5 MiB bundle: the graph-building thread goes on
+  nb::gil_scoped_release nogil;  // on an I/O thread: the graph-building thread goes on meanwhile
   QTemps t;
   QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
   const auto packed = find_packed(w, s, b, q, true);  // kept up to date while products do not use it too

@@ -953,15 +953,21 @@ void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p, bool eve
   const int64_t G = q.D / q.group_size, NB = q.N / 16, steps = q.D / 128, row_bytes = q.D / 2;
   const bool bf16 = q.scales16 != nullptr;  // kept as stored: half the bytes a product reads for them
   // blocks of 16 rows, each writing its own part of the copy; on every core where asked (a whole copy, made at load)
-  const int64_t first = e0 * NB, BB = 64;  // blocks a task
+  const int64_t first = e0 * NB, BB = 64, words = row_bytes / 4;  // blocks a task; words a row
   const auto blocks = [&](int64_t task) {
     for (int64_t blk = first + task * BB; blk < std::min(e1 * NB, first + (task + 1) * BB); blk++) {
+      // rows of all experts in order: expert e's block b is blk e * NB + b; each written word of the block's copy
+      // in turn (the 16 rows' word 16 i + l side by side), as the copy is laid out: the block's writes are one run
       uint32_t* dst = p.w.data() + blk * 16 * steps * 16;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(q.w) + blk * 16 * words;
+      for (int l = 0; l < 16; l++)
+        for (int64_t i = 0; i < steps; i++) {
+          uint32_t* out = dst + (l * steps + i) * 16;
+          const uint32_t* in = src + i * 16 + l;
+          for (int j = 0; j < 16; j++) out[j] = in[j * words];
+        }
       for (int j = 0; j < 16; j++) {
-        const int64_t row = blk * 16 + j;  // rows of all experts in order: expert e's block b is blk e * NB + b
-        const uint8_t* src = q.w + row * row_bytes;
-        for (int l = 0; l < 16; l++)
-          for (int64_t i = 0; i < steps; i++) std::memcpy(dst + (l * steps + i) * 16 + j, src + (i * 16 + l) * 4, 4);
+        const int64_t row = blk * 16 + j;
         for (int64_t g = 0; g < G; g++) {
           const int64_t at_ = (blk * G + g) * 16 + j;
           if (bf16) {
