@@ -162,7 +162,7 @@ class Bank:
     def prepare(self) -> None:
         """Queue the zeros of the bank's memory on the allocation stream, to be taken by its first use (`arrays`): a
         decode bank's memory is written while the prompt computes, not at the first decode step (on the workload, four
-        banks of 20 slots: some 0.3 s of every prompt)."""
+        banks of 20 slots and their packed copies: most of that step; docs/results/pipeline.md, "Twentieth sitting")."""
         if self._arrays is not None or self._bases:
             return
         for p, w in zip(self.pieces, self.widen):
