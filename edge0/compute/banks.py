@@ -46,13 +46,13 @@ def zeroed(nbytes: int) -> mx.array:
         return mx.zeros((nbytes + DIRECT_ALIGN,), dtype=mx.uint8)
 
 
-def aligned_zeros(shape, dtype: mx.Dtype, base: mx.array | None = None) -> mx.array:
+def aligned_zeros(shape, dtype: mx.Dtype, base: mx.array | None = None, stream=None) -> mx.array:
     """An evaluated array of zeros whose memory starts on DIRECT_ALIGN bytes (MLX's own allocations start a few bytes
     past a page), so that --io direct reads land in its slots without a bounce buffer (io/reader.py): a view into a
     buffer DIRECT_ALIGN bytes larger (`base`, from zeroed, where one was queued already), row-contiguous, which MLX
     and the edge0 kernel compute on as on any other array. Where a slot is not a whole number of DIRECT_ALIGN bytes
-    no read could go straight: MLX's zeros."""
-    with mx.stream(alloc_stream()):
+    no read could go straight: MLX's zeros. On `stream`, else the calling thread's allocation stream."""
+    with mx.stream(stream or alloc_stream()):
         if not alignable(shape, dtype):
             out = mx.zeros(shape, dtype=dtype)
         else:

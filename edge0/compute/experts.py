@@ -87,7 +87,8 @@ class ExactExperts:
     def load(self, ids: np.ndarray) -> dict[str, mx.array]:
         """Read bundles of experts `ids` into new (U, ...) arrays, one per piece."""
         u = len(ids)
-        bank = {p.name: aligned_zeros((u, *p.shape), MLX_DTYPES[p.dtype]) for p in self.pieces}
+        here = mx.default_stream(mx.cpu)  # (the step synced for the ids: nothing queued before them, no hand-over)
+        bank = {p.name: aligned_zeros((u, *p.shape), MLX_DTYPES[p.dtype], stream=here) for p in self.pieces}
         flat = [memoryview(bank[p.name]).cast("B") for p in self.pieces]
         items = [(expert, [f[slot * p.nbytes:(slot + 1) * p.nbytes] for f, p in zip(flat, self.pieces)])
                  for slot, expert in enumerate(ids.tolist())]
