@@ -22,14 +22,15 @@ def main() -> int:
         if "serving" in proc.stderr.readline():
             break
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id  # whatever store it serves, under its own name
 
     def ask(i: int):
         try:
             if i % 2 == 0:
-                stream = client.chat.completions.create(model="edge0-demo", max_tokens=16, stream=True,
+                stream = client.chat.completions.create(model=model, max_tokens=16, stream=True,
                                                         messages=[{"role": "user", "content": PROMPTS[i % 5]}])
                 return "".join((c.choices[0].delta.content or "") for c in stream if c.choices)
-            return client.completions.create(model="edge0-demo", prompt=PROMPTS[i % 5], max_tokens=16).choices[0].text
+            return client.completions.create(model=model, prompt=PROMPTS[i % 5], max_tokens=16).choices[0].text
         except Exception as e:  # a failed request is counted, not raised
             return e
 
