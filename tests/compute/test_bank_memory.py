@@ -5,12 +5,13 @@ import mlx.core as mx
 import numpy as np
 
 from edge0.compute.banks import Bank, Fence
-from edge0.io.reader import DIRECT_ALIGN, BundleReader, aligned
+from edge0.io.manifest import read_manifest
+from edge0.io.reader import DIRECT_ALIGN, aligned
 from edge0.model.demo import DEMO_STORE as DEMO
 
 
 def test_bank_memory_starts_where_o_direct_can_read_into_it():
-    m = BundleReader(DEMO).manifest
+    m = read_manifest(DEMO)
     for dtype in (None, mx.float32):  # float32 under MLX's kernels (the tests'): bf16 scales staged, then widened
         bank = Bank(m.pieces, 3, Fence(), dtype)
         assert all(bank.address(p.name) % DIRECT_ALIGN == 0 for p in m.pieces)
@@ -18,7 +19,7 @@ def test_bank_memory_starts_where_o_direct_can_read_into_it():
 
 
 def test_a_prepared_bank_takes_the_memory_queued_for_it():
-    m = BundleReader(DEMO).manifest
+    m = read_manifest(DEMO)
     bank = Bank(m.pieces, 4, Fence())
     bank.prepare()  # queued on the allocation stream: not yet the bank's
     assert bank.prepared and not bank.allocated
@@ -67,7 +68,7 @@ def test_banks_are_allocated_on_any_thread():
     thread" when one stream was shared); a bank prepared on one thread and first used on another takes fresh memory."""
     from concurrent.futures import ThreadPoolExecutor
 
-    m = BundleReader(DEMO).manifest
+    m = read_manifest(DEMO)
     Bank(m.pieces, 2, Fence()).arrays  # this thread's allocation stream exists
     prepared_here = Bank(m.pieces, 2, Fence())
     prepared_here.prepare()
