@@ -66,8 +66,6 @@ class Runtime:
         """Start a generation (generate_steps calls it before prefill): nothing of an earlier generation is
         carried but fully written slots. Returns the generation's number."""
         self.recover()
-        if self.prefill is not None:  # the decode banks' memory is written while the prompt computes
-            self.prefill.then_prepare = [b for b in self.banks if not b.allocated]
         self.generation += 1
         return self.generation
 
@@ -145,9 +143,11 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
             rt.banks.append(bank)
         return rt
 
-    if executor == "staged":
-        return _staged(rt, reader, exact, budget, slots, memory_budget_gib, held)
-    return _hot(rt, reader, exact, budget)
+    rt = _staged(rt, reader, exact, budget, slots, memory_budget_gib, held) if executor == "staged" else \
+        _hot(rt, reader, exact, budget)
+    if rt.prefill is not None:
+        rt.prefill.decode_banks = rt.banks
+    return rt
 
 
 def _resident(reader, layer: int, fence: Fence, compute_dtype, quant, packable: bool) -> tuple[Bank, ResidentExperts]:

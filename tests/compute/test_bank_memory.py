@@ -35,8 +35,8 @@ def test_a_prepared_bank_takes_the_memory_queued_for_it():
 
 
 def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
-    """A prompt read whole layer by layer queues the decode banks' memory after its own banks (Runtime.begin, then
-    WholeLayer): by its end every decode bank has its memory, and decode gives the tokens of banks allocated late."""
+    """A prompt read whole layer by layer queues the decode banks' memory after its own banks (build_runtime hands them
+    to WholeLayer): by its end every decode bank has its memory, and decode gives the tokens of banks allocated late."""
     from edge0.compute.executors import WholeLayer
     from edge0.engine import EngineConfig, open_engine
     from edge0.generation import GenRequest, generate
