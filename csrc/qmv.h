@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace edge0 {
@@ -41,10 +42,29 @@ struct QWeights {
 // sums of its own. The arithmetic is the row layout's, in the same order: every output gets the same bits from
 // either layout, whatever the rows or threads. Made once for weights that never change (a model's dense
 // linears); a product whose QWeights carry it runs on it.
+// Storage on 64-byte lines: a packed word of 16 rows is one 64-byte load, and one line where the copy starts on one
+// (malloc's large blocks start 16 bytes past a page: every load of the copy then touched two lines).
+template <class T>
+struct LineAligned {
+  using value_type = T;
+  static constexpr std::align_val_t align{64};
+  LineAligned() = default;
+  template <class U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), align)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, align); }
+  template <class U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <class T>
+using LineVector = std::vector<T, LineAligned<T>>;
+
 struct Packed {
-  std::vector<uint32_t> w;  // (E, N/16, 16 l, D/128 i, 16 rows): word 16 i + l of each of the block's rows
-  std::vector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 ...
-  std::vector<uint16_t> s16, b16;  // ... or bfloat16 as stored (widened exactly where used); one pair is empty
+  LineVector<uint32_t> w;  // (E, N/16, 16 l, D/128 i, 16 rows): word 16 i + l of each of the block's rows
+  LineVector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 ...
+  LineVector<uint16_t> s16, b16;  // ... or bfloat16 as stored (widened exactly where used); one pair is empty
   int64_t E = 0, N = 0, D = 0;
   int group_size = 0;
 };
