@@ -7,7 +7,10 @@ on the disk, the bundles' size and the predictor's recall: on the demo store wit
 with its reads ahead paused. So the runtime measures it: decode steps alternate between the two modes in
 windows, and the faster mode holds for a while before the other is measured again (a hold that the
 measurement confirms doubles, up to MAX_HOLD steps, and grows 4x where the other mode lost by DECISIVE or
-more: a probe of the slower mode then costs a few percent at most). A paused step reads only what it routes (prefetch: its own router's experts, on demand; predicted
+more: a probe of the slower mode then costs a few percent at most). A generation's first steps run paused (what
+native routing reads) and reading ahead is probed after them: the first choice takes the faster mode, later ones
+keep the held mode unless the probe beats it by MARGIN; a probe losing by DECISIVE after ABORT_AFTER of its steps
+ends there. A paused step reads only what it routes (prefetch: its own router's experts, on demand; predicted
 routing: its heads still route, and their reads are planned at the step's end).
 
 Outputs do not depend on the mode (prefetch equals native either way; predicted routing routes by its heads
@@ -35,14 +38,17 @@ class ReadAheadGate:
     DECISIVE = 0.25  # a choice whose loser's median step is this much longer than the winner's holds longer
     # (a flip: 2 HOLD, not HOLD; a confirmation: 4x the hold before, not 2x), so such a loser is probed less often:
     # on the demo store with every read from the disk, reading ahead by guesses lost by 30-60% at every probe
+    FIRST_AHEAD = False  # the first steps' mode: paused (what native routing reads), reading ahead probed after them
+    ABORT_AFTER = 3  # a probe whose median step after this many measured steps is DECISIVE longer than the held
+    # mode's ends there (on the demo store from the disk each probe of reading ahead cost 10 steps 30-60% slower)
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
-        self.ahead = True  # the mode of the step being built
+        self.ahead = self.FIRST_AHEAD  # the mode of the step being built
         self.times = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
         self.hold = self.HOLD
         self.probing = False  # the mode now running is measured against the one that held before it
-        self.left = self.SETTLE + self.WINDOW  # steps until the phase ends (first: read ahead, measured)
+        self.left = self.SETTLE + self.WINDOW  # steps until the phase ends (the first mode's, measured)
         self.last = None  # the clock at the last step boundary (None: none yet in this generation)
         self.rows = 1  # the batch's sequences the windows' steps computed (a generation alone: one)
         self.choices = 0  # choices made
@@ -75,7 +81,11 @@ class ReadAheadGate:
         if self.last is not None:
             self.times[self.ahead].append(now - self.last)  # the stretch's last WINDOW steps are kept
             self.left -= 1
+            if self.probing and self.left == self.WINDOW:
+                self.times[self.ahead].clear()  # its settling steps: not measured
         self.last = now
+        if self.probing and self._losing():
+            self.left = 0
         if self.left > 0:
             return self.ahead
         if not self.probing:  # a hold ended: measure the other mode
@@ -88,7 +98,8 @@ class ReadAheadGate:
             self._switch(held, self.hold)
             return self.ahead
         med = {m: statistics.median(t) for m, t in self.times.items()}
-        faster = self.ahead if med[self.ahead] < (1 - self.MARGIN) * med[held] else held
+        margin = self.MARGIN if self.choices else 0.0  # the first choice: the faster mode, no held one to keep
+        faster = self.ahead if med[self.ahead] < (1 - margin) * med[held] else held
         self.history.append((round(1e3 * med[True], 2), round(1e3 * med[False], 2), faster))
         self.choices += 1
         self.flips += faster != held
@@ -100,6 +111,13 @@ class ReadAheadGate:
         else:
             self._switch(faster, self.hold)
         return self.ahead
+
+    def _losing(self) -> bool:
+        """Whether the probe under way has lost decisively already (ABORT_AFTER of its steps measured)."""
+        probe, held = self.times[self.ahead], self.times[not self.ahead]
+        if self.left >= self.WINDOW or len(probe) < self.ABORT_AFTER or len(held) < self.WINDOW // 2:
+            return False
+        return statistics.median(probe) > (1 + self.DECISIVE) * statistics.median(held)
 
     def _switch(self, ahead: bool, steps: int) -> None:
         self.ahead, self.left = ahead, steps
@@ -137,6 +155,7 @@ class CertainReads(ReadAheadGate):
     sitting": the workload warm 52.6-56.2 tok/s paused, 56.7-58.4 reading ahead)."""
 
     WARM_PAUSE_BYTES = 1 << 20
+    FIRST_AHEAD = True
 
     def __init__(self, bundle_bytes: int = 0):
         super().__init__()

@@ -1,6 +1,6 @@
-"""The read-ahead gate (pipeline/gate.py): decode steps alternate between reading ahead and not in windows, the
-faster mode holds (longer while the measurement confirms it), a change of regime flips it, the steps right after
-a switch and the time between generations are not measured. In the runtime: a gated step reads nothing ahead
+"""The read-ahead gate (pipeline/gate.py): decode steps alternate between reading ahead and not in windows, paused
+first, the faster mode holds (longer while the measurement confirms it), a probe losing decisively ends early, a
+change of regime flips it, the steps right after a switch and the time between generations are not measured. In the runtime: a gated step reads nothing ahead
 (the scheduler's reads ahead stop growing), prefetch still equals native bit for bit, and predicted routing
 equals its run that never pauses. The clock is faked so that the choices are deterministic."""
 
@@ -57,23 +57,25 @@ def test_the_faster_mode_holds_and_its_hold_doubles_while_confirmed():
     gate = G(clock)
     modes = drive(gate, clock, lambda i, a: 0.0012 if a else 0.001, 400)  # reading ahead costs 20% (not DECISIVE)
     got = runs(modes)
-    # ahead (measured), paused (the probe, faster: holds 32), ahead probed again, paused 64, ahead, paused 128, ...
-    assert got[:7] == [(True, PROBE), (False, PROBE + G.HOLD), (True, PROBE), (False, 2 * G.HOLD),
-                       (True, PROBE), (False, 4 * G.HOLD), (True, PROBE)]
-    assert gate.choices == 4 and gate.flips == 1
+    # paused (measured), ahead (the probe, slower: paused holds 64), ahead probed again, paused 128, ...
+    assert got[:6] == [(False, PROBE), (True, PROBE), (False, 2 * G.HOLD), (True, PROBE), (False, 4 * G.HOLD),
+                       (True, PROBE)]
+    assert gate.choices == 3 and gate.flips == 0
     assert gate.summary()["ahead_step_ms"] == pytest.approx(1.2) and gate.summary()["paused_step_ms"] == pytest.approx(1.0)
     assert len(gate.summary()["history"]) == gate.choices
 
 
 def test_a_mode_that_loses_decisively_is_probed_less_often():
-    """Reading ahead twice as slow (over DECISIVE): the flip holds 2 HOLD and each confirmation 4x the hold before,
-    so over 256 steps (a generation of `edge0 run`) 20 read ahead, where doubling holds read 30 ahead."""
+    """Reading ahead twice as slow (over DECISIVE): each probe of it ends after ABORT_AFTER measured steps and each
+    confirmation holds 4x the hold before, so over 256 steps (a generation of `edge0 run`) 10 read ahead, where
+    whole probes and doubling holds read 30 ahead."""
     clock = Clock()
     gate = G(clock)
     modes = drive(gate, clock, lambda i, a: 0.002 if a else 0.001, 600)
-    assert runs(modes)[:5] == [(True, PROBE), (False, PROBE + 2 * G.HOLD), (True, PROBE), (False, 8 * G.HOLD),
-                               (True, PROBE)]
-    assert modes[:256].count(True) == 2 * PROBE
+    short = G.SETTLE + G.ABORT_AFTER
+    assert runs(modes)[:6] == [(False, PROBE), (True, short), (False, 4 * G.HOLD), (True, short), (False, G.MAX_HOLD),
+                               (True, short)]
+    assert modes[:256].count(True) == 2 * short
     gate = G(clock := Clock())
     modes = drive(gate, clock, lambda i, a: 0.0012 if a else 0.001, 256)
     assert modes.count(True) == 3 * PROBE
@@ -83,8 +85,8 @@ def test_reading_ahead_that_pays_reads_ahead_nearly_always():
     clock = Clock()
     gate = G(clock)
     modes = drive(gate, clock, lambda i, a: 0.001 if a else 0.002, 3000)
-    assert gate.flips == 0 and gate.ahead
-    assert modes.count(False) <= 0.05 * len(modes)  # the probes of the other mode, ever rarer
+    assert gate.flips == 1 and gate.ahead  # the first choice, after the paused first steps
+    assert modes.count(False) <= 0.03 * len(modes)  # the probes of the other mode: short and ever rarer
 
 
 def test_a_change_of_regime_flips_the_choice_and_the_hold_starts_over():
@@ -96,17 +98,29 @@ def test_a_change_of_regime_flips_the_choice_and_the_hold_starts_over():
     # at most one hold (MAX_HOLD) and a probe later, it pauses for a hold (probing the other mode after it)
     switched = next(i for i in range(len(after)) if not any(after[i:i + G.HOLD]))
     assert switched <= G.MAX_HOLD + PROBE
-    assert gate.flips == 1 and not gate.ahead
+    assert gate.flips == 2 and not gate.ahead
 
 
-@pytest.mark.parametrize("paused_cost, flips", [(0.95, 0), (0.8, 1)])
+@pytest.mark.parametrize("paused_cost, flips", [(0.95, 1), (0.8, 2)])
 def test_a_probe_takes_over_only_when_faster_by_the_margin(paused_cost, flips):
-    """A noisy disk's window is no proof: 5% faster (under MARGIN) keeps the held mode, 20% faster takes over."""
+    """A noisy disk's window is no proof: once a mode holds (here reading ahead, 20% faster at the first choice), a
+    probe 5% faster (under MARGIN) keeps it, 20% faster takes over."""
     clock = Clock()
     gate = G(clock)
-    drive(gate, clock, lambda i, a: 0.001 if a else 0.001 * paused_cost, 2 * PROBE)
-    assert gate.choices == 1 and gate.flips == flips and gate.ahead == (flips == 0)
-    assert gate.summary()["history"] == [(1.0, round(paused_cost, 2), flips == 0)]
+    first = 2 * PROBE  # the paused first steps and the probe of reading ahead
+    drive(gate, clock, lambda i, a: 0.001 if a else (0.0012 if i < first else 0.001 * paused_cost), first + G.HOLD + PROBE)
+    assert gate.choices == 2 and gate.flips == flips and gate.ahead == (flips == 1)
+    assert gate.summary()["history"][-1] == (1.0, round(paused_cost, 2), flips == 1)
+
+
+@pytest.mark.parametrize("ahead_cost", [0.95, 1.05])
+def test_the_first_choice_takes_the_faster_mode(ahead_cost):
+    """No mode holds yet at the first choice: the faster one is taken, by any margin (with MARGIN, the paused first
+    steps would keep a disk that reading ahead helps by 5-10% from ever reading ahead)."""
+    clock = Clock()
+    gate = G(clock)
+    drive(gate, clock, lambda i, a: 0.001 * ahead_cost if a else 0.001, 2 * PROBE)
+    assert gate.choices == 1 and gate.ahead == (ahead_cost < 1)
 
 
 def test_the_steps_after_a_switch_are_not_measured():
@@ -132,7 +146,7 @@ def test_the_time_between_generations_is_not_measured():
     gate = G(clock)
     gate.step()
     for i in range(PROBE * 2):
-        if i == PROBE + G.SETTLE + 1:  # mid-probe of the paused mode: a new generation after a long idle
+        if i == PROBE + G.SETTLE + 1:  # mid-probe of reading ahead: a new generation after a long idle
             clock.t += 60.0
             gate.restart()
             gate.step()  # the new generation's first boundary
@@ -157,7 +171,7 @@ def test_a_change_of_batch_size_late_in_a_hold_leaves_no_figure_to_beat():
             big = i < PROBE - 3
             clock.t += (0.004 if big else 0.001) * (1.0 if gate.ahead else 1.1)  # reading ahead pays a little
             gate.step()
-        assert (gate.choices, gate.flips, gate.ahead) == ((0, 0, True) if resized else (1, 1, False))
+        assert (gate.choices, gate.flips, gate.ahead) == ((0, 0, False) if resized else (1, 1, True))
 
 
 def test_a_change_of_batch_size_gives_up_a_probe_and_is_not_timed():
@@ -166,14 +180,14 @@ def test_a_change_of_batch_size_gives_up_a_probe_and_is_not_timed():
     gate.step()
     modes = []
     for i in range(PROBE + 3 + G.HOLD + 2):
-        if i == PROBE + 3:  # mid-probe of the paused mode: a sequence joins (its prompt took 5 s)
+        if i == PROBE + 3:  # mid-probe of reading ahead: a sequence joins (its prompt took 5 s)
             gate.resize(2)
             clock.t += 5.0
         modes.append(gate.ahead)
         clock.t += 0.001 if gate.ahead else 0.002
         gate.step()
     # the held mode resumes for a hold (the step across the change untimed, so one more), then the probe again
-    assert runs(modes) == [(True, PROBE), (False, 3), (True, G.HOLD + 1), (False, 1)]
+    assert runs(modes) == [(False, PROBE), (True, 3), (False, G.HOLD + 1), (True, 1)]
     assert gate.choices == 0 and max(max(t, default=0) for t in gate.times.values()) < 1.0
 
 
@@ -216,8 +230,9 @@ def text():
 @pytest.mark.parametrize("routing", ["prefetch", "predicted"])
 def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
     """Under a slow disk (every read costs: only the gate pauses) with a clock on which paused steps are the
-    faster: after the first window the gate pauses, its steps plan no read ahead, and the log-probabilities are
-    native's (prefetch) or those of predicted routing that always reads ahead."""
+    faster: the gate pauses but for its probe of reading ahead (ended early: it loses decisively), its steps plan no
+    read ahead, and the log-probabilities are native's (prefetch) or those of predicted routing that always reads
+    ahead."""
     ids, native = text
     config = dict(routing=routing, io_throttle_mbps=400)
     if routing == "prefetch":
@@ -233,14 +248,15 @@ def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
         got = forced(engine, ids, lambda i, rt: seen.append((i, rt.paused, ahead(rt))))
     assert np.array_equal(got, want)
     steps = len(ids) - 1
-    # steps 1-10 read ahead, 11-20 the paused probe (twice as fast, DECISIVE: it holds 2 HOLD more, past the end)
-    assert rt.gated_steps == rt.paused_steps == steps - 1 - PROBE and steps == 63
+    # steps 1-10 paused, 11-15 the probe of reading ahead (twice as slow, DECISIVE: ended after ABORT_AFTER measured
+    # steps, the paused mode holds 4 HOLD, past the end)
+    assert rt.gated_steps == rt.paused_steps == steps - G.SETTLE - G.ABORT_AFTER and steps == 63
     assert rt.gate.choices >= 1 and not rt.gate.ahead
     # a paused stretch (after its first step, which may consume what was planned before it) reads nothing ahead
     # under prefetch; under predicted routing only the routing heads' reads, planned at the step's end
     paused = [(i, n) for i, p, n in seen if p]
     later = [(i, n) for (i, n), (j, _) in zip(paused[1:], paused) if i == j + 1]
-    grew = sum(n - m for (_, n), (_, m) in zip(later[1:], later) if n > m)
+    grew = sum(n - m for (i, n), (j, m) in zip(later[1:], later) if i == j + 1 and n > m)
     if routing == "prefetch":
         assert later and grew == 0
     else:
@@ -271,7 +287,8 @@ def test_reading_ahead_measured_faster_is_kept(text):
         rt.gate.clock = SteppedClock(rt, fast_mode_paused=False)
         got = forced(engine, ids)
     assert np.array_equal(got, want)
-    assert rt.gated_steps == PROBE and rt.gate.ahead and rt.gate.flips == 0  # one probe of the paused mode
+    # the paused first steps only (the first decode step's boundary starts the gate's clock: PROBE more)
+    assert rt.gated_steps == 1 + PROBE and rt.gate.ahead and rt.gate.flips == 1
 
 
 def test_read_ahead_over_resident_experts_says_it_reads_nothing():

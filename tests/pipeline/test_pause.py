@@ -18,7 +18,7 @@ from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.io.pagecache import Residency, evict
 from edge0.model.demo import DEMO_STORE
-from edge0.pipeline.gate import CertainReads
+from edge0.pipeline.gate import CertainReads, ReadAheadGate
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.pipeline.steps import generate_steps
 
@@ -94,7 +94,14 @@ def text():
     return native_reference(TOKENS)
 
 
-def test_warm_store_pauses_prefetch_and_still_equals_native(text):
+@pytest.fixture
+def ahead_first(monkeypatch):
+    """The read-ahead gate's first steps read ahead (its default: paused, tests/pipeline/test_gate.py), so that what
+    pauses them here is the page cache's rule, which these tests are about."""
+    monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
+
+
+def test_warm_store_pauses_prefetch_and_still_equals_native(text, ahead_first):
     ids, want = text
     with pinned_store(), open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
         rt = engine.store.runtime
@@ -111,7 +118,7 @@ def test_warm_store_pauses_prefetch_and_still_equals_native(text):
     assert calls and max(calls) <= PrefetchRuntime.PAUSE_AFTER + 1
 
 
-def test_paused_steps_open_no_scheduler_span(text):
+def test_paused_steps_open_no_scheduler_span(text, ahead_first):
     """A paused step predicts nothing: neither its layers nor its boundary (flush, next_step) enter the scheduler, so
     on a warm store the scheduler's spans stop with the pause (they timed empty work at every step before)."""
     ids, want = text
@@ -124,7 +131,7 @@ def test_paused_steps_open_no_scheduler_span(text):
     assert spans and max(spans) <= PrefetchRuntime.PAUSE_AFTER + 1
 
 
-def test_a_read_from_the_disk_resumes_predicting(text):
+def test_a_read_from_the_disk_resumes_predicting(text, ahead_first):
     ids, want = text
     seen = {}
     pin = contextlib.ExitStack()
@@ -163,7 +170,7 @@ def test_the_page_cache_never_pauses_where_reads_cost(text, read_ahead):
         assert rt.paused_steps == 0
 
 
-def test_predicted_routing_pauses_only_its_reads_ahead(text):
+def test_predicted_routing_pauses_only_its_reads_ahead(text, ahead_first):
     """Under predicted routing a warm store pauses the next-router reads ahead (layers without a routing head),
     never the heads that route: the output is bit for bit that of a run that never pauses, every routed set at a
     consumer layer is the one its head decided, and the heads' predictions are pulled once, at the step's end.
@@ -208,7 +215,7 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text):
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["warm", "evicted"])
-def test_the_prompts_reads_decide_the_first_steps(text, cached):
+def test_the_prompts_reads_decide_the_first_steps(text, ahead_first, cached):
     """A prompt read wholly from the page cache pauses the reads ahead from the first decode step (it read what
     PAUSE_AFTER warm steps would have shown); read from the disk, the first steps predict. Same tokens either way."""
     ids, want = text

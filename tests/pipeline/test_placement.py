@@ -10,7 +10,7 @@ from edge0.compute.runtime import streamed_slots
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
-from edge0.pipeline.gate import CertainReads
+from edge0.pipeline.gate import CertainReads, ReadAheadGate
 from edge0.pipeline.prefetch import PrefetchExperts
 
 from .test_identity import real_text
@@ -44,7 +44,9 @@ def _run(ids, monkeypatch, **config) -> tuple[np.ndarray, dict, set, set]:
 def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step(monkeypatch):
     """20 slots a layer: layers 0, 1, 5 hold their 32 experts, layers 2-4 share the rest (8 slots each), the same
     bytes as 20 everywhere. The same log-probabilities bit for bit on real text; the held layers never wait for the
-    host or the disk, where with even banks they do both."""
+    host or the disk, where with even banks they do both (while they read ahead: the read-ahead gate's first steps do
+    here, as they did before its default became paused first steps; a paused layer routes as the staged executor)."""
+    monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
     ids = real_text()
     held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, slots=20)
     even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, slots=20, placement="even")
@@ -73,7 +75,10 @@ def test_no_layer_is_held_where_the_rest_would_be_starved_or_no_head_tells_the_l
 
 def test_prefetch_by_heads_holds_the_layers_of_weak_heads_and_stays_token_identical_to_native(monkeypatch):
     """Under prefetch routing every layer's router decides; the heads that would not route (none for layers 0, 1, 5 on
-    the demo) name the layers to hold: the log-probabilities stay native's bit for bit, the held layers never sync."""
+    the demo) name the layers to hold: the log-probabilities stay native's bit for bit, the held layers never sync
+    (the others do while they read ahead: the read-ahead gate's first steps do here, as they did before its default
+    became paused first steps; a paused layer routes as the staged executor)."""
+    monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
     ids = real_text()
     lp, described, synced, demanded = _run(ids, monkeypatch, slots=20, routing="prefetch", predictor="heads")
     assert described["held_layers"] == [0, 1, 5]
