@@ -51,10 +51,10 @@ def test_untrained_heads_serve_as_next_router(models, tmp_path):
     m = read_manifest(store)
     path = tmp_path / "untrained.safetensors"
     HeadSet.create(m, read_config(store), top_k=m.top_k, hidden=16).save(path)
-    # --cold: both runs start from the same page cache (a prompt read wholly from it pauses the reads ahead from
-    # the first step, one read from the disk does not), whatever the tests before them left there
-    a = run_json(store, "--routing", "prefetch", "--predictor", "heads", "--heads", str(path), "--cold")
-    b = run_json(store, "--routing", "prefetch", "--predictor", "next-router", "--cold")
+    # --read-ahead always: both runs read ahead at every step (the measured gate's first steps are paused, and its
+    # choices follow the clock; a prompt read from the page cache would pause them too)
+    a = run_json(store, "--routing", "prefetch", "--predictor", "heads", "--heads", str(path), "--read-ahead", "always")
+    b = run_json(store, "--routing", "prefetch", "--predictor", "next-router", "--read-ahead", "always")
     assert a["recall"] > 0  # they predicted
     assert a["tokens"] == b["tokens"]
     assert a["recall"] == b["recall"] and a["loads"] == b["loads"] and a["demand_loads"] == b["demand_loads"]
