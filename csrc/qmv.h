@@ -7,9 +7,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <new>
+#include <sys/mman.h>
 #include <vector>
 
 namespace edge0 {
@@ -37,22 +39,34 @@ struct QWeights {
   const Packed* packed = nullptr;  // the same weights in the packed layout (pack), or null
 };
 
-// A 4-bit weight's copy for the VNNI path with 16 output rows interleaved by 4-byte word: one 64-byte load holds
-// one word of 16 rows, so vpdpbusd leaves 16 outputs' partial sums in its lanes and no output needs horizontal
-// sums of its own. The arithmetic is the row layout's, in the same order: every output gets the same bits from
-// either layout, whatever the rows or threads. Made once for weights that never change (a model's dense
-// linears); a product whose QWeights carry it runs on it.
-// Storage on 64-byte lines: a packed word of 16 rows is one 64-byte load, and one line where the copy starts on one
-// (malloc's large blocks start 16 bytes past a page: every load of the copy then touched two lines).
+// The packed copies' storage: on 64-byte lines (a packed word of 16 rows is one 64-byte load, and one line where the
+// copy starts on one; malloc's large blocks start 16 bytes past a page, so every load touched two lines), and from
+// 2 MiB up on transparent huge pages where the system allows them (madvise, a hint): a product streams an expert's
+// rows (1.6 MiB of the workload's gate) through 4 KiB pages otherwise, one TLB entry each.
 template <class T>
 struct LineAligned {
   using value_type = T;
   static constexpr std::align_val_t align{64};
+  static constexpr size_t HUGE_BYTES = size_t(2) << 20;
   LineAligned() = default;
   template <class U>
   LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), align)); }
-  void deallocate(T* p, size_t) { ::operator delete(p, align); }
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < HUGE_BYTES) return static_cast<T*>(::operator new(bytes, align));
+    void* p = nullptr;
+    if (posix_memalign(&p, HUGE_BYTES, bytes) != 0) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);  // refused (no THP): 4 KiB pages, the same bytes
+#endif
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < HUGE_BYTES)
+      ::operator delete(p, align);
+    else
+      free(p);
+  }
   template <class U>
   bool operator==(const LineAligned<U>&) const { return true; }
   template <class U>
@@ -61,6 +75,11 @@ struct LineAligned {
 template <class T>
 using LineVector = std::vector<T, LineAligned<T>>;
 
+// A 4-bit weight's copy for the VNNI path with 16 output rows interleaved by 4-byte word: one 64-byte load holds
+// one word of 16 rows, so vpdpbusd leaves 16 outputs' partial sums in its lanes and no output needs horizontal
+// sums of its own. The arithmetic is the row layout's, in the same order: every output gets the same bits from
+// either layout, whatever the rows or threads. Made once for weights that never change (a model's dense
+// linears); a product whose QWeights carry it runs on it.
 struct Packed {
   LineVector<uint32_t> w;  // (E, N/16, 16 l, D/128 i, 16 rows): word 16 i + l of each of the block's rows
   LineVector<float> s, b;  // (E, N/16, G, 16): scales and biases, float32 ...
