@@ -2,6 +2,8 @@
 ops against MLX's bits, and the packed weight layout. Extension tests skip when it is not built.
 Shapes: T tokens, K routed, E experts, D inputs, N outputs."""
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -318,6 +320,40 @@ def test_packed_weights_give_the_bits_of_the_row_layout(d, gs, experts, bf16):
         if experts == 1:
             want = dequantized(w, s.astype(mx.float32), b.astype(mx.float32), gs) @ np.array(x, np.float64).T
             assert rel(packed, want.T) < TOL["avx512"]
+
+
+def _huge_kib() -> int:
+    """This process's anonymous memory on transparent huge pages (KiB)."""
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _thp() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0]
+
+
+@needs_ext
+@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+@pytest.mark.skipif(_thp() == "never", reason="no transparent huge pages here (Linux, THP madvise or always)")
+def test_large_packed_copies_lie_on_huge_pages():
+    """A packed copy of 2 MiB or more is advised onto transparent huge pages (csrc/qmv.h LineAligned): products stream
+    an expert's rows through one TLB entry a 2 MiB page (on the workload, the streamed arm 1.14x from the disk, docs/
+    results/pipeline.md "Twenty-first sitting"); freed, they go back."""
+    use_kernel("edge0")
+    w, s, b = _copies(*quantized((8, 4096, 256), 64, seed=3))  # the copy's words: 4 MiB
+    before = _huge_kib()
+    assert EXT.pack(w, s, b, 64)
+    assert _huge_kib() - before >= 4096  # the copy's whole 2 MiB pages (malloc's blocks would hold none)
+    del w, s, b
+    gc.collect()
+    EXT.pack(*_copies(*quantized((1, 64, 256), 64, seed=4)), 64)  # packing drops the entries of freed weights
+    assert _huge_kib() - before < 4096
 
 
 @needs_ext
