@@ -191,6 +191,15 @@ static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
   return four_bit(w, s, b, gs) && qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed != nullptr;
 }
 
+// Where the packed copy's words lie (0: no copy): the memory a product streams, for checking its pages.
+static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
+  mx::eval({w, s, b});
+  QTemps t;
+  if (!four_bit(w, s, b, gs)) return 0;
+  const Packed* p = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed;
+  return p == nullptr ? 0 : (uintptr_t)p->w.data();
+}
+
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
 // where the layout does not apply (its products keep the row layout, with the same bits). Entries of freed
 // weights are dropped here.
@@ -2049,6 +2058,8 @@ NB_MODULE(_kernels, m) {
         "The experts `slots` of packed weights were written again (a bank's fills): their packed copy follows. Only\n"
         "while no product reads those experts. False where the weights have no packed copy.");
   m.def("packed", &edge0::is_packed, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "Whether products of these 4-bit weights run on a packed copy.");
+  m.def("packed_address", &edge0::packed_address, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "The address of the packed copy's words of these weights (0: none).");
   m.def("set_packed", &edge0::set_packed, "on"_a,
         "Whether products run on packed copies where weights have one (default True); off: the row layout, the same\n"
         "bits.");

@@ -322,12 +322,19 @@ def test_packed_weights_give_the_bits_of_the_row_layout(d, gs, experts, bf16):
             assert rel(packed, want.T) < TOL["avx512"]
 
 
-def _huge_kib() -> int:
-    """This process's anonymous memory on transparent huge pages (KiB)."""
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+def _mapping_of(address: int) -> dict:
+    """The /proc/self/smaps entry of the mapping that holds `address` (its fields, as text)."""
+    entry, found = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            if found:
+                break
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            found, entry = lo <= address < hi, {}
+        elif found:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return entry
 
 
 def _thp() -> str:
@@ -342,18 +349,20 @@ def _thp() -> str:
 @pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
 @pytest.mark.skipif(_thp() == "never", reason="no transparent huge pages here (Linux, THP madvise or always)")
 def test_large_packed_copies_lie_on_huge_pages():
-    """A packed copy of 2 MiB or more is advised onto transparent huge pages (csrc/qmv.h LineAligned): products stream
-    an expert's rows through one TLB entry a 2 MiB page (on the workload, the streamed arm 1.14x from the disk, docs/
-    results/pipeline.md "Twenty-first sitting"); freed, they go back."""
+    """A packed copy of 2 MiB or more starts on a 2 MiB page and is advised onto transparent huge pages (csrc/qmv.h
+    LineAligned): products stream an expert's rows through one TLB entry a 2 MiB page (on the workload, the streamed
+    arm 1.14x from the disk, docs/results/pipeline.md "Twenty-first sitting"). A small copy starts on a 64-byte line."""
     use_kernel("edge0")
     w, s, b = _copies(*quantized((8, 4096, 256), 64, seed=3))  # the copy's words: 4 MiB
-    before = _huge_kib()
     assert EXT.pack(w, s, b, 64)
-    assert _huge_kib() - before >= 4096  # the copy's whole 2 MiB pages (malloc's blocks would hold none)
-    del w, s, b
-    gc.collect()
-    EXT.pack(*_copies(*quantized((1, 64, 256), 64, seed=4)), 64)  # packing drops the entries of freed weights
-    assert _huge_kib() - before < 4096
+    at = EXT.packed_address(w, s, b, 64)
+    assert at % (2 << 20) == 0
+    mapping = _mapping_of(at)
+    assert mapping.get("THPeligible") == "1"  # under THP madvise: only advised memory is
+    assert int(mapping["AnonHugePages"].split()[0]) >= 4096  # its whole 2 MiB pages (all there was room for)
+    small = _copies(*quantized((48, 256), 64, seed=4))
+    assert EXT.pack(*small, 64) and EXT.packed_address(*small, 64) % 64 == 0
+    assert EXT.packed_address(*_copies(*small), 64) == 0  # equal values, other arrays: no copy of theirs
 
 
 @needs_ext
