@@ -185,12 +185,6 @@ static bool four_bit(const mx::array& w, const mx::array& s, const mx::array& b,
   return (int64_t)s.shape(-1) * gs == (int64_t)w.shape(-1) * 8;  // 4-bit: 8 a word
 }
 
-static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) {
-  mx::eval({w, s, b});
-  QTemps t;
-  return four_bit(w, s, b, gs) && qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed != nullptr;
-}
-
 // Where the packed copy's words lie (0: no copy): the memory a product streams, for checking its pages.
 static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
   mx::eval({w, s, b});
@@ -199,6 +193,8 @@ static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
   const Packed* p = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t).packed;
   return p == nullptr ? 0 : (uintptr_t)p->w.data();
 }
+
+static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) { return packed_address(w, s, b, gs) != 0; }
 
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
 // where the layout does not apply (its products keep the row layout, with the same bits). Entries of freed

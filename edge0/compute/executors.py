@@ -269,7 +269,6 @@ class WholeLayer:
         self.banks: list[Bank] = []
         self.pending: dict[int, tuple[Bank, ReadTask]] = {}
         self.decode_banks: list[Bank] = []  # the runtime's slot banks (build_runtime): allocated while a prompt computes
-        self._to_prepare: list[Bank] = []  # of which those to queue once this prompt's own banks are (_start)
 
     def wants(self, inds: mx.array) -> bool:
         """A prompt chunk touching about every expert; never a decode step, even a batch's (B rows of one
@@ -281,7 +280,6 @@ class WholeLayer:
             m = self.reader.manifest
             self.banks = [Bank(m.pieces, m.num_experts, self.fence, self.compute_dtype,
                                pack_group_size=self.pack_group_size) for _ in range(2)]
-            self._to_prepare = [b for b in self.decode_banks if not b.allocated]
         busy = {id(b) for b, _ in self.pending.values()} | {id(in_use)}
         bank = next((b for b in self.banks if id(b) not in busy and b.writable), None)
         if bank is None:
@@ -300,9 +298,8 @@ class WholeLayer:
         nxt = self.next.get(layer)
         if nxt is not None and nxt not in self.pending:  # the other bank is free (the layer before is evaluated):
             self._start(nxt, in_use=bank)  # the next layer's read runs beside this one's and this layer's compute
-        for waiting in self._to_prepare:  # after the prompt's own banks, on the allocation stream: written while it
-            waiting.prepare()  # computes, not at the first decode step
-        self._to_prepare = []
+        for decode in self.decode_banks:  # after the prompt's own banks, on the allocation stream: written while it
+            decode.prepare()  # computes, not at the first decode step (once: then queued or allocated)
         self.reader.pool.wait([task], layer=layer, why="prefill")
         y = switch_glu(x, inds, bank.read(), self.quant)
         mx.eval(y)  # SYNC: compute this layer now so its bank can take the layer after next
