@@ -196,16 +196,50 @@ static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
 
 static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) { return packed_address(w, s, b, gs) != 0; }
 
+// A new slot bank's zero packed copy, made on a thread of its own from reserve_pack (while the prompt computes) and
+// taken by the bank's pack(zeros=True): mapping in its pages (four banks of the workload: 330 ms) is then not the
+// first decode step's. Freed with the object where never taken.
+struct PackReservation {
+  std::shared_future<std::shared_ptr<Packed>> copy;
+  int64_t E, N, D;
+  int group_size;
+  bool bf16;
+  bool fits(const QWeights& q) const {  // a copy of q's shape
+    return copy.valid() && E == q.E && N == q.N && D == q.D && group_size == q.group_size &&
+           bf16 == (q.scales16 != nullptr);
+  }
+  uintptr_t address() {  // waits for the copy
+    nb::gil_scoped_release nogil;
+    return copy.valid() ? (uintptr_t)copy.get()->w.data() : 0;
+  }
+  std::shared_ptr<Packed> take() {  // once: waits for the copy
+    if (!copy.valid()) return nullptr;
+    auto p = copy.get();
+    copy = {};
+    return p;
+  }
+};
+
+static std::optional<PackReservation> reserve_pack(int64_t E, int64_t N, int64_t D, int gs, bool bf16) {
+  if (!zero_packed(0, N, D, gs, bf16)) return std::nullopt;  // the layout does not apply (a copy of no expert)
+  return PackReservation{std::async(std::launch::async, zero_packed, E, N, D, gs, bf16).share(), E, N, D, gs, bf16};
+}
+
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false
 // where the layout does not apply (its products keep the row layout, with the same bits). Entries of freed
 // weights are dropped here.
-static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs, bool zeros) {
+static bool pack_weights(mx::array w, mx::array s, mx::array b, int gs, bool zeros, PackReservation* reserved) {
   mx::eval({w, s, b});
   if (!four_bit(w, s, b, gs)) return false;
   QTemps t;
   QWeights q = qweights(w, s, b, (int64_t)w.shape(-1) * 8, gs, t);
   if (q.packed != nullptr) return true;  // already
-  auto p = pack(q, !zeros);
+  std::shared_ptr<const Packed> p;
+  {
+    nb::gil_scoped_release nogil;  // a large copy takes a while: reads on the I/O threads go on meanwhile
+    const auto r = zeros && reserved != nullptr && reserved->fits(q) ? reserved->take() : nullptr;
+    p = r ? r : pack(q, !zeros);
+  }
   if (p == nullptr) return false;
   std::lock_guard<std::mutex> lk(packs_mu);
   for (auto it = packs_.begin(); it != packs_.end();)
@@ -2046,10 +2080,20 @@ NB_MODULE(_kernels, m) {
         "queued before released, none after.");
   m.def("queue", &edge0::queue, "arrays"_a, "hold_us"_a,
         "mx.async_eval(arrays), the stream then held awake up to hold_us for the next graph (a Hold node).");
+  nb::class_<edge0::PackReservation>(m, "PackReservation",
+                                     "A zero packed copy being made ahead of a new slot bank (reserve_pack).")
+      .def("address", &edge0::PackReservation::address,
+           "The address of the copy's words, once made (0: taken by a bank's pack already).");
+  m.def("reserve_pack", &edge0::reserve_pack, "experts"_a, "outputs"_a, "inputs"_a, "group_size"_a, "bf16"_a,
+        "Start making, on a thread of its own, the zero packed copy that pack(zeros=True, reserved=...) of a new bank\n"
+        "of `experts` 4-bit (outputs, inputs) weights will take (scales as bfloat16 or float32); None where the\n"
+        "layout does not apply.");
   m.def("pack", &edge0::pack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "zeros"_a = false,
+        "reserved"_a = nb::none(),
         "Keep a packed copy of these 4-bit weights (which must never change, or change only through repack) for the\n"
         "products that read them: 16 outputs a vector, the same bits. False where the layout does not apply (they keep\n"
-        "the row layout). zeros: the arrays are all zeros (a new slot bank): the copy is made zeroed, without reading them.");
+        "the row layout). zeros: the arrays are all zeros (a new slot bank): the copy is made zeroed, without reading them,\n"
+        "or taken from `reserved` (reserve_pack) where its shape is theirs.");
   m.def("repack", &edge0::repack_weights, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "slots"_a,
         "The experts `slots` of packed weights were written again (a bank's fills): their packed copy follows. Only\n"
         "while no product reads those experts. False where the weights have no packed copy.");

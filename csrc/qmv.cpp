@@ -941,10 +941,42 @@ static void run_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, con
 #endif
 
 #if defined(EDGE0_VNNI)
-static bool packable(const QWeights& q) {
-  const int64_t G = q.D / q.group_size;
-  return q.bits == 4 && q.N % 16 == 0 && q.D % 128 == 0 && q.D <= PACK_MAX_D && G <= PACK_MAX_GROUPS &&
-         (q.group_size == 32 || q.group_size == 64 || q.group_size == 128);
+static bool packable(int64_t N, int64_t D, int group_size, int bits) {
+  return bits == 4 && group_size > 0 && N % 16 == 0 && D % 128 == 0 && D <= PACK_MAX_D &&
+         D / group_size <= PACK_MAX_GROUPS && (group_size == 32 || group_size == 64 || group_size == 128);
+}
+static bool packable(const QWeights& q) { return packable(q.N, q.D, q.group_size, q.bits); }
+
+// A copy's vectors sized, zero (LineAligned: a large one not yet mapped in).
+static std::shared_ptr<Packed> new_packed(int64_t E, int64_t N, int64_t D, int group_size, bool bf16) {
+  const int64_t G = D / group_size;
+  auto p = std::make_shared<Packed>();
+  p->E = E, p->N = N, p->D = D, p->group_size = group_size;
+  p->w.resize(E * N * (D / 8));
+  if (bf16) {  // one pair of scales and biases: as stored (bfloat16), or float32
+    p->s16.resize(E * N * G);
+    p->b16.resize(E * N * G);
+  } else {
+    p->s.resize(E * N * G);
+    p->b.resize(E * N * G);
+  }
+  return p;
+}
+
+// A large vector's pages mapped in now (zero), rather than at the first write of each (MADV_POPULATE_WRITE, Linux
+// 5.14+; else written): a page first touched inside a fill makes that fill wait for it.
+template <class T>
+static void populate(LineVector<T>& v) {
+#ifdef MADV_HUGEPAGE
+  const size_t bytes = v.size() * sizeof(T);
+  if (bytes < LineAligned<T>::HUGE_BYTES) return;  // written at allocation
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(v.data(), LineAligned<T>::mapped(bytes), MADV_POPULATE_WRITE) == 0) return;
+#endif
+  std::memset(static_cast<void*>(v.data()), 0, bytes);
+#else
+  (void)v;
+#endif
 }
 #endif
 
@@ -991,21 +1023,24 @@ void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p, bool eve
 #endif
 }
 
+std::shared_ptr<Packed> zero_packed(int64_t E, int64_t N, int64_t D, int group_size, bool bf16) {
+#if defined(EDGE0_VNNI)
+  if (!packable(N, D, group_size, 4)) return nullptr;
+  auto p = new_packed(E, N, D, group_size, bf16);
+  populate(p->w), populate(p->s), populate(p->b), populate(p->s16), populate(p->b16);
+  return p;
+#else
+  (void)E, (void)N, (void)D, (void)group_size, (void)bf16;
+  return nullptr;
+#endif
+}
+
 std::shared_ptr<const Packed> pack(const QWeights& q, bool fill) {
 #if defined(EDGE0_VNNI)
   if (!packable(q)) return nullptr;
-  const int64_t G = q.D / q.group_size;
-  auto p = std::make_shared<Packed>();
-  p->E = q.E, p->N = q.N, p->D = q.D, p->group_size = q.group_size;
-  p->w.resize(q.E * q.N * (q.D / 8));
-  if (q.scales16 != nullptr) {
-    p->s16.resize(q.E * q.N * G);
-    p->b16.resize(q.E * q.N * G);
-  } else {
-    p->s.resize(q.E * q.N * G);
-    p->b.resize(q.E * q.N * G);
-  }
-  if (fill) pack_experts(q, 0, q.E, *p, true);  // else all zeros, as zero weights, scales and biases pack
+  if (!fill) return zero_packed(q.E, q.N, q.D, q.group_size, q.scales16 != nullptr);  // as zero weights pack
+  auto p = new_packed(q.E, q.N, q.D, q.group_size, q.scales16 != nullptr);
+  pack_experts(q, 0, q.E, *p, true);
   return p;
 #else
   (void)q, (void)fill;

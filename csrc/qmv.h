@@ -8,11 +8,13 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <new>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 namespace edge0 {
@@ -45,6 +47,9 @@ struct QWeights {
 // 2 MiB up (Linux) a fresh mapping of its own on 2 MiB pages, advised onto transparent huge pages before its first
 // touch where the system allows them: a product streams an expert's rows (1.6 MiB of the workload's gate) through one
 // TLB entry a 2 MiB page instead of 512 (malloc's blocks may reuse memory already touched on 4 KiB pages).
+// Its memory comes zeroed (a fresh mapping is; a smaller block is cleared) and a vector's resize writes nothing more
+// (Packed resizes each vector once, from empty): a copy is written once, by pack_experts, or mapped in by
+// zero_packed.
 template <class T>
 struct LineAligned {
   using value_type = T;
@@ -71,7 +76,17 @@ struct LineAligned {
       return reinterpret_cast<T*>(at);
     }
 #endif
-    return static_cast<T*>(::operator new(bytes, align));
+    T* p = static_cast<T*>(::operator new(bytes, align));
+    std::memset(p, 0, bytes);
+    return p;
+  }
+  template <class U>
+  void construct(U* p) {  // zero already: the allocation is
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
   void deallocate(T* p, size_t n) {
 #ifdef MADV_HUGEPAGE
@@ -111,6 +126,11 @@ constexpr int64_t PACK_MAX_GROUPS = 512;
 // little per output on its lane sums (a build that packed 2048 x 2048 found it no faster at 1 or 8 rows), so they
 // are not packed.
 constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
+
+// A zero packed copy of E experts of N x D 4-bit weights (a new slot bank's), its pages mapped in: made ahead of the
+// bank's first use (reserve_pack, on a thread of its own while the prompt computes) and taken by pack; null where
+// the layout does not apply.
+std::shared_ptr<Packed> zero_packed(int64_t E, int64_t N, int64_t D, int group_size, bool bf16);
 
 // q's packed copy; null where the layout does not apply (not 4-bit, N % 16, D % 128, D > PACK_MAX_D, more than
 // PACK_MAX_GROUPS groups, or no VNNI path built).

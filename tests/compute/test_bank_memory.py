@@ -3,6 +3,7 @@ computes (on the allocation stream), then taken by its first use."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from edge0.compute.banks import Bank, Fence
 from edge0.io.manifest import read_manifest
@@ -82,3 +83,25 @@ def test_banks_are_allocated_on_any_thread():
 
     with ThreadPoolExecutor(1) as worker:
         assert worker.submit(on_worker).result() == [True, True, True]
+
+
+def test_a_prepared_bank_takes_its_packed_copies_made_ahead():
+    """A decode bank prepared during the prompt also starts its packed copies' zero memory (the extension's
+    reserve_pack, on threads of its own), and its first use takes them: the pages are mapped in while the prompt
+    computes, not at the first decode step. Its products then run on those copies."""
+    from tests.helpers import use_kernel
+
+    k = use_kernel("edge0")
+    m = read_manifest(DEMO)
+    gs = m.quantization["group_size"]
+    if k.ext is None or k.ext.reserve_pack(4, 128, 256, gs, False) is None:
+        pytest.skip("no packed layout in this build (the VNNI path's)")
+    bank = Bank(m.pieces, 4, Fence(), None, pack_group_size=gs)
+    bank.prepare()
+    made = {proj: r.address() for proj, r in bank._reserved.items()}
+    assert set(made) == {"gate_proj", "up_proj", "down_proj"} and all(made.values())
+    arrays = bank.arrays
+    assert bank.packed == 3 and not bank._reserved
+    for proj, at in made.items():
+        triple = [arrays[f"{proj}.{part}"] for part in ("weight", "scales", "biases")]
+        assert k.ext.packed_address(*triple, gs) == at

@@ -3,6 +3,7 @@ ops against MLX's bits, and the packed weight layout. Extension tests skip when 
 Shapes: T tokens, K routed, E experts, D inputs, N outputs."""
 
 import gc
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -363,6 +364,81 @@ def test_large_packed_copies_lie_on_huge_pages():
     small = _copies(*quantized((48, 256), 64, seed=4))
     assert EXT.pack(*small, 64) and EXT.packed_address(*small, 64) % 64 == 0
     assert EXT.packed_address(*_copies(*small), 64) == 0  # equal values, other arrays: no copy of theirs
+
+
+def _zero_bank(experts: int, n: int, d: int, gs: int):
+    """A new slot bank's arrays of 4-bit weights: zeros, in MLX's memory."""
+    w = mx.array(np.zeros((experts, n, d // 8), np.uint32))
+    s, b = (mx.array(np.zeros((experts, n, d // gs), np.float32)) for _ in range(2))
+    mx.eval(w, s, b)
+    return w, s, b
+
+
+def _rss_kb(address: int) -> int:
+    return int(_mapping_of(address)["Rss"].split()[0])
+
+
+def _fill_and_compare(bank, gs: int, expert: int, other: int):
+    """A fill of `expert` (its rows written as a read lands, then repacked): products of it and of `other` (never
+    filled) equal the row layout's, and `other`'s are zeros."""
+    w, s, b = bank
+    n, d = w.shape[1], w.shape[2] * 8
+    for dst, src in zip(bank, quantized((n, d), gs, seed=11)):
+        row = np.array(src).view(np.uint8).ravel()
+        memoryview(dst).cast("B")[expert * row.size:(expert + 1) * row.size] = row.tobytes()
+    assert EXT.repack(w, s, b, gs, [expert])
+    x = mx.array(np.random.default_rng(2).standard_normal((1, d)).astype(np.float32))
+    idx = mx.array(np.array([[expert, other]], np.uint32))
+    packed = EXT.qmv(x, w, s, b, idx, gs)
+    EXT.set_packed(False)
+    try:
+        assert mx.array_equal(packed, EXT.qmv(x, w, s, b, idx, gs))
+    finally:
+        EXT.set_packed(True)
+    out = np.array(packed).reshape(2, n)
+    assert out[0].any() and not out[1].any()
+
+
+PACKED_SMAPS = [needs_ext,
+                pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the VNNI path's"),
+                pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the copy's mapping")]
+
+
+def _marked(test):
+    for mark in reversed(PACKED_SMAPS):
+        test = mark(test)
+    return test
+
+
+@_marked
+def test_a_new_banks_packed_copy_has_its_pages_before_its_first_fill():
+    """A new slot bank's packed copy (all zeros) has its pages mapped in when made: pages first touched inside fills
+    made the workload's native streamed decode 0.92x slower (tools/pipeline_ab.py, 10 rounds from the disk). Its
+    products are the row layout's: the filled expert's, and zeros for the others."""
+    use_kernel("edge0")
+    bank = _zero_bank(8, 4096, 256, 64)  # the copy's words: 4 MiB
+    assert EXT.pack(*bank, 64, zeros=True)
+    assert _rss_kb(EXT.packed_address(*bank, 64)) >= 4096
+    _fill_and_compare(bank, 64, 3, 5)
+
+
+@_marked
+def test_a_reserved_packed_copy_is_made_ahead_and_taken_by_its_bank():
+    """reserve_pack makes a new bank's zero copy on a thread of its own (while the prompt computes: mapping in its
+    pages took the workload's four banks 330 ms of the first decode step); the bank's pack takes it where its shape is
+    the bank's, once, and leaves one of another shape alone."""
+    use_kernel("edge0")
+    reserved, other = EXT.reserve_pack(8, 4096, 256, 64, False), EXT.reserve_pack(8, 2048, 256, 64, False)
+    made, other_made = reserved.address(), other.address()
+    assert made % (2 << 20) == 0 and _rss_kb(made) >= 4096  # mapped in already, on a 2 MiB boundary
+    bank = _zero_bank(8, 4096, 256, 64)
+    assert EXT.pack(*bank, 64, zeros=True, reserved=other)
+    assert EXT.packed_address(*bank, 64) != other_made and other.address() == other_made  # not its shape: not taken
+    again = _zero_bank(8, 4096, 256, 64)
+    assert EXT.pack(*again, 64, zeros=True, reserved=reserved)
+    assert EXT.packed_address(*again, 64) == made and reserved.address() == 0  # taken, once
+    _fill_and_compare(again, 64, 6, 1)
+    assert EXT.reserve_pack(8, 40, 256, 64, False) is None  # outputs not a multiple of 16: no packed layout
 
 
 @needs_ext
