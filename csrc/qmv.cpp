@@ -963,17 +963,16 @@ static std::shared_ptr<Packed> new_packed(int64_t E, int64_t N, int64_t D, int g
   return p;
 }
 
-// A large vector's pages mapped in now (zero), rather than at the first write of each (MADV_POPULATE_WRITE, Linux
-// 5.14+; else written): a page first touched inside a fill makes that fill wait for it.
+// A large vector's pages mapped in now (zero), rather than at the first write of each: a page first touched inside a
+// fill makes that fill wait for it. One write a page (a 2 MiB one where advised) faults it in; MADV_POPULATE_WRITE
+// would hold the process's mmap lock throughout, so that the prompt's allocations meanwhile wait for it.
 template <class T>
 static void populate(LineVector<T>& v) {
 #ifdef MADV_HUGEPAGE
-  const size_t bytes = v.size() * sizeof(T);
+  const size_t bytes = v.size() * sizeof(T), page = (size_t)sysconf(_SC_PAGESIZE);
   if (bytes < LineAligned<T>::HUGE_BYTES) return;  // written at allocation
-#ifdef MADV_POPULATE_WRITE
-  if (madvise(v.data(), LineAligned<T>::mapped(bytes), MADV_POPULATE_WRITE) == 0) return;
-#endif
-  std::memset(static_cast<void*>(v.data()), 0, bytes);
+  volatile char* at = reinterpret_cast<volatile char*>(v.data());
+  for (size_t b = 0; b < bytes; b += page) at[b] = 0;
 #else
   (void)v;
 #endif
