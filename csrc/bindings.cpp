@@ -203,6 +203,11 @@ static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) { return pa
 // first decode step's. Freed with the object where never taken.
 struct PackReservation {
   std::shared_future<std::shared_ptr<Packed>> copy;
+  struct Maker {
+    std::atomic<pthread_t> thread{};  // the thread making the copy (0 until it runs)
+    std::atomic<bool> wanted{false};  // a bank waits for the copy: made at normal priority from now on
+  };
+  std::shared_ptr<Maker> maker;
   int64_t E, N, D;
   int group_size;
   bool bf16;
@@ -216,6 +221,14 @@ struct PackReservation {
   }
   std::shared_ptr<Packed> take() {  // once: waits for the copy
     if (!copy.valid()) return nullptr;
+#ifdef SCHED_IDLE
+    if (copy.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      maker->wanted.store(true);  // on a busy machine an idle thread may wait long: normal priority again
+      const pthread_t t = maker->thread.load();  // 0: it has not run yet, and will see `wanted`
+      sched_param none{};
+      if (t) pthread_setschedparam(t, SCHED_OTHER, &none);  // not joined before get(): its id is still its own
+    }
+#endif
     auto p = copy.get();
     copy = {};
     return p;
@@ -224,16 +237,19 @@ struct PackReservation {
 
 static std::optional<PackReservation> reserve_pack(int64_t E, int64_t N, int64_t D, int gs, bool bf16) {
   if (!zero_packed(0, N, D, gs, bf16)) return std::nullopt;  // the layout does not apply (a copy of no expert)
+  auto maker = std::make_shared<PackReservation::Maker>();
   const auto made = [=] {
 #ifdef SCHED_IDLE
-    // on a core the prompt leaves idle (its reads, its syncs): its compute goes first (on the workload's warm
-    // prompts, 1.19x slower beside the copies at normal priority); a bank's first use that finds it unmade waits
+    // on a core the prompt leaves idle (its reads, its syncs): its compute goes first; a bank's first use that finds
+    // the copy unmade puts this thread back at normal priority and waits (take)
+    maker->thread.store(pthread_self());
     sched_param none{};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+    if (maker->wanted.load()) pthread_setschedparam(pthread_self(), SCHED_OTHER, &none);
 #endif
     return zero_packed(E, N, D, gs, bf16);
   };
-  return PackReservation{std::async(std::launch::async, made).share(), E, N, D, gs, bf16};
+  return PackReservation{std::async(std::launch::async, made).share(), maker, E, N, D, gs, bf16};
 }
 
 // Make and keep the packed copy of (w, scales, biases) for the products that read these arrays from now on; false

@@ -4,6 +4,9 @@ Shapes: T tokens, K routed, E experts, D inputs, N outputs."""
 
 import gc
 import os
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -439,6 +442,29 @@ def test_a_reserved_packed_copy_is_made_ahead_and_taken_by_its_bank():
     assert EXT.packed_address(*again, 64) == made and reserved.address() == 0  # taken, once
     _fill_and_compare(again, 64, 6, 1)
     assert EXT.reserve_pack(8, 40, 256, 64, False) is None  # outputs not a multiple of 16: no packed layout
+
+
+@_marked
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the copies are made at SCHED_IDLE on Linux only")
+def test_a_bank_waiting_for_its_reserved_copy_gets_it_on_a_busy_machine():
+    """A reserved copy is made at idle priority (the prompt's compute goes first), but a bank whose first use finds it
+    unmade puts its thread back at normal priority: with every core busy, an idle thread would wait for them (about
+    20 s for this copy on a 2-core machine)."""
+    use_kernel("edge0")
+    bank = _zero_bank(64, 4096, 256, 64)  # 40 MiB of copy to map in
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.5)  # they hold every core
+        t0 = time.perf_counter()
+        reserved = EXT.reserve_pack(64, 4096, 256, 64, False)
+        assert EXT.pack(*bank, 64, zeros=True, reserved=reserved)
+        took = time.perf_counter() - t0
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert reserved.address() == 0 and EXT.packed_address(*bank, 64)  # the reserved copy, taken
+    assert took < 5, took
 
 
 @needs_ext
