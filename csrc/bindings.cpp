@@ -199,8 +199,8 @@ static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
 static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) { return packed_address(w, s, b, gs) != 0; }
 
 // A new slot bank's zero packed copy, made on a thread of its own from reserve_pack (while the prompt computes) and
-// taken by the bank's pack(zeros=True): mapping in its pages (four banks of the workload: 330 ms) is then not the
-// first decode step's. Freed with the object where never taken.
+// taken by the bank's pack(zeros=True): faulting in its pages is then not its first use's (the prompt's last token,
+// docs/results/pipeline.md "Twenty-second sitting"). Freed with the object where never taken.
 struct PackReservation {
   std::shared_future<std::shared_ptr<Packed>> copy;
   struct Maker {
@@ -236,7 +236,7 @@ struct PackReservation {
 };
 
 static std::optional<PackReservation> reserve_pack(int64_t E, int64_t N, int64_t D, int gs, bool bf16) {
-  if (!zero_packed(0, N, D, gs, bf16)) return std::nullopt;  // the layout does not apply (a copy of no expert)
+  if (!packable(N, D, gs, 4)) return std::nullopt;
   auto maker = std::make_shared<PackReservation::Maker>();
   const auto made = [=] {
 #ifdef SCHED_IDLE

@@ -941,10 +941,6 @@ static void run_packed(const QWeights& q, int64_t e, int64_t n0, int64_t n1, con
 #endif
 
 #if defined(EDGE0_VNNI)
-static bool packable(int64_t N, int64_t D, int group_size, int bits) {
-  return bits == 4 && group_size > 0 && N % 16 == 0 && D % 128 == 0 && D <= PACK_MAX_D &&
-         D / group_size <= PACK_MAX_GROUPS && (group_size == 32 || group_size == 64 || group_size == 128);
-}
 static bool packable(const QWeights& q) { return packable(q.N, q.D, q.group_size, q.bits); }
 
 // A copy's vectors sized, zero (LineAligned: a large one not yet mapped in).
@@ -1019,6 +1015,16 @@ void pack_experts(const QWeights& q, int64_t e0, int64_t e1, Packed& p, bool eve
     for (int64_t t = 0; t < tasks; t++) blocks(t);
 #else
   (void)q, (void)e0, (void)e1, (void)p, (void)every_core;
+#endif
+}
+
+bool packable(int64_t N, int64_t D, int group_size, int bits) {
+#if defined(EDGE0_VNNI)
+  return bits == 4 && group_size > 0 && N % 16 == 0 && D % 128 == 0 && D <= PACK_MAX_D &&
+         D / group_size <= PACK_MAX_GROUPS && (group_size == 32 || group_size == 64 || group_size == 128);
+#else
+  (void)N, (void)D, (void)group_size, (void)bits;
+  return false;
 #endif
 }
 

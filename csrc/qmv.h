@@ -127,6 +127,9 @@ constexpr int64_t PACK_MAX_GROUPS = 512;
 // are not packed.
 constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
 
+// Whether N x D weights of these bits and group size have a packed layout (false where no VNNI path is built).
+bool packable(int64_t N, int64_t D, int group_size, int bits);
+
 // A zero packed copy of E experts of N x D 4-bit weights (a new slot bank's), its pages mapped in: made ahead of the
 // bank's first use (reserve_pack, on a thread of its own while the prompt computes) and taken by pack; null where
 // the layout does not apply.

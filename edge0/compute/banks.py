@@ -125,6 +125,7 @@ class Bank:
         self._bases: dict[str, mx.array] = {}  # their memory, queued by prepare() and not yet used
         self._bases_thread = None  # the thread that queued them (its stream computes them)
         self._reserved = {}  # projection -> its packed copy's zero memory, being made (prepare), taken by _pack
+        self._index = {p.name: i for i, p in enumerate(pieces)}
         widened = [p for p, w in zip(pieces, self.widen) if w]
         self._stage_bytes = sum(p.nbytes for p in widened)
         self._stage_at = {}  # piece index -> byte offset inside a slot's staging row
@@ -161,10 +162,10 @@ class Bank:
         return mx.float32 if widened else MLX_DTYPES[piece.dtype]
 
     def prepare(self) -> None:
-        """Queue the zeros of the bank's memory on the allocation stream, to be taken by its first use (`arrays`): a
-        decode bank's memory is written while the prompt computes, not at the first decode step (on the workload, four
-        banks of 20 slots and their packed copies: most of that step; docs/results/pipeline.md, "Twentieth sitting")."""
-        if self._arrays is not None or self._bases:
+        """Queue the zeros of the bank's memory on the allocation stream, and start its packed copies (_reserve), to
+        be taken by its first use (`arrays`): a decode bank's memory is written while the prompt computes, not at its
+        first use (the prompt's last token: docs/results/pipeline.md, "Twentieth" and "Twenty-second sitting"). Once."""
+        if self._arrays is not None or self._bases or self._reserved:
             return
         for p, w in zip(self.pieces, self.widen):
             shape, dtype = (self.slots, *p.shape), self._dtype(p, w)
@@ -176,21 +177,21 @@ class Bank:
 
     def _reserve(self) -> None:
         """Start the packed copies' zero memory (the extension's reserve_pack, on threads of its own), taken by the
-        bank's first use: mapping in those pages took four banks of 26 slots 330 ms of the workload's first decode step."""
+        bank's first use (_pack), which would otherwise fault in every page of them itself."""
         ext = current().ext if self.pack_group_size else None
-        if ext is None or not hasattr(ext, "reserve_pack"):
+        if ext is None:
             return
-        for p, w in zip(self.pieces, self.widen):
-            proj, _, part = p.name.rpartition(".")
-            if part != "scales":
-                continue
-            weight = next((q for q in self.pieces if q.name == f"{proj}.weight"), None)
-            if weight is None or len(weight.shape) != 2:
-                continue
-            bf16 = self._dtype(p, w) == mx.bfloat16
+        for proj in self._projections():
+            weight, scales = (self.pieces[self._index[f"{proj}.{part}"]] for part in ("weight", "scales"))
+            bf16 = self._dtype(scales, self.widen[self._index[scales.name]]) == mx.bfloat16
             reserved = ext.reserve_pack(self.slots, weight.shape[0], weight.shape[1] * 8, self.pack_group_size, bf16)
             if reserved is not None:
                 self._reserved[proj] = reserved
+
+    def _projections(self) -> list[str]:
+        """The projections (gate_proj, ...) whose weight, scales and biases the bank holds: those a copy may pack."""
+        names = {p.name.rsplit(".", 1)[0] for p in self.pieces}
+        return sorted(n for n in names if all(f"{n}.{k}" in self._index for k in ("weight", "scales", "biases")))
 
     def _pack(self) -> None:
         """The edge0 kernel's packed copy of each projection whose layout pays for it (csrc/qmv.h Packed: the same
@@ -200,13 +201,10 @@ class Bank:
         if ext is None:
             return
         a = self._arrays
-        for proj in sorted({p.name.rsplit(".", 1)[0] for p in self.pieces}):
-            triple = tuple(a.get(f"{proj}.{k}") for k in ("weight", "scales", "biases"))
-            reserved = self._reserved.pop(proj, None)
-            if all(t is not None for t in triple) and ext.pack(*triple, self.pack_group_size, zeros=True,
-                                                               reserved=reserved):  # new
+        for proj in self._projections():
+            triple = tuple(a[f"{proj}.{k}"] for k in ("weight", "scales", "biases"))
+            if ext.pack(*triple, self.pack_group_size, zeros=True, reserved=self._reserved.pop(proj, None)):  # new
                 self._packed.append(triple)
-        self._reserved = {}
         self._ext = ext  # commit runs on I/O threads, outside the graph-building thread's kernel context
 
     @property

@@ -88,7 +88,7 @@ def test_banks_are_allocated_on_any_thread():
 def test_a_prepared_bank_takes_its_packed_copies_made_ahead():
     """A decode bank prepared during the prompt also starts its packed copies' zero memory (the extension's
     reserve_pack, on threads of its own), and its first use takes them: the pages are mapped in while the prompt
-    computes, not at the first decode step. Its products then run on those copies."""
+    computes, not at that first use. Its products then run on those copies."""
     from tests.helpers import use_kernel
 
     k = use_kernel("edge0")
@@ -100,8 +100,32 @@ def test_a_prepared_bank_takes_its_packed_copies_made_ahead():
     bank.prepare()
     made = {proj: r.address() for proj, r in bank._reserved.items()}
     assert set(made) == {"gate_proj", "up_proj", "down_proj"} and all(made.values())
+    reserved = dict(bank._reserved)
+    bank.prepare()  # again (each prompt layer asks): nothing more started
+    assert bank._reserved == reserved
     arrays = bank.arrays
     assert bank.packed == 3 and not bank._reserved
     for proj, at in made.items():
         triple = [arrays[f"{proj}.{part}"] for part in ("weight", "scales", "biases")]
         assert k.ext.packed_address(*triple, gs) == at
+
+
+def test_a_bank_with_no_memory_to_queue_starts_its_packed_copies_once(monkeypatch):
+    """Where no piece's slot is a whole number of O_DIRECT blocks, prepare queues no memory: it still starts the
+    packed copies once, not again at every prompt layer that asks (each start is a thread and a copy)."""
+    from edge0.compute import banks
+    from tests.helpers import use_kernel
+
+    k = use_kernel("edge0")
+    m = read_manifest(DEMO)
+    gs = m.quantization["group_size"]
+    if k.ext is None or k.ext.reserve_pack(4, 128, 256, gs, False) is None:
+        pytest.skip("no packed layout in this build (the VNNI path's)")
+    monkeypatch.setattr(banks, "alignable", lambda shape, dtype: False)
+    bank = Bank(m.pieces, 4, Fence(), None, pack_group_size=gs)
+    bank.prepare()
+    reserved = dict(bank._reserved)
+    assert reserved and not bank._bases
+    bank.prepare()
+    assert bank._reserved == reserved
+    assert bank.packed == 0 and bank.arrays and bank.packed == 3 and not bank._reserved

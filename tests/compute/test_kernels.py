@@ -349,8 +349,18 @@ def _thp() -> str:
     return text.split("[")[1].split("]")[0]
 
 
-@needs_ext
-@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+PACKED_SMAPS = [needs_ext,  # tests that read a packed copy's mapping
+                pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the VNNI path's"),
+                pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the copy's mapping")]
+
+
+def _marked(test):
+    for mark in reversed(PACKED_SMAPS):
+        test = mark(test)
+    return test
+
+
+@_marked
 @pytest.mark.skipif(_thp() == "never", reason="no transparent huge pages here (Linux, THP madvise or always)")
 def test_large_packed_copies_lie_on_huge_pages():
     """A packed copy of 2 MiB or more starts on a 2 MiB page and is advised onto transparent huge pages (csrc/qmv.h
@@ -402,17 +412,6 @@ def _fill_and_compare(bank, gs: int, expert: int, other: int):
     assert out[0].any() and not out[1].any()
 
 
-PACKED_SMAPS = [needs_ext,
-                pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the VNNI path's"),
-                pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the copy's mapping")]
-
-
-def _marked(test):
-    for mark in reversed(PACKED_SMAPS):
-        test = mark(test)
-    return test
-
-
 @_marked
 def test_a_new_banks_packed_copy_has_its_pages_before_its_first_fill():
     """A new slot bank's packed copy (all zeros) has its pages mapped in when made: pages first touched inside fills
@@ -428,8 +427,8 @@ def test_a_new_banks_packed_copy_has_its_pages_before_its_first_fill():
 @_marked
 def test_a_reserved_packed_copy_is_made_ahead_and_taken_by_its_bank():
     """reserve_pack makes a new bank's zero copy on a thread of its own (while the prompt computes: mapping in its
-    pages took the workload's four banks 330 ms of the first decode step); the bank's pack takes it where its shape is
-    the bank's, once, and leaves one of another shape alone."""
+    pages at the bank's first use held up the prompt's last token); the bank's pack takes it where its shape is the
+    bank's, once, and leaves one of another shape alone."""
     use_kernel("edge0")
     reserved, other = EXT.reserve_pack(8, 4096, 256, 64, False), EXT.reserve_pack(8, 2048, 256, 64, False)
     made, other_made = reserved.address(), other.address()
@@ -448,8 +447,8 @@ def test_a_reserved_packed_copy_is_made_ahead_and_taken_by_its_bank():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the copies are made at SCHED_IDLE on Linux only")
 def test_a_bank_waiting_for_its_reserved_copy_gets_it_on_a_busy_machine():
     """A reserved copy is made at idle priority (the prompt's compute goes first), but a bank whose first use finds it
-    unmade puts its thread back at normal priority: with every core busy, an idle thread would wait for them (about
-    20 s for this copy on a 2-core machine)."""
+    unmade puts its thread back at normal priority: with every core busy, an idle thread waits for them (without the
+    boost this test failed its 5 s bound)."""
     use_kernel("edge0")
     bank = _zero_bank(64, 4096, 256, 64)  # 40 MiB of copy to map in
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
