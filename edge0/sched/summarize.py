@@ -87,8 +87,11 @@ def summarize(data: dict) -> dict:
     decode_reads = [e for e in by["read"] if not e["args"].get("whole_layer")]
     busy_ms, depth = _busy(decode_reads)
     decode_bytes = sum(e["args"].get("bytes", 0) for e in decode_reads)
+    last = min((e for e in spans if e["name"] == "step" and e["args"].get("step") == 0), key=lambda e: e["ts"],
+               default=None)  # the prompt's last token: the step that yields the first token, in the prompt's time
     mbps = decode_bytes / 1e3 / busy_ms if busy_ms else 0.0  # MB/s while any decode read was running
     return {
+        "prompt_last_step_ms": last["dur"] / 1e3 if last else None,
         "steps": n,
         "tok_s": 1e3 * n / step_ms if step_ms else 0.0,
         "step_ms": per(step_ms),
@@ -185,6 +188,9 @@ def print_summary(s: dict) -> None:
                     "ms/step"),
         ("recall", "-" if s["recall"] is None else f"{100 * s['recall']:.1f}%"),
     ]
+    if s.get("prompt_last_step_ms") is not None:  # where a first use's work (a bank's memory) lands before decode
+        rows.insert(0, ("prompt", f"its last token's step {s['prompt_last_step_ms']:.1f} ms (the first token's; "
+                                  "in the prompt's time, not decode's)"))
     if fit["a_ms"] is not None:
         rows.append(("load cost", f"{fit['a_ms']:.3f} ms + {fit['b_ms']:.3f} ms x cold (rms residual "
                                   f"{fit['rms_residual_ms']:.3f} ms, max {fit['max_residual_ms']:.3f} ms)"))

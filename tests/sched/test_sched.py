@@ -63,6 +63,9 @@ def test_fills_run_on_pool_threads_and_trace_matches_json(models, tmp_path, caps
     assert summary["recall"] == pytest.approx(result["recall"])
     assert summary["stall_ms_per_token"] == pytest.approx(result["stall_ms_per_token"], rel=1e-3, abs=1e-3)
     assert summary["cold_fraction"] == pytest.approx(result["load_cold_fraction"], abs=1e-6)
+    prompt_ms = 1e3 * result["prompt_tokens"] / result["prefill_tok_s"]
+    assert 0 < summary["prompt_last_step_ms"] < prompt_ms  # inside the prompt's time
+    assert summary["prompt_last_step_ms"] > summary["step_ms"] / 20  # a whole step, not a span inside one
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert main(["trace", "summarize", str(trace), "--json", "--windows", "3"]) == 0  # per 3 decode steps
     rows = json.loads(capsys.readouterr().out)["windows"]
