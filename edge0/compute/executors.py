@@ -299,7 +299,7 @@ class WholeLayer:
         if nxt is not None and nxt not in self.pending:  # the other bank is free (the layer before is evaluated):
             self._start(nxt, in_use=bank)  # the next layer's read runs beside this one's and this layer's compute
         for decode in self.decode_banks:  # after the prompt's own banks, on the allocation stream: written while it
-            decode.prepare()  # computes, not at the first decode step (once: then queued or allocated)
+            decode.prepare()  # computes, not at their first use, the prompt's last token (once)
         self.reader.pool.wait([task], layer=layer, why="prefill")
         y = switch_glu(x, inds, bank.read(), self.quant)
         mx.eval(y)  # SYNC: compute this layer now so its bank can take the layer after next
