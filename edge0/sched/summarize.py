@@ -35,6 +35,8 @@ def load_trace(path: str | Path) -> dict:
     for e in data["traceEvents"]:
         if not isinstance(e, dict) or "ph" not in e or (e["ph"] == "X" and not {"ts", "dur", "name"} <= e.keys()):
             raise Edge0Error(f"{path}: damaged event {str(e)[:80]}")
+        if not isinstance(e.setdefault("args", {}), dict):  # optional in the format: none is no arguments
+            raise Edge0Error(f"{path}: damaged event {str(e)[:80]} (args is not an object)")
     return data
 
 

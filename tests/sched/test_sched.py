@@ -93,6 +93,19 @@ def test_bad_trace_files(tmp_path, capsys):
     assert "no such trace file" in capsys.readouterr().err
     assert main(["trace", "summarize", str(bad), "--windows", "0"]) == 2
     assert "--windows 0: must be at least 1" in capsys.readouterr().err
+    from edge0.sched.trace import FORMAT
+
+    def trace_of(*events):
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"traceEvents": list(events), "otherData": {"format": FORMAT}}))
+        return str(path)
+
+    bare = {"ph": "X", "name": "step", "ts": 0, "dur": 5000}  # args are optional in the format: a decode step
+    assert main(["trace", "summarize", trace_of(bare, {**bare, "ts": 9000}), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["steps"] == 2 and got["prompt_last_step_ms"] is None
+    assert main(["trace", "summarize", trace_of({**bare, "args": [1]})]) == 2
+    assert "args is not an object" in capsys.readouterr().err
 
 
 class FakeReader:
