@@ -43,10 +43,14 @@ def run_batch(engine, prompts: list[str], *, max_batch: int, stagger: bool, max_
 # the solo ones on the edge0 kernels, the cause not pinned down; on the tree that added it here, 24 runs of 8 prompts
 # at batch sizes 2, 4 and 8, with and without reading ahead and a slow disk, found no difference.) None (the
 # default, predicted) and "native" run every expert resident on the demo (auto: they fit); "-staged" streams them
-# into slot banks; "-staged:28" into 28 slots a layer, where layers 0, 1 and 5 hold every expert (--placement) and
-# the routed layers get 24 each: up to 3 rows the batch builds its next step ahead, at 4 one step at a time.
-AS_ALONE = [(r, "mlx") for r in (None, "predicted-staged", "native", "native-staged", "prefetch")] + [
-    (r, "edge0") for r in (None, "predicted-staged", "predicted-staged:28", "native", "native-staged", "prefetch")
+# into slot banks (at batch 4 the default is 32 slots a layer, every expert: layers 0, 1 and 5, which no head routes,
+# hold them, --placement auto); "/even" streams every layer into them; "-staged:28" into 28 slots a layer, where
+# layers 0, 1 and 5 hold every expert and the routed layers get 24 each: up to 3 rows the batch builds its next step
+# ahead, at 4 one step at a time.
+AS_ALONE = [(r, "mlx") for r in (None, "predicted-staged", "predicted-staged/even", "native", "native-staged",
+                                 "prefetch")] + [
+    (r, "edge0") for r in (None, "predicted-staged", "predicted-staged/even", "predicted-staged:28", "native",
+                           "native-staged", "prefetch")
     if kernels.available()]
 
 
@@ -58,10 +62,13 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
     the heads' history follows the rows."""
     lengths = {p: N - 4 + i % 5 for i, p in enumerate(PROMPTS)}
     routing, _, executor = (routing or "").partition("-")
+    executor, _, placement = executor.partition("/")
     executor, _, slots = executor.partition(":")
     with open_engine(EngineConfig(routing=routing or None, executor=executor or "auto", max_batch=4, kernel=kernel,
-                                  slots=int(slots) if slots else None, prompt_cache_gib=0)) as engine:
-        assert bool(slots) == bool(engine.describe()["held_layers"])
+                                  slots=int(slots) if slots else None, placement=placement or "auto",
+                                  prompt_cache_gib=0)) as engine:
+        held = routing == "predicted" and executor == "staged" and placement != "even"
+        assert engine.describe()["held_layers"] == ([0, 1, 5] if held else None)
         if slots:  # no layer syncs inside a step: the batch builds step n+1 while step n evaluates (3 rows, not 4)
             assert engine.store.runtime.overlaps_batch(3) and not engine.store.runtime.overlaps_batch(4)
         solo = {p: engine.generate(GenRequest(prompt=engine.encode_text(p), max_tokens=lengths[p])) for p in PROMPTS}

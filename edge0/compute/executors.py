@@ -270,6 +270,13 @@ class WholeLayer:
         self.pending: dict[int, tuple[Bank, ReadTask]] = {}
         self.decode_banks: list[Bank] = []  # the runtime's slot banks (build_runtime): allocated while a prompt computes
 
+    def only(self, layers) -> None:
+        """Read only `layers` (the others hold every expert: compute/runtime.py _staged's held layers), each read
+        starting as the streamed layer before it computes."""
+        keep = set(layers)
+        order = [layer for layer in self.order if layer in keep]
+        self.next = dict(zip(order, order[1:]))
+
     def wants(self, inds: mx.array) -> bool:
         """A prompt chunk touching about every expert; never a decode step, even a batch's (B rows of one
         token each): its experts are the batch's union, read into the slot banks."""

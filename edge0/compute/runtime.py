@@ -226,6 +226,8 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
             and need + 2 * m.num_experts * per_slot <= left):
         rt.prefill.pack_group_size = pack  # the prompt's two layers' packed copies fit too
     held = [layer for layer in layers if layer in held]
+    if rt.prefill is not None and held:  # a prompt reads the streamed layers alone
+        rt.prefill.only([layer for layer in layers if layer not in held])
     per_bank = streamed_slots(s, len(layers), len(held), m.num_experts)
     if len(held) * m.num_experts > s * len(layers) or (per_bank < m.top_k and len(held) < len(layers)):
         raise Edge0Error(f"layers {held} cannot hold every expert within {s} slots a layer")

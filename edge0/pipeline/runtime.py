@@ -390,11 +390,11 @@ def held_layers(m, heads, slots: int | None, candidates: int) -> tuple:
     so their reads can only be guessed ahead, and each costs a host sync and a wait for the disk inside the step;
     under prefetch routing their heads are the weak ones) hold every expert, where that fits in the memory of
     `slots` per layer (default 2K) and leaves each other layer at least twice its candidates (a step's and the
-    next's). Else none; none either where S slots hold every expert already (the banks fill as they are used)."""
+    next's), S >= E included (a bank holding every expert still syncs at each step: docs/results/pipeline.md,
+    "Twenty-third sitting"). Else none."""
     layers = [e.layer for e in m.layers]
     routed = set(heads.owners if heads.routes is None else heads.routes) & set(heads.owners)
     own = tuple(layer for layer in layers if layer not in routed)
-    s = slots or 2 * m.top_k
-    if not own or len(own) == len(layers) or s >= m.num_experts:
+    if not own or len(own) == len(layers):
         return ()
-    return own if streamed_slots(s, len(layers), len(own), m.num_experts) >= 2 * candidates else ()
+    return own if streamed_slots(slots or 2 * m.top_k, len(layers), len(own), m.num_experts) >= 2 * candidates else ()

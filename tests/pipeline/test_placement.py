@@ -10,6 +10,7 @@ from edge0.compute.runtime import streamed_slots
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
+from edge0.generation import GenRequest
 from edge0.pipeline.gate import CertainReads, ReadAheadGate
 from edge0.pipeline.prefetch import PrefetchExperts
 
@@ -41,17 +42,20 @@ def _run(ids, monkeypatch, **config) -> tuple[np.ndarray, dict, set, set]:
         return lp, engine.describe() | {"bytes": engine.store.runtime.resident_expert_bytes}, synced, demanded
 
 
-def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step(monkeypatch):
+@pytest.mark.parametrize("slots,streamed", [(20, 8), (32, 32)], ids=["shared", "every-expert-everywhere"])
+def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step(monkeypatch, slots, streamed):
     """20 slots a layer: layers 0, 1, 5 hold their 32 experts, layers 2-4 share the rest (8 slots each), the same
-    bytes as 20 everywhere. The same log-probabilities bit for bit on real text; the held layers never wait for the
-    host or the disk, where with even banks they do both (while they read ahead: the read-ahead gate's first steps do
-    here, as they did before its default became paused first steps; a paused layer routes as the staged executor)."""
+    bytes as 20 everywhere. 32: every bank could hold every expert, and still layers 0, 1, 5 would route through the
+    host at every step; held, they do not. The same log-probabilities bit for bit on real text; the held layers never
+    wait for the host or the disk, where with even banks they do both (while they read ahead: the read-ahead gate's
+    first steps do here, as they did before its default became paused first steps; a paused layer routes as the
+    staged executor)."""
     monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
     ids = real_text()
-    held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, slots=20)
-    even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, slots=20, placement="even")
-    assert d_held["held_layers"] == [0, 1, 5] and d_held["slots"] == 8
-    assert d_even["held_layers"] is None and d_even["slots"] == 20
+    held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, slots=slots)
+    even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, slots=slots, placement="even")
+    assert d_held["held_layers"] == [0, 1, 5] and d_held["slots"] == streamed
+    assert d_even["held_layers"] is None and d_even["slots"] == slots
     assert d_held["bytes"] == d_even["bytes"]  # the same memory, placed otherwise
     assert held.shape == even.shape and np.array_equal(held, even)
     assert {0, 1, 5} <= synced_even and {0, 1, 5} <= demanded_even
@@ -59,14 +63,33 @@ def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step
     assert demanded_held <= ROUTED
 
 
+@pytest.mark.parametrize("slots", [20, 32])
+def test_a_prompt_reads_no_held_layer(monkeypatch, slots):
+    """A prompt reads each streamed layer whole, the next one's read starting as the one before computes; layers 0, 1
+    and 5 hold every expert and are read by none (layer 5 was once read after layer 4, a whole layer for nothing, the
+    prompt then waiting for it)."""
+    from edge0.compute.executors import WholeLayer
+
+    started = []
+    start = WholeLayer._start
+
+    def record(self, layer, in_use=None):
+        started.append(layer)
+        return start(self, layer, in_use)
+
+    monkeypatch.setattr(WholeLayer, "_start", record)
+    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=slots)) as engine:
+        assert engine.describe()["held_layers"] == [0, 1, 5]
+        engine.generate(GenRequest(prompt=real_text()[:48], max_tokens=2))
+    assert started == [2, 3, 4]
+
+
 @pytest.mark.parametrize("config", [{"slots": 16}, {"slots": 20, "candidates": 8}, {"slots": 20, "routing": "prefetch",
-                                                                                      "predictor": "next-router"},
-                                    {"slots": 32}],
-                         ids=["too-few-slots-left", "too-few-for-2M", "no-heads", "every-expert-everywhere"])
+                                                                                      "predictor": "next-router"}],
+                         ids=["too-few-slots-left", "too-few-for-2M", "no-heads"])
 def test_no_layer_is_held_where_the_rest_would_be_starved_or_no_head_tells_the_layers_apart(config):
     """16 slots a layer leave none to the routed layers once three hold 32; 20 leave 8, under twice 8 candidates;
-    prefetch by the next layer's router has no heads to tell which layers read ahead well; 32 slots hold every expert
-    in every layer already."""
+    prefetch by the next layer's router has no heads to tell which layers read ahead well."""
     c = {"routing": "predicted", "executor": "staged"} | config
     with open_engine(EngineConfig(**c)) as engine:
         assert engine.describe()["held_layers"] is None

@@ -33,11 +33,12 @@ def start(log: Path, env: dict, flags: list[str]) -> tuple[subprocess.Popen, str
 
 # --slots 28: layers 0, 1 and 5 hold every expert (read at start: reads 1-3), the heads route 2-4, and the batch (one
 # request) builds each decode step while the one before evaluates: a failed fill is met with a step in flight
-@pytest.mark.parametrize("fault,flags", [("eio@3", []), ("short@9", []), ("short@15", ["--slots", "28"]),
+@pytest.mark.parametrize("fault,flags", [("eio@6", []), ("short@12", []), ("short@15", ["--slots", "28"]),
                                          ("eio@20", ["--slots", "28"]), ("eio@20", ["--max-batch", "1"])])
 def test_failed_read_is_a_500_then_the_next_request_is_served(tmp_path, fault, flags):
-    """eio@3 fails a whole-layer prefill read, short@9 a slot fill of a decode step (predicted routing, streamed);
-    short@15 and eio@20 decode fills where steps overlap; with --max-batch 1 one generation at a time."""
+    """eio@6 fails a whole-layer prefill read (reads 1-3 load layers 0, 1 and 5 at start: no head routes them, and at
+    batch 4 the default 32 slots hold every expert), short@12 a slot fill of a decode step (predicted routing,
+    streamed); short@15 and eio@20 decode fills where steps overlap; with --max-batch 1 one generation at a time."""
     answers = {}
     for env in ({}, {"EDGE0_FAULT": fault}):
         answers[bool(env)] = _serve_one(tmp_path / "log.txt", env, flags)
