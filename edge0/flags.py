@@ -45,7 +45,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                         "is resident and nothing is read, K when experts are streamed; between K and the model's experts)")
     p.add_argument("--read-ahead", choices=READ_AHEAD, default="measured",
                    help="streamed prefetch or predicted routing: measured (default) reads ahead while reads come from the "
-                        "disk and steps measure faster with it than without; always: every step, warm or not; never: no step")
+                        "disk and steps measure faster with it than without (prefetch: never where every bank holds every "
+                        "expert); always: every step, warm or not; never: no step")
     p.add_argument("--lora", metavar="FILE", default=None,
                    help="recovery adapter served beside the int4 weights, trained with the heads in use (default: "
                         "lora-k{K}.safetensors next to the store under predicted routing with its heads); none: without")

@@ -375,7 +375,8 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.predicted_routing = predicted_routing
     rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
-    rt.gate = read_ahead_gate(read_ahead)
+    full = all(b.slots >= reader.manifest.num_experts for b in base.banks)  # nothing to read ahead once filled
+    rt.gate = read_ahead_gate("never" if read_ahead == "measured" and full and not predicted_routing else read_ahead)
     for layer, staged in base.executors.items():
         if layer in base.held:
             exact = ExactExperts(reader, layer, compute_dtype)  # its quantization and experts (nothing is read)
@@ -390,8 +391,7 @@ def held_layers(m, heads, slots: int | None, candidates: int) -> tuple:
     so their reads can only be guessed ahead, and each costs a host sync and a wait for the disk inside the step;
     under prefetch routing their heads are the weak ones) hold every expert, where that fits in the memory of
     `slots` per layer (default 2K) and leaves each other layer at least twice its candidates (a step's and the
-    next's), S >= E included (a bank holding every expert still syncs at each step: docs/results/pipeline.md,
-    "Twenty-third sitting"). Else none."""
+    next's), S >= E too (a bank holding every expert syncs at each step: pipeline.md, "Twenty-third sitting")."""
     layers = [e.layer for e in m.layers]
     routed = set(heads.owners if heads.routes is None else heads.routes) & set(heads.owners)
     own = tuple(layer for layer in layers if layer not in routed)

@@ -13,7 +13,7 @@ import pytest
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.pipeline.gate import CertainReads, ReadAheadGate
+from edge0.pipeline.gate import CertainReads, NoReadAhead, ReadAheadGate
 
 from .test_identity import real_text
 from .test_pause import ahead, forced
@@ -280,6 +280,25 @@ def test_read_ahead_never_pauses_every_step_and_changes_no_output(text, routing)
     assert (ahead(rt) == 0) == (routing == "prefetch")
 
 
+@pytest.mark.parametrize("predictor", ["next-router", "heads"])
+def test_banks_that_hold_every_expert_read_nothing_ahead(text, predictor):
+    """32 slots a layer on the demo (E = 32) under a slow disk: once filled, a bank holds every expert and nothing is
+    left to read ahead, so the measured gate is `never` (the gate probed and read ahead at 79 of 256 steps from the
+    disk, decoding at 0.88x native): no fill is read ahead, the log-probabilities stay native's. Predicted routing
+    keeps its gate (its reads ahead are its routing's)."""
+    ids, native = text
+    with open_engine(EngineConfig(routing="prefetch", predictor=predictor, executor="staged", slots=32,
+                                  io_throttle_mbps=400)) as engine:
+        rt = engine.store.runtime
+        assert isinstance(rt.gate, NoReadAhead)
+        got = forced(engine, ids)
+    assert np.array_equal(got, native) and ahead(rt) == 0 and rt.paused_steps == len(ids) - 1
+    with open_engine(EngineConfig(routing="prefetch", predictor=predictor, executor="staged", slots=28)) as engine:
+        assert type(engine.store.runtime.gate) is ReadAheadGate  # 28 slots: some layer's bank is short of E
+    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=32)) as engine:
+        assert not isinstance(engine.store.runtime.gate, NoReadAhead)
+
+
 def test_reading_ahead_measured_faster_is_kept(text):
     ids, want = text
     with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400)) as engine:
@@ -305,8 +324,8 @@ def test_a_served_batchs_joins_and_leaves_are_not_timed_as_steps():
     join costs 10 s on the clock)."""
     from tests.test_batching import PROMPTS, run_batch
 
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400, max_batch=4,
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400, max_batch=4, slots=24,
+                                  prompt_cache_gib=0)) as engine:  # (32 slots, batch 4's default, read nothing ahead)
         rt = engine.store.runtime
         clock, timed = Clock(), []
 
