@@ -183,12 +183,22 @@ def test_a_terminated_capped_bench_leaves_no_cgroup_and_no_arm(models, tmp_path)
                              "--rounds", "3", "--max-tokens", "64", "--prompt-tokens", "16", "--memory-cap", "4",
                              "--out", str(tmp_path / "out")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     mine = f"edge0-bench-{proc.pid}-*"
+
+    def inside() -> list[str]:
+        """The processes of an arm's cgroup, once one has any."""
+        for group in cap.parent.glob(mine):
+            try:
+                pids = (group / "cgroup.procs").read_text().split()
+            except FileNotFoundError:  # that arm ended and its cgroup went between the glob and the read
+                continue
+            if pids:
+                return pids
+        return []
+
     deadline = time.monotonic() + 120
-    while not any((g / "cgroup.procs").read_text().strip() for g in cap.parent.glob(mine)):  # an arm is inside
+    while not (arms := inside()):
         assert proc.poll() is None and time.monotonic() < deadline, "no arm ran in a cgroup"
         time.sleep(0.05)
-    (group,) = cap.parent.glob(mine)
-    arms = (group / "cgroup.procs").read_text().split()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and b"Traceback" not in err, err.decode()[-2000:]
