@@ -263,7 +263,7 @@ class WholeLayer:
         self.reader, self.fence, self.compute_dtype = reader, fence, compute_dtype
         self.pack_group_size = pack_group_size
         self.order = [e.layer for e in m.layers]
-        self.next = dict(zip(self.order, self.order[1:]))
+        self.only(self.order)
         self.quant = Quant(m.quantization["bits"], m.quantization["group_size"], m.quantization.get("mode", "affine"))
         self.min_rows = m.num_experts  # T*K at which a step touches about every expert
         self.banks: list[Bank] = []
@@ -271,8 +271,8 @@ class WholeLayer:
         self.decode_banks: list[Bank] = []  # the runtime's slot banks (build_runtime): allocated while a prompt computes
 
     def only(self, layers) -> None:
-        """Read only `layers` (the others hold every expert: compute/runtime.py _staged's held layers), each read
-        starting as the streamed layer before it computes."""
+        """Read only `layers` (all of them at first; the others hold every expert: compute/runtime.py _staged's held
+        layers), each read starting as the streamed layer before it computes."""
         keep = set(layers)
         order = [layer for layer in self.order if layer in keep]
         self.next = dict(zip(order, order[1:]))
