@@ -36,7 +36,10 @@ def test_fewer_guesses_read_less_ahead_and_equal_native(text, predictor, monkeyp
     monkeypatch.setattr(prefetch, "_likeliest", spy)
     planned, read_ahead = {}, {}
     for guesses in (None, 1):
-        cfg = EngineConfig(routing="prefetch", predictor=predictor, guesses=guesses, io_throttle_mbps=THROTTLE)
+        # read_ahead always: the measured gate pauses reading ahead by the steps' timing, and what is planned must
+        # follow the predictions alone
+        cfg = EngineConfig(routing="prefetch", predictor=predictor, guesses=guesses, io_throttle_mbps=THROTTLE,
+                           read_ahead="always")
         with open_engine(cfg) as engine:
             sched, sizes = engine.store.runtime.sched, []
             plan = sched.prefetch
