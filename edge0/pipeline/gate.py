@@ -27,6 +27,8 @@ class ReadAheadGate:
     """Decides, step by step, whether the next decode step reads ahead. `step()` at every step boundary."""
 
     warm_pause = True  # a warm page cache pauses reading ahead (pipeline/runtime.py PAUSE_AFTER)
+    mode = "measured"  # the --read-ahead mode it runs, as --json reports it
+    why: str | None = None  # why it runs a mode the user did not ask for (--json)
 
     WINDOW = 8  # steps measured per mode before a choice: the last WINDOW of its stretch
     SETTLE = 2  # a probe's steps before its window: the first step after resuming has nothing read ahead yet,
@@ -127,7 +129,8 @@ class ReadAheadGate:
         """For --json: the mode now, the choices made, each mode's median step at the last choice (ms), and the
         last 64 choices (median ahead, median paused, whether it reads ahead after)."""
         ahead_ms, paused_ms, _ = self.history[-1] if self.history else (None, None, None)
-        return {"ahead": self.ahead, "choices": self.choices, "flips": self.flips,
+        return {"mode": self.mode, **({"why": self.why} if self.why else {}), "ahead": self.ahead,
+                "choices": self.choices, "flips": self.flips,
                 "ahead_step_ms": ahead_ms, "paused_step_ms": paused_ms, "history": list(self.history)}
 
 
@@ -135,6 +138,8 @@ class NoReadAhead(ReadAheadGate):
     """`--read-ahead never`: every decode step paused (prefetch reads on demand, as native; predicted routing's
     heads still route, their reads planned at the step's end). A disk known to lose by reading ahead, and the
     paused arm of an A/B. Nothing is timed or chosen; its summary is the gate's, with no choices."""
+
+    mode = "never"
 
     def __init__(self):
         super().__init__()
@@ -165,6 +170,11 @@ class CertainReads(ReadAheadGate):
         return True
 
 
-def read_ahead_gate(mode: str):
-    """The gate of `--read-ahead MODE`: measured, never, or None (always: nothing pauses)."""
+def read_ahead_gate(mode: str, *, full: bool = False):
+    """The gate of `--read-ahead MODE`: measured, never, or None (always: nothing pauses). full: every streamed bank
+    holds every expert, so nothing is left to read ahead once they have filled: measured is never there."""
+    if mode == "measured" and full:
+        gate = NoReadAhead()
+        gate.why = "every streamed bank holds every expert: nothing is left to read ahead"
+        return gate
     return {"measured": ReadAheadGate, "never": NoReadAhead}.get(mode, lambda: None)()

@@ -376,7 +376,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.candidates = candidates
     rt.guesses = None if guesses == k else guesses
     full = all(b.slots >= reader.manifest.num_experts for b in base.banks)  # nothing to read ahead once filled
-    rt.gate = read_ahead_gate("never" if read_ahead == "measured" and full and not predicted_routing else read_ahead)
+    rt.gate = read_ahead_gate(read_ahead, full=full and not predicted_routing)
     for layer, staged in base.executors.items():
         if layer in base.held:
             exact = ExactExperts(reader, layer, compute_dtype)  # its quantization and experts (nothing is read)

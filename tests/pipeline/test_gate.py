@@ -291,10 +291,13 @@ def test_banks_that_hold_every_expert_read_nothing_ahead(text, predictor):
                                   io_throttle_mbps=400)) as engine:
         rt = engine.store.runtime
         assert isinstance(rt.gate, NoReadAhead)
+        summary = rt.gate.summary()  # --json's read_ahead says so (it said nothing of the mode)
+        assert summary["mode"] == "never" and "every streamed bank holds every expert" in summary["why"]
         got = forced(engine, ids)
     assert np.array_equal(got, native) and ahead(rt) == 0 and rt.paused_steps == len(ids) - 1
     with open_engine(EngineConfig(routing="prefetch", predictor=predictor, executor="staged", slots=28)) as engine:
-        assert type(engine.store.runtime.gate) is ReadAheadGate  # 28 slots: some layer's bank is short of E
+        gate = engine.store.runtime.gate  # 28 slots: some layer's bank is short of E
+        assert type(gate) is ReadAheadGate and gate.summary()["mode"] == "measured" and "why" not in gate.summary()
     with open_engine(EngineConfig(routing="predicted", executor="staged", slots=32)) as engine:
         assert not isinstance(engine.store.runtime.gate, NoReadAhead)
 
