@@ -63,6 +63,18 @@ def default_heads(store: Path, k: int | None) -> Path | None:
     return path if path.exists() else None
 
 
+def _no_heads(store: Path, k: int | None) -> str:
+    """The refusal of heads routing without a head file: for which K none was found, and which there are."""
+    from .io.manifest import read_manifest
+
+    others = sorted(p.name for p in store.glob("heads-k*.safetensors")) if (store / "edge0.json").exists() else []
+    if not others:
+        return f"{store}: no prerouter heads next to this store; pass --heads FILE (train them with `edge0 train heads`)"
+    k = k or read_manifest(store).top_k
+    return (f"{store}: no prerouter heads for K = {k} next to this store (it has {', '.join(others)}); pass --heads "
+            f"FILE or another --k (or train them: `edge0 train heads --model {store} --k {k}`)")
+
+
 def resolve(config: EngineConfig) -> EngineConfig:
     """The config with its defaults made explicit (store path, routing, predictor, heads), combinations
     checked. Says on stderr when the routing default comes from heads found next to the store."""
@@ -110,8 +122,7 @@ def resolve(config: EngineConfig) -> EngineConfig:
         if predictor == "heads" and heads is None:
             found = default_heads(path, c.top_k)
             if found is None:
-                raise Edge0Error(f"{path}: no prerouter heads next to this store; pass --heads FILE "
-                                 "(train them with `edge0 train heads`)")
+                raise Edge0Error(_no_heads(path, c.top_k))
             heads = str(found)
     own = default_heads(path, c.top_k)
     lora = resolve_lora(c.lora, path, routing=routing, top_k=c.top_k,

@@ -206,6 +206,13 @@ def test_routing_flags_that_cannot_apply(models, capsys):
         assert code == 2 and message in err and "Traceback" not in err, flags
 
 
+def test_heads_for_another_k_are_named(capsys):
+    """The demo store has heads for K = 4 and 2: asked for K = 3, the refusal names the K and the heads it has."""
+    code, err = run_cli(capsys, "run", "--routing", "predicted", "--k", "3", "--max-tokens", "2")
+    assert code == 2 and "no prerouter heads for K = 3" in err and "heads-k2.safetensors, heads-k4.safetensors" in err
+    assert "edge0 train heads --model" in err and len(err.strip().splitlines()) == 1
+
+
 def test_store_without_tokenizer(models, capsys, tmp_path):
     store = copy_store(models, tmp_path)
     (store / "tokenizer.json").unlink()
