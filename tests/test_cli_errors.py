@@ -49,6 +49,8 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--routing", "prefetch", "--predictor", "repeat", "--heads", "x"], "does not read heads"),
     (["run", "--trace", "/etc/hostname/sub/trace.json"], "--trace /etc/hostname/sub/trace.json: not a writable file path"),
     (["run", "--prompt", ""], "is empty"),
+    (["run", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: no such file"),
+    (["run", "--prompt", "x", "--prompt-file", "/etc/hostname"], "--prompt and --prompt-file: give one of them"),
     (["serve", "--port", "70000"], "--port 70000: must be between 0 and 65535"),
     (["serve", "--max-queue", "-1"], "--max-queue -1: must not be negative"),
     (["serve", "--temp", "inf"], "--temp inf: expected a finite number"),
@@ -107,3 +109,12 @@ def test_a_bad_kernel_threads_variable_is_one_line(value):
                           text=True, env=env, timeout=300)
     assert proc.returncode == 2 and f"EDGE0_KERNEL_THREADS={value}: expected a whole number" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_prompt_file_that_is_not_text_is_one_line(tmp_path, capsys):
+    path = tmp_path / "prompt.bin"
+    path.write_bytes(b"def f():\n\xff\xfe")
+    assert main(["run", "--prompt-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"edge0: error: --prompt-file {path}: not UTF-8 text (byte 9)", err
+

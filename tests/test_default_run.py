@@ -53,3 +53,24 @@ def test_naming_the_default_executor_keeps_the_default_routing():
         "predicted", auto.heads, auto.lora) and auto.heads and auto.lora != "none"
     r = run_json("--max-tokens", "6", "--ignore-eos", "--executor", "resident")
     assert r["routing"] == "predicted" and r["tokens"] == run_json("--max-tokens", "6", "--ignore-eos")["tokens"]
+
+
+def test_the_prompt_from_standard_input_or_a_file_is_the_prompt_given(tmp_path):
+    """--prompt - reads standard input and --prompt-file FILE a file: the same prompt ids and tokens as --prompt
+    TEXT (a multi-line prompt, as a file holds)."""
+    import json
+    import subprocess
+    import sys
+
+    text = "import os\n\ndef walk(root):\n    "
+    (tmp_path / "prompt.py").write_text(text, encoding="utf-8")
+    want = run_json("--prompt", text, "--max-tokens", "6", "--ignore-eos")
+    got_file = run_json("--prompt-file", str(tmp_path / "prompt.py"), "--max-tokens", "6", "--ignore-eos")
+    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--prompt", "-", "--max-tokens", "6", "--ignore-eos",
+                           "--json"], input=text, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got_stdin = json.loads(proc.stdout.splitlines()[-1])
+    assert want["prompt_tokens"] > 10 and len(want["tokens"]) == 6
+    for got in (got_file, got_stdin):
+        assert (got["prompt_tokens"], got["tokens"]) == (want["prompt_tokens"], want["tokens"])
+

@@ -20,7 +20,9 @@ from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
-    p.add_argument("--prompt", default=None, help="prompt text (default: a short Python prompt)")
+    p.add_argument("--prompt", default=None, help="prompt text; - reads it from standard input (default: a short Python "
+                   "prompt)")
+    p.add_argument("--prompt-file", metavar="FILE", default=None, help="read the prompt text from FILE (UTF-8)")
     add_sampling_flags(p, max_tokens=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -47,6 +49,25 @@ def read_replay(path: str) -> dict:
     return data
 
 
+def read_prompt(args: argparse.Namespace) -> str | None:
+    """The prompt text of --prompt (- : standard input) or --prompt-file, read before the model loads."""
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise Edge0Error("--prompt and --prompt-file: give one of them")
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise Edge0Error(f"--prompt-file {path}: no such file")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise Edge0Error(f"--prompt-file {path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise Edge0Error(f"--prompt-file {path}: cannot be read ({e.strerror or e})") from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
 def _creatable(d: Path) -> bool:
     """d exists and is writable, or can be made inside the nearest existing, writable ancestor."""
     while not d.exists() and d != d.parent:
@@ -70,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config, samp = engine_config(args), sampling(args)
+    args.prompt = read_prompt(args)
     replay = read_replay(args.replay) if args.replay else None
     if args.trace and (Path(args.trace).is_dir() or not _creatable(Path(args.trace).resolve().parent)):
         raise Edge0Error(f"--trace {args.trace}: not a writable file path")
