@@ -126,8 +126,9 @@ class ReadAheadGate:
         self.times[ahead].clear()  # only this stretch's steps speak for the mode
 
     def summary(self) -> dict:
-        """For --json: the mode now, the choices made, each mode's median step at the last choice (ms), and the
-        last 64 choices (median ahead, median paused, whether it reads ahead after)."""
+        """For --json: the --read-ahead mode run (and why, where the gate is not the one that mode names), whether it
+        reads ahead now, the choices made, each mode's median step at the last choice (ms), and the last 64 choices
+        (median ahead, median paused, whether it reads ahead after)."""
         ahead_ms, paused_ms, _ = self.history[-1] if self.history else (None, None, None)
         return {"mode": self.mode, **({"why": self.why} if self.why else {}), "ahead": self.ahead,
                 "choices": self.choices, "flips": self.flips,
@@ -161,6 +162,7 @@ class CertainReads(ReadAheadGate):
 
     WARM_PAUSE_BYTES = 1 << 20
     FIRST_AHEAD = True
+    why = "every layer is routed by its head or holds its experts: each read ahead is one its step makes anyway"
 
     def __init__(self, bundle_bytes: int = 0):
         super().__init__()

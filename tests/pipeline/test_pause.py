@@ -253,6 +253,7 @@ def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monk
     with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged", slots=20)) as engine:
         rt = engine.store.runtime
         assert isinstance(rt.gate, CertainReads) and rt.gate.warm_pause == (not big)
+        assert "each read ahead is one its step makes anyway" in rt.gate.summary()["why"]  # --json says why
         got = forced(engine, ids)
         n, cold = rt.paused_steps, engine.store.reader.stats.cold_bytes
     assert cold == 0
