@@ -4,10 +4,15 @@ from the disk (the store evicted mid-generation with posix_fadvise) brings the p
 next step, and with --io-throttle (every read costs) it never pauses. Under predicted routing only the reads
 ahead pause: the heads that route keep deciding."""
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -28,8 +33,31 @@ TOKENS = 48
 EVICT_AT = 24  # decode step at which the store leaves the page cache
 
 
+@functools.cache
+def private_store() -> Path:
+    """A copy of the demo store that this test process alone reads. These tests pin its pages in the page cache or
+    evict them; on the shared store a test running beside them (pytest-xdist's other worker) reads the pages back
+    between an eviction and the reads that were to find them cold, or holds them mapped against an eviction."""
+    root = Path(tempfile.mkdtemp(prefix="edge0-page-cache-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    store = Path(shutil.copytree(DEMO_STORE, root / "store"))
+    for f in store.rglob("*"):  # written back: posix_fadvise cannot evict dirty pages
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return store
+
+
+def private_config(**kw) -> EngineConfig:
+    """An engine on the private copy of the demo store."""
+    return EngineConfig(model=str(private_store()), **kw)
+
+
 def expert_files():
-    return sorted((DEMO_STORE / "experts").glob("*.safetensors"))
+    return sorted((private_store() / "experts").glob("*.safetensors"))
 
 
 def ahead(rt) -> int:
@@ -85,7 +113,7 @@ def native_reference(n: int):
     """n tokens of real text and native routing's log-probabilities on them (the store warm)."""
     ids = real_text(n)
     warm_store()
-    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+    with open_engine(private_config(routing="native", executor="staged")) as engine:
         return ids, forced(engine, ids)
 
 
@@ -103,7 +131,7 @@ def ahead_first(monkeypatch):
 
 def test_warm_store_pauses_prefetch_and_still_equals_native(text, ahead_first):
     ids, want = text
-    with pinned_store(), open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+    with pinned_store(), open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
         rt = engine.store.runtime
         demand, calls = rt.sched.demand_begin, []
         rt.sched.demand_begin = lambda *a: calls.append(rt.sched.step) or demand(*a)
@@ -122,7 +150,7 @@ def test_paused_steps_open_no_scheduler_span(text, ahead_first):
     """A paused step predicts nothing: neither its layers nor its boundary (flush, next_step) enter the scheduler, so
     on a warm store the scheduler's spans stop with the pause (they timed empty work at every step before)."""
     ids, want = text
-    with pinned_store(), open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+    with pinned_store(), open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
         rt = engine.store.runtime
         spans, enter = [], type(rt).scheduling
         rt.scheduling = lambda layer: spans.append(rt.sched.step) or enter(rt, layer)
@@ -147,7 +175,7 @@ def test_a_read_from_the_disk_resumes_predicting(text, ahead_first):
 
     with pin:
         pin.enter_context(pinned_store())
-        with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        with open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
             got = forced(engine, ids, at_step)
             after, cold = ahead(engine.store.runtime), engine.store.reader.pool.stats.cold_bytes
     assert np.array_equal(got, want)
@@ -161,7 +189,7 @@ def test_the_page_cache_never_pauses_where_reads_cost(text, read_ahead):
     (reading ahead measured slower, tests/pipeline/test_gate.py), and --read-ahead always has none."""
     ids, _ = text
     warm_store()
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=200,
+    with open_engine(private_config(routing="prefetch", predictor="heads", io_throttle_mbps=200,
                                   read_ahead=read_ahead)) as engine:
         forced(engine, ids)
         rt = engine.store.runtime
@@ -181,7 +209,7 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, ahead_first):
     for pause, read_ahead in ((after, "measured"), (10**9, "always")):
         # held, not only read: a page reclaimed mid-run resumed the reads ahead and paused them again later (a
         # full-suite run beside a training job failed so)
-        with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged",
+        with pinned_store(), open_engine(private_config(routing="predicted", executor="staged",
                                                       read_ahead=read_ahead)) as engine:
             rt = engine.store.runtime
             pull, pulls = rt.pull, []
@@ -226,7 +254,7 @@ def test_the_prompts_reads_decide_the_first_steps(text, ahead_first, cached):
             warm_store()
             for f in expert_files():
                 evict(f)
-        with open_engine(EngineConfig(routing="prefetch", predictor="heads")) as engine:
+        with open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
             rt = engine.store.runtime
             with engine.kernel.active():
                 steps = generate_steps(engine.store.model, ids[:16], max_tokens=len(ids) - 16,
@@ -250,7 +278,7 @@ def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monk
     ids, _ = text
     if big:
         monkeypatch.setattr(CertainReads, "WARM_PAUSE_BYTES", 1024)
-    with pinned_store(), open_engine(EngineConfig(routing="predicted", executor="staged", slots=20)) as engine:
+    with pinned_store(), open_engine(private_config(routing="predicted", executor="staged", slots=20)) as engine:
         rt = engine.store.runtime
         assert isinstance(rt.gate, CertainReads) and rt.gate.warm_pause == (not big)
         assert "each read ahead is one its step makes anyway" in rt.gate.summary()["why"]  # --json says why
@@ -258,5 +286,5 @@ def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monk
         n, cold = rt.paused_steps, engine.store.reader.stats.cold_bytes
     assert cold == 0
     assert (n == 0) if big else (n >= len(ids) - 1 - PrefetchRuntime.PAUSE_AFTER)
-    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, read_ahead="always")) as engine:
+    with open_engine(private_config(routing="predicted", executor="staged", slots=20, read_ahead="always")) as engine:
         assert np.array_equal(got, forced(engine, ids))

@@ -15,6 +15,7 @@ from edge0.pipeline.gate import CertainReads, ReadAheadGate
 from edge0.pipeline.prefetch import PrefetchExperts
 
 from .test_identity import real_text
+from .test_pause import private_config
 
 ON_HOST = PrefetchExperts._on_host  # the routed ids to the host: a layer's sync inside a step
 ROUTED = {2, 3, 4}  # the demo's heads route layers 2-4; layers 0, 1 and 5 route by their own router
@@ -116,8 +117,8 @@ def test_with_nothing_guessed_every_step_reads_ahead_from_the_disk(placement):
     """Held layers leave predicted routing nothing to guess: each read ahead is one the step makes, so the measured
     gate does not pause (pausing would only start the reads at the step's end); with even banks layers 0, 1 and 5 are
     guessed ahead and the gate measures a paused window."""
-    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, placement=placement, io="direct",
-                                  cold=True)) as engine:
+    with open_engine(private_config(routing="predicted", executor="staged", slots=20, placement=placement, io="direct",
+                                    cold=True)) as engine:  # (cold: evicts the pages of a copy no other test reads)
         rt = engine.store.runtime
         engine.forced_logprobs(real_text()[:48])
         assert isinstance(rt.gate, CertainReads) == (placement == "auto")

@@ -15,7 +15,7 @@ from edge0.engine import open_engine
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.sched.scheduler import Scheduler
 
-from .test_pause import forced, pinned_store
+from .test_pause import forced, pinned_store, private_config
 from .test_identity import real_text
 
 TOKENS = 40
@@ -49,7 +49,7 @@ def run(monkeypatch, ids, *, inline: bool, **config):
     monkeypatch.setattr(Scheduler, "prefetch", recorded)
     if inline:
         monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
-    with pinned_store(), open_engine(EngineConfig(executor="staged", **config)) as engine:  # no read from the disk in either run
+    with pinned_store(), open_engine(private_config(executor="staged", **config)) as engine:  # no read from the disk in either run
         rt = engine.store.runtime
         assert rt.predicted_routing
         got = forced(engine, ids)
@@ -72,7 +72,7 @@ def test_planner_thread_changes_nothing_but_the_thread(monkeypatch):
 
 def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
     ids = real_text(TOKENS)
-    with pinned_store(), open_engine(EngineConfig(executor="staged")) as engine:
+    with pinned_store(), open_engine(private_config(executor="staged")) as engine:
         want = forced(engine, ids)
         prefetch, failed = Scheduler.prefetch, []
 
