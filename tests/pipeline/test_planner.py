@@ -10,7 +10,6 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.sched.scheduler import Scheduler
