@@ -121,3 +121,14 @@ def sampling(args: argparse.Namespace) -> Sampling:
     """The Sampling of `add_sampling_flags`' flags, checked."""
     return Sampling(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed,
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty).check()
+
+
+def not_utf8(text: str) -> int | None:
+    """The byte offset of the first undecodable byte of text a user gave (an argument, a line of standard input, a file
+    decoded with surrogateescape: Python keeps such bytes as lone surrogates, which the tokenizer raises on), or None
+    where it is UTF-8 text."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return len(text[:e.start].encode("utf-8"))  # what comes before the first one is text

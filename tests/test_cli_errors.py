@@ -1,6 +1,9 @@
 """Bad command lines: each is refused before any model work with one line naming the flag, exit 2, no
 traceback. In-process through the console script's own entry point (edge0.cli.main)."""
 
+import io
+import sys
+
 import pytest
 
 from edge0.cli import main
@@ -51,6 +54,8 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--prompt", ""], "is empty"),
     (["run", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: no such file"),
     (["run", "--prompt", "x", "--prompt-file", "/etc/hostname"], "--prompt and --prompt-file: give one of them"),
+    (["run", "--prompt-file", "/"], "--prompt-file /: a directory, not a file"),
+    (["run", "--prompt", "ab\udcff"], "--prompt: not UTF-8 text (byte 2)"),  # argv's byte 0xff, as Python keeps it
     (["serve", "--port", "70000"], "--port 70000: must be between 0 and 65535"),
     (["serve", "--max-queue", "-1"], "--max-queue -1: must not be negative"),
     (["serve", "--temp", "inf"], "--temp inf: expected a finite number"),
@@ -117,4 +122,10 @@ def test_a_prompt_file_that_is_not_text_is_one_line(tmp_path, capsys):
     assert main(["run", "--prompt-file", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"edge0: error: --prompt-file {path}: not UTF-8 text (byte 9)", err
+
+
+def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xc3\xa9 \xff")))
+    assert main(["run", "--prompt", "-"]) == 2
+    assert capsys.readouterr().err.strip() == "edge0: error: --prompt - (standard input): not UTF-8 text (byte 6)"
 

@@ -90,15 +90,19 @@ def test_serve_concurrent_streaming_clients(server, solo):
     assert [m.id for m in models.data] == ["edge0-demo"] and client.models.retrieve("edge0-demo").id == "edge0-demo"
 
 
-def test_chat_second_turn_and_reset():
-    """`edge0 chat` with no flags: the second turn and the turn after /reset answer, the latter as the first."""
+def test_chat_second_turn_and_reset(capsys):
+    """`edge0 chat` with no flags: the second turn and the turn after /reset answer, the latter as the first. A line
+    that is not UTF-8 (its byte kept as a surrogate, as Python reads standard input) is refused and changes nothing
+    (the tokenizer raised on it)."""
     from edge0.serve.chat import chat
 
     p = argparse.ArgumentParser()
     add_chat_flags(p)
     args = p.parse_args(["--max-tokens", str(N), "--stats"])
     out = io.StringIO()
-    assert chat(args, stdin=io.StringIO("def add(a, b):\nand more\n/reset\ndef add(a, b):\n/quit\n"), out=out) == 0
+    said = "def add(a, b):\nab\udcff\nand more\n/reset\ndef add(a, b):\n/quit\n"
+    assert chat(args, stdin=io.StringIO(said), out=out) == 0
+    assert "edge0 chat: that line is not UTF-8 text (byte 2); say it again" in capsys.readouterr().err
     answers = re.split(r"\n\[edge0\][^\n]*\n", out.getvalue())  # the figures line after every answer
     assert len(answers) == 4 and answers[3] == "", answers
     assert answers[0].strip() and answers[1].strip()

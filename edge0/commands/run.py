@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import Edge0Error
-from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, sampling
+from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, not_utf8, sampling
 from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
 
 
@@ -49,23 +49,27 @@ def read_replay(path: str) -> dict:
     return data
 
 
-def read_prompt(args: argparse.Namespace) -> str | None:
-    """The prompt text of --prompt (- : standard input) or --prompt-file, read before the model loads."""
+def read_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The prompt text of --prompt (- : standard input) or --prompt-file, read before the model loads, and the words
+    that name it in an error. Text that is not UTF-8 is refused here: the tokenizer would raise on it."""
     if args.prompt_file is not None:
         if args.prompt is not None:
             raise Edge0Error("--prompt and --prompt-file: give one of them")
-        path = Path(args.prompt_file)
+        what, path = f"--prompt-file {args.prompt_file}", Path(args.prompt_file)
         if not path.is_file():
-            raise Edge0Error(f"--prompt-file {path}: no such file")
+            raise Edge0Error(f"{what}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
         try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise Edge0Error(f"--prompt-file {path}: not UTF-8 text (byte {e.start})") from None
+            text = path.read_bytes().decode("utf-8", "surrogateescape")
         except OSError as e:
-            raise Edge0Error(f"--prompt-file {path}: cannot be read ({e.strerror or e})") from None
-    if args.prompt == "-":
-        return sys.stdin.read()
-    return args.prompt
+            raise Edge0Error(f"{what}: cannot be read ({e.strerror or e})") from None
+    elif args.prompt == "-":
+        what, text = "--prompt - (standard input)", sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    else:
+        what, text = "--prompt", args.prompt
+    bad = not_utf8(text) if text is not None else None
+    if bad is not None:
+        raise Edge0Error(f"{what}: not UTF-8 text (byte {bad})")
+    return text, what
 
 
 def _creatable(d: Path) -> bool:
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config, samp = engine_config(args), sampling(args)
-    args.prompt = read_prompt(args)
+    args.prompt, prompt_what = read_prompt(args)
     replay = read_replay(args.replay) if args.replay else None
     if args.trace and (Path(args.trace).is_dir() or not _creatable(Path(args.trace).resolve().parent)):
         raise Edge0Error(f"--trace {args.trace}: not a writable file path")
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         req = GenRequest(prompt=_prompt(engine, args, replay), max_tokens=samp.max_tokens, temp=samp.temp,
                          top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)
-        engine.check(req, what=args.replay if replay else "--prompt")
+        engine.check(req, what=args.replay if replay else prompt_what)
         if not args.json and replay is None and not args.chat:
             print(args.prompt if args.prompt is not None else DEFAULT_PROMPT, end="", flush=True)
         emit = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))

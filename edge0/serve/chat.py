@@ -14,6 +14,7 @@ import sys
 import threading
 
 from ..engine import Engine, open_engine
+from ..flags import not_utf8
 from ..generation import Figures, GenRequest
 
 HELP = "/stats  figures of the last answer (and toggle them after every answer)\n" \
@@ -96,6 +97,10 @@ def chat(args, *, stdin=None, out=None) -> int:
             if text.strip().startswith("/"):
                 if not talk.command(text.strip()):
                     break
+                continue
+            bad = not_utf8(text)
+            if bad is not None:  # the tokenizer would raise on it: the line is refused, the conversation goes on
+                print(f"edge0 chat: that line is not UTF-8 text (byte {bad}); say it again", file=sys.stderr)
                 continue
             talk.turn(text)
     finally:

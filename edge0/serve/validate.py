@@ -146,16 +146,27 @@ def _check_tools(body: dict) -> None:
 # -- prompts ----------------------------------------------------------------------------------------
 
 
+def _text(text: str, param: str) -> str:
+    """text, refused where it is not Unicode text: JSON may carry a lone surrogate (\\ud800), which the tokenizer
+    raises on."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{param}': a lone surrogate at character {e.start} is not text", "invalid_value",
+                       param=param) from None
+    return text
+
+
 def _content(message: dict, i: int) -> str:
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{i}].content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}]: text parts only
         parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(parts) == len(content) and all(isinstance(t, str) for t in parts):
-            return "".join(parts)
+            return _text("".join(parts), f"messages[{i}].content")
     raise ApiError(400, f"'messages[{i}].content': expected a string or a list of text parts", "invalid_value",
                    param=f"messages[{i}].content")
 
@@ -215,7 +226,7 @@ def completion_prompt(engine, body: dict) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return engine.encode_text(prompt)
+        return engine.encode_text(_text(prompt, "prompt"))
     if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ApiError(400, "'prompt': expected a string, a list of token ids, or a list of one of these",
                        "invalid_value", param="prompt")
