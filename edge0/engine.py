@@ -52,25 +52,26 @@ def model_name(store: Path) -> str:
     return DEMO_NAME if store.resolve() == DEMO_STORE.resolve() else store.name
 
 
-def default_heads(store: Path, k: int | None) -> Path | None:
-    """heads-k{K}.safetensors next to the store (K: --k or the model's own), if present."""
+def _heads_k(store: Path, k: int | None) -> int | None:
+    """The K whose heads a store would serve: --k or the model's own; None where `store` is no Edge0 store."""
     from .io.manifest import read_manifest
 
-    if not (store / "edge0.json").exists():
-        return None
-    k = k or read_manifest(store).top_k
-    path = store / f"heads-k{k}.safetensors"
-    return path if path.exists() else None
+    return (k or read_manifest(store).top_k) if (store / "edge0.json").exists() else None
+
+
+def default_heads(store: Path, k: int | None) -> Path | None:
+    """heads-k{K}.safetensors next to the store (K: --k or the model's own), if present."""
+    k = _heads_k(store, k)
+    path = store / f"heads-k{k}.safetensors" if k is not None else None
+    return path if path is not None and path.exists() else None
 
 
 def _no_heads(store: Path, k: int | None) -> str:
-    """The refusal of heads routing without a head file: for which K none was found, and which there are."""
-    from .io.manifest import read_manifest
-
-    others = sorted(p.name for p in store.glob("heads-k*.safetensors")) if (store / "edge0.json").exists() else []
+    """The refusal of heads routing where default_heads found none: for which K, and which heads there are."""
+    k = _heads_k(store, k)
+    others = sorted(p.name for p in store.glob("heads-k*.safetensors")) if k is not None else []
     if not others:
         return f"{store}: no prerouter heads next to this store; pass --heads FILE (train them with `edge0 train heads`)"
-    k = k or read_manifest(store).top_k
     return (f"{store}: no prerouter heads for K = {k} next to this store (it has {', '.join(others)}); pass --heads "
             f"FILE or another --k (or train them: `edge0 train heads --model {store} --k {k}`)")
 

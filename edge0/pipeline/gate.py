@@ -142,9 +142,9 @@ class NoReadAhead(ReadAheadGate):
 
     mode = "never"
 
-    def __init__(self):
+    def __init__(self, why: str | None = None):
         super().__init__()
-        self.ahead = False
+        self.ahead, self.why = False, why
 
     def step(self) -> bool:
         return False
@@ -176,7 +176,5 @@ def read_ahead_gate(mode: str, *, full: bool = False):
     """The gate of `--read-ahead MODE`: measured, never, or None (always: nothing pauses). full: every streamed bank
     holds every expert, so nothing is left to read ahead once they have filled: measured is never there."""
     if mode == "measured" and full:
-        gate = NoReadAhead()
-        gate.why = "every streamed bank holds every expert: nothing is left to read ahead"
-        return gate
+        return NoReadAhead("every streamed bank holds every expert: nothing is left to read ahead")
     return {"measured": ReadAheadGate, "never": NoReadAhead}.get(mode, lambda: None)()
