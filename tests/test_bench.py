@@ -151,7 +151,11 @@ def _bench(store, out, *flags):
                            "--rounds", "1", "--max-tokens", "4", "--prompt-tokens", "16", "--out", str(out), *flags],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         BENCH_PIDS.append(proc.pid)
-        _, err = proc.communicate(timeout=300)
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:  # killed, as subprocess.run does (leaving the block waits for it)
+            proc.kill()
+            raise
     assert proc.returncode == 0, err
     (res,) = out.iterdir()
     return json.loads((res / "results.json").read_text()), (res / "results.md").read_text()
