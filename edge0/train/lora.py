@@ -9,6 +9,8 @@ cross-entropy, so the adapter learns to repay what int4 and predicted routing co
 first (Phase 1: the adapter's signal would otherwise swallow theirs); without them this refuses with
 the command that trains them. Checkpoints go to OUT.ckpt (--resume continues them); the held-out
 perplexity on the student path is printed every --eval-every steps, beside the no-adapter figures.
+--init starts from an adapter of the same store (another K's, say) instead of a fresh one; its figures are
+then the "before".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import blas
-from ..model.lora import ALPHA, RANK
+from ..model.lora import ALPHA, RANK, Adapter
 from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
                    save_checkpoint, schedule, windows_of, write_outputs)
 from .distill import TOP, forward_kl, log_softmax
@@ -111,10 +113,12 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
                candidates: int | None = None, loss: str = "ce", top: int = TOP,
                steps: int = 300, batch: int = 8, seq_len: int = 256, rank: int = RANK, alpha: float = ALPHA,
                lr: float = 1e-3, seed: int = 0, temp: float = 1.0, samples: int = 0, eval_every: int = 50,
-               eval_windows: int = 4, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
+               eval_windows: int = 4, resume: bool = False, progress: bool = True, stop_at: int | None = None,
+               init=None) -> dict:
     """Train the adapter of `model_dir` for its heads at K = top_k (default the store's); returns the report
     (also written to OUT.json). See the module docstring. stop_at: stop after this step with a checkpoint and
-    no output (an interruption, for tests)."""
+    no output (an interruption, for tests). init: an adapter of this store to start from (another K's, or
+    another run's) instead of a fresh one."""
     out, model_dir = Path(out), Path(model_dir)
     report_path = check_out(out, resume, steps)
     hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples, loss=loss, top=top)
@@ -124,17 +128,20 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
     student = load_student(model_dir, heads, top_k, candidates)
     try:
         hp = Hyper(**{**asdict(hp), "top_k": student.heads.top_k, "candidates": student.candidates})
+        adapter = new_adapter(student, rank=rank, alpha=alpha, seed=seed)
+        if init is not None:  # checked before the teacher writes its text
+            adapter = warm_start(adapter, student, Path(init))
         pool, desc, teacher_path, tutor = data_windows(model_dir, hp, teacher=teacher, data=data, world=world,
                                                        cache_dir=out.with_name(out.name + ".data"), progress=progress)
         if "kd" not in hp.loss:
             tutor = None  # the teacher's weights are not held through training unless it scores the windows
         held, held_desc = heldout_windows(model_dir, heldout, seq_len, eval_windows)
-        adapter = new_adapter(student, rank=rank, alpha=alpha, seed=seed)
         student.adapter(adapter)
         before = {"predicted": heldout_ppl(student, held, world), "native": heldout_ppl(student, held, world, True)}
         run = _fit(student, tutor, hp, pool, held, world,
                    out.with_name(out.name + ".ckpt"), resume, eval_every, progress, stop_at)
-        report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file), **asdict(hp),
+        report = {"model": str(model_dir), "teacher": teacher_path, "heads": str(student.heads_file),
+                  "init": None if init is None else str(init), **asdict(hp),
                   "targets": adapter.kinds(),
                   "ranks": world.size, "blas": blas(), "train": desc, "heldout": held_desc,
                   "heldout_windows": len(held),
@@ -145,6 +152,27 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
         return report
     finally:
         student.close()
+
+
+def warm_start(fresh: Adapter, student: Student, path: Path) -> Adapter:
+    """`fresh` with the weights of the adapter at `path`: trained for this store (its fingerprint), with the same
+    rank, alpha and targets; its heads and K may differ (the run binds the result to its own heads)."""
+    from ..errors import Edge0Error
+    from ..model.heads import model_fingerprint
+
+    if not path.is_file():
+        raise Edge0Error(f"--init {path}: no such file")
+    a = Adapter.read(path)
+    s = student.store
+    if a.fingerprint != model_fingerprint(s.manifest, s.config):
+        raise Edge0Error(f"--init {path}: an adapter of another model (fingerprint {a.fingerprint})")
+    if (a.rank, a.alpha) != (fresh.rank, fresh.alpha):
+        raise Edge0Error(f"--init {path}: rank {a.rank}, alpha {a.alpha:g}; this run's are {fresh.rank}, "
+                         f"{fresh.alpha:g} (pass --rank {a.rank} --alpha {a.alpha:g})")
+    if set(a.weights) != set(fresh.weights):
+        raise Edge0Error(f"--init {path}: adapts {sorted(set(a.weights) ^ set(fresh.weights))[:3]} where this run "
+                         "does not, or the reverse")
+    return replace(fresh, weights=dict(a.weights))
 
 
 def _adapted(student: Student) -> dict:
@@ -239,6 +267,8 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=50, metavar="N", help="held-out perplexity every N steps (default 50)")
     p.add_argument("--eval-windows", type=int, default=4, metavar="N", help="held-out windows scored (default 4)")
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
+    p.add_argument("--init", metavar="FILE",
+                   help="start from this adapter of the store (e.g. another K's) instead of a fresh one")
 
 
 def check_flags(args) -> None:
@@ -259,7 +289,7 @@ def train_lora_cli(args) -> int:
     r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
                    top_k=args.k, candidates=args.candidates, loss=args.loss, top=args.top, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
                    alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
-                   eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
+                   eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume, init=args.init)
     if World.init().rank:  # rank 0 reports
         return 0
     b = r["heldout_ppl_before"]

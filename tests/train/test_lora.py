@@ -89,6 +89,21 @@ def test_resume_continues_the_same_run(phase, tmp_path):
         lora(phase, part)
 
 
+def test_init_starts_from_another_adapter(phase, tmp_path):
+    """--init: the run starts where the given adapter ended (its held-out figure is the new run's before), and an
+    adapter of another rank, or no file, is refused by name."""
+    first = lora(phase, tmp_path / "first.safetensors")
+    fresh = lora(phase, tmp_path / "fresh.safetensors", seed=1)
+    warm = lora(phase, tmp_path / "warm.safetensors", seed=1, init=str(tmp_path / "first.safetensors"))
+    assert np.isclose(warm["heldout_ppl_before"]["predicted"], first["heldout_ppl"], rtol=1e-4)
+    assert not np.isclose(fresh["heldout_ppl_before"]["predicted"], first["heldout_ppl"], rtol=1e-4)
+    assert warm["init"] == str(tmp_path / "first.safetensors") and fresh["init"] is None
+    with pytest.raises(Edge0Error, match="rank 16, alpha 32; this run's are 8, 32 \\(pass --rank 16 --alpha 32\\)"):
+        lora(phase, tmp_path / "r8.safetensors", rank=8, init=str(tmp_path / "first.safetensors"))
+    with pytest.raises(Edge0Error, match="--init .*nothing.safetensors: no such file"):
+        lora(phase, tmp_path / "x.safetensors", init=str(tmp_path / "nothing.safetensors"))
+
+
 def test_reverse_kl_over_top_k_and_tail():
     rng = np.random.default_rng(0)
     s = mx.array(rng.normal(size=(3, 50)) * 2)
