@@ -294,7 +294,8 @@ def train_lora_cli(args) -> int:
         return 0
     b = r["heldout_ppl_before"]
     print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
-    print(f"held-out ppl on the student path: native {b['native']:.2f}, predicted {b['predicted']:.2f}, "
-          f"predicted + adapter {r['heldout_ppl']:.2f}")
+    start = "" if args.init is None else " + the --init adapter"
+    print(f"held-out ppl on the student path: native{start} {b['native']:.2f}, predicted{start} {b['predicted']:.2f}, "
+          f"predicted + the adapter trained {r['heldout_ppl']:.2f}")
     return 0
 

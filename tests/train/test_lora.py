@@ -102,6 +102,16 @@ def test_init_starts_from_another_adapter(phase, tmp_path):
         lora(phase, tmp_path / "r8.safetensors", rank=8, init=str(tmp_path / "first.safetensors"))
     with pytest.raises(Edge0Error, match="--init .*nothing.safetensors: no such file"):
         lora(phase, tmp_path / "x.safetensors", init=str(tmp_path / "nothing.safetensors"))
+    store, teacher, text = phase
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "train", "lora", "--model", str(store), "--teacher",
+                           str(teacher), "--data", str(text), "--heldout", str(text), "--steps", "2", "--batch", "2",
+                           "--seq-len", "32", "--samples", "4", "--eval-windows", "1", "--init",
+                           str(tmp_path / "first.safetensors"), "--out", str(tmp_path / "cli.safetensors")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]  # the starting figures are the --init adapter's, and say so
+    assert line.startswith("held-out ppl on the student path: native + the --init adapter ") and \
+        f"predicted + the --init adapter {first['heldout_ppl']:.2f}," in line, line
 
 
 def test_reverse_kl_over_top_k_and_tail():
