@@ -225,10 +225,7 @@ class Adapter:
     def load(cls, path: str | Path, manifest, config: dict, *, heads_file: str | Path | None) -> "Adapter":
         """The file, checked against the store and the head file a run routes with (None: not predicted)."""
         a = cls.read(path)
-        want = model_fingerprint(manifest, config)
-        if a.fingerprint != want:
-            raise Edge0Error(f"{path}: adapter trained for another model (fingerprint {a.fingerprint}, this store is "
-                             f"{want})")
+        a.check_model(path, manifest, config)
         if heads_file is None:
             raise Edge0Error(f"{path}: the adapter was trained with predicted routing (heads for K={a.top_k}); this "
                              "run does not route with heads: use --routing predicted, or --lora none")
@@ -237,6 +234,13 @@ class Adapter:
             raise Edge0Error(f"{path}: the adapter was trained with other heads (K={a.top_k}, heads {a.heads}); this "
                              f"run routes with {heads_file} ({got}): pass the adapter trained with it, or --lora none")
         return a
+
+    def check_model(self, path: str | Path, manifest, config: dict) -> None:
+        """Refuse an adapter trained for another model than the store's (`path` names it in the message)."""
+        want = model_fingerprint(manifest, config)
+        if self.fingerprint != want:
+            raise Edge0Error(f"{path}: adapter trained for another model (fingerprint {self.fingerprint}, this store is "
+                             f"{want})")
 
     def attach(self, model: nn.Module, dtype: mx.Dtype | None = None) -> int:
         """Wrap each adapted projection of `model` in LoRALinear (shapes checked); returns how many."""

@@ -158,14 +158,12 @@ def warm_start(fresh: Adapter, student: Student, path: Path) -> Adapter:
     """`fresh` with the weights of the adapter at `path`: trained for this store (its fingerprint), with the same
     rank, alpha and targets; its heads and K may differ (the run binds the result to its own heads)."""
     from ..errors import Edge0Error
-    from ..model.heads import model_fingerprint
 
-    if not path.is_file():
-        raise Edge0Error(f"--init {path}: no such file")
-    a = Adapter.read(path)
-    s = student.store
-    if a.fingerprint != model_fingerprint(s.manifest, s.config):
-        raise Edge0Error(f"--init {path}: an adapter of another model (fingerprint {a.fingerprint})")
+    try:
+        a = Adapter.read(path)
+        a.check_model(path, student.store.manifest, student.store.config)
+    except Edge0Error as e:  # no file, not an adapter, another model's: said of --init
+        raise Edge0Error(f"--init {e}") from None
     if (a.rank, a.alpha) != (fresh.rank, fresh.alpha):
         raise Edge0Error(f"--init {path}: rank {a.rank}, alpha {a.alpha:g}; this run's are {fresh.rank}, "
                          f"{fresh.alpha:g} (pass --rank {a.rank} --alpha {a.alpha:g})")

@@ -90,8 +90,8 @@ def test_resume_continues_the_same_run(phase, tmp_path):
 
 
 def test_init_starts_from_another_adapter(phase, tmp_path):
-    """--init: the run starts where the given adapter ended (its held-out figure is the new run's before), and an
-    adapter of another rank, or no file, is refused by name."""
+    """--init: the run starts where the given adapter ended (its held-out figure is the new run's before); no file, a
+    torn one, another model's adapter or another rank is one message naming --init."""
     first = lora(phase, tmp_path / "first.safetensors")
     fresh = lora(phase, tmp_path / "fresh.safetensors", seed=1)
     warm = lora(phase, tmp_path / "warm.safetensors", seed=1, init=str(tmp_path / "first.safetensors"))
@@ -100,8 +100,17 @@ def test_init_starts_from_another_adapter(phase, tmp_path):
     assert warm["init"] == str(tmp_path / "first.safetensors") and fresh["init"] is None
     with pytest.raises(Edge0Error, match="rank 16, alpha 32; this run's are 8, 32 \\(pass --rank 16 --alpha 32\\)"):
         lora(phase, tmp_path / "r8.safetensors", rank=8, init=str(tmp_path / "first.safetensors"))
-    with pytest.raises(Edge0Error, match="--init .*nothing.safetensors: no such file"):
+    with pytest.raises(Edge0Error, match="^--init .*nothing.safetensors: no such adapter file$"):
         lora(phase, tmp_path / "x.safetensors", init=str(tmp_path / "nothing.safetensors"))
+    (tmp_path / "torn.safetensors").write_bytes((tmp_path / "first.safetensors").read_bytes()[:100])
+    with pytest.raises(Edge0Error, match="^--init .*torn.safetensors: not a safetensors adapter file"):
+        lora(phase, tmp_path / "x.safetensors", init=str(tmp_path / "torn.safetensors"))
+    other = Adapter.read(tmp_path / "first.safetensors")
+    other.fingerprint = "0123456789abcdef"
+    other.save(tmp_path / "other.safetensors")
+    with pytest.raises(Edge0Error, match="^--init .*other.safetensors: adapter trained for another model "
+                                         "\\(fingerprint 0123456789abcdef"):
+        lora(phase, tmp_path / "x.safetensors", init=str(tmp_path / "other.safetensors"))
     store, teacher, text = phase
     proc = subprocess.run([sys.executable, "-m", "edge0.cli", "train", "lora", "--model", str(store), "--teacher",
                            str(teacher), "--data", str(text), "--heldout", str(text), "--steps", "2", "--batch", "2",
