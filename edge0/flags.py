@@ -125,8 +125,8 @@ def sampling(args: argparse.Namespace) -> Sampling:
 
 def not_utf8(text: str) -> int | None:
     """The byte offset of the first undecodable byte of text a user gave (an argument, a line of standard input, a file
-    decoded with surrogateescape: Python keeps such bytes as lone surrogates, which the tokenizer raises on), or None
-    where it is UTF-8 text."""
+    decoded with surrogateescape: Python keeps such bytes as lone surrogates; a JSON string's lone \\ud800 is one too;
+    the tokenizer raises on them), or None where it is UTF-8 text."""
     try:
         text.encode("utf-8")
         return None

@@ -12,6 +12,7 @@ import math
 
 from ..engine import ContextExceeded
 from ..errors import Edge0Error
+from ..flags import not_utf8
 from ..generation import GenRequest
 from .jobs import ApiError
 
@@ -149,11 +150,9 @@ def _check_tools(body: dict) -> None:
 def _text(text: str, param: str) -> str:
     """text, refused where it is not Unicode text: JSON may carry a lone surrogate (\\ud800), which the tokenizer
     raises on."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"'{param}': a lone surrogate at character {e.start} is not text", "invalid_value",
-                       param=param) from None
+    bad = not_utf8(text)
+    if bad is not None:
+        raise ApiError(400, f"'{param}': a lone surrogate at byte {bad} is not text", "invalid_value", param=param)
     return text
 
 

@@ -138,10 +138,10 @@ CASES = [
     ("POST", P, comp(prompt=[True]), None, 400, "'prompt': expected a string", None),
     ("POST", P, comp(prompt=[-5]), None, 400, "'prompt': token id -5 is out of range", None),
     ("POST", P, comp(prompt=[VOCAB]), None, 400, f"'prompt': token id {VOCAB} is out of range", None),
-    ("POST", P, comp(prompt="ab\ud800cd"), None, 400, "'prompt': a lone surrogate at character 2 is not text",
+    ("POST", P, comp(prompt="\u00e9\ud800cd"), None, 400, "'prompt': a lone surrogate at byte 2 is not text",
      "invalid_value"),  # (JSON's \ud800: the tokenizer raised on it, a 500)
     ("POST", C, message(role="user", content="ab\udcff"), None, 400,
-     "'messages[1].content': a lone surrogate at character 2 is not text", "invalid_value"),
+     "'messages[1].content': a lone surrogate at byte 2 is not text", "invalid_value"),
     ("POST", P, comp(prompt=""), None, 400, "the prompt is empty", "invalid_value"),
     ("POST", P, comp(prompt=[]), None, 400, "the prompt is empty", "invalid_value"),
     ("POST", P, comp(prompt=[""]), None, 400, "the prompt is empty", "invalid_value"),
