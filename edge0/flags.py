@@ -11,6 +11,7 @@ import argparse
 
 from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
                      EngineConfig, Sampling)
+from .errors import Edge0Error
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
@@ -132,3 +133,36 @@ def not_utf8(text: str) -> int | None:
         return None
     except UnicodeEncodeError as e:
         return len(text[:e.start].encode("utf-8"))  # what comes before the first one is text
+
+
+def add_route_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routes", metavar="FILE", default=None,
+                   help="force every MoE layer's routing from a routing trace (docs/USAGE.md, Routing traces) whose "
+                        "MoE layers, experts and K are the model's; runs native routing (or --routing prefetch)")
+    p.add_argument("--record-routes", metavar="FILE", default=None,
+                   help="write what every MoE layer routed each token to (ids, weights; prompt and decode marked): "
+                        "NPZ where FILE ends in .npz, else JSON; FILE must not exist")
+
+
+def route_files(args: argparse.Namespace):
+    """Before the model loads: --record-routes names a new file in a writable directory; --routes' trace (a
+    RouteTrace of io/routetrace.py), read and checked; --routes runs native routing unless --routing prefetch
+    (predicted routing would read other experts)."""
+    import os
+    from pathlib import Path
+
+    if args.record_routes is not None:
+        path = Path(args.record_routes)
+        if path.exists() or path.is_symlink():
+            raise Edge0Error(f"--record-routes {path}: exists; name a new file (no file is written over)")
+        if not path.parent.resolve().is_dir() or not os.access(path.parent.resolve(), os.W_OK):
+            raise Edge0Error(f"--record-routes {path}: its directory does not exist or is not writable")
+    if args.routes is None:
+        return None
+    if args.routing == "predicted":
+        raise Edge0Error("--routes and --routing predicted: the trace decides every layer's experts, the heads would "
+                         "read others; give --routing native (the default with --routes) or prefetch")
+    args.routing = args.routing or "native"
+    from .io.routetrace import read_trace
+
+    return read_trace(args.routes, what=f"--routes {args.routes}")

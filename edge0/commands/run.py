@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from ..errors import Edge0Error
-from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, not_utf8, sampling
+from ..flags import (add_engine_flags, add_log_flags, add_route_flags, add_sampling_flags, engine_config, not_utf8,
+                     route_files, sampling)
 from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
 
 
@@ -30,6 +31,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help='JSON {"prompt": [ids], "tokens": [ids]}: fixed prompt ids and forced decode tokens (benchmarks)')
     p.add_argument("--trace", metavar="PATH", default=None,
                    help="write a Chrome trace-event timeline (Perfetto); analyse with `edge0 trace summarize PATH`")
+    add_route_flags(p)
     p.add_argument("--json", action="store_true", help="print only one JSON object with the tokens and figures, at the end")
     add_log_flags(p)
 
@@ -91,9 +93,11 @@ def _prompt(engine, args, replay: dict | None) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from ..engine import memory_figures, open_engine
     from ..generation import GenRequest
+    from ..model.traced import attach_routes, save_routes
     from ..sched.trace import NULL, Trace
 
     t0 = time.perf_counter()
+    routes = route_files(args)  # --routes sets native routing where --routing is not given
     config, samp = engine_config(args), sampling(args)
     args.prompt, prompt_what = read_prompt(args)
     replay = read_replay(args.replay) if args.replay else None
@@ -108,10 +112,12 @@ def run(args: argparse.Namespace) -> int:
                          top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)
         engine.check(req, what=args.replay if replay else prompt_what)
+        traced = attach_routes(args, engine, routes, req)
         if not args.json and replay is None and not args.chat:
             print(args.prompt if args.prompt is not None else DEFAULT_PROMPT, end="", flush=True)
         emit = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))
         fig = engine.generate(req, emit)
+        save_routes(args, traced, engine, req, fig.tokens)
         if not args.json:
             print(flush=True)
         result = _result(engine, fig, load_s, memory_figures())

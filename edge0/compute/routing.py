@@ -44,6 +44,25 @@ def choose_among(logits: mx.array, among: mx.array, k: int, norm_topk_prob: bool
     return inds, scores
 
 
+def softmax_weights(logits: mx.array, inds: mx.array, norm_topk_prob: bool) -> mx.array:
+    """softmax_topk's weights of the experts `inds` (T, K), whichever they are (routing forced from a trace): their
+    probabilities in the softmax over every expert, renormalised over the K when norm_topk_prob."""
+    scores = mx.take_along_axis(mx.softmax(logits, axis=-1, precise=True), inds, axis=-1)  # (T, K)
+    return scores / mx.sum(scores, axis=-1, keepdims=True) if norm_topk_prob else scores
+
+
+def sigmoid_group_weights(logits: mx.array, inds: mx.array, norm_topk_prob: bool, routed_scaling_factor: float,
+                          score_function: str) -> mx.array:
+    """sigmoid_group_topk's weights of the experts `inds` (T, K), whichever they are (the selection bias and the
+    groups only choose)."""
+    x = logits.astype(mx.float32)
+    scores = mx.sigmoid(x) if score_function == "sigmoid" else mx.softmax(x, axis=-1)
+    scores = mx.take_along_axis(scores, inds, axis=-1)  # (T, K)
+    if inds.shape[-1] > 1 and norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    return (scores * routed_scaling_factor).astype(logits.dtype)
+
+
 @mx.compile
 def sigmoid_group_topk(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, score_function):
     """Bailing (Ling) / DeepSeek-style: sigmoid scores, group-limited top-k, selection bias, routed scaling."""

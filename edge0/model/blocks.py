@@ -13,7 +13,8 @@ from ..compute import expert_math
 from ..compute.kernel import current, remembered
 from ..compute.kernels import queue
 from ..compute.qmm import KernelQuantizedLinear, fits, glu_parts
-from ..compute.routing import choose_among, combine, combine_compiled, sigmoid_group_topk, softmax_topk
+from ..compute.routing import (choose_among, combine, combine_compiled, sigmoid_group_topk, sigmoid_group_weights,
+                               softmax_topk, softmax_weights)
 
 
 class SoftmaxMoeBlock(nn.Module):
@@ -32,6 +33,7 @@ class SoftmaxMoeBlock(nn.Module):
         self.cast_back = cast_back
         self.planned = None  # () -> (candidates, plan) | None: routing decided ahead (predicted routing)
         self.candidates = None  # predicted routing: how many of its head's likeliest experts it chooses among (None: K)
+        self.routes = None  # (block, x, own) -> (inds, scores): routing forced from or recorded to a trace (traced.py)
 
     def logits(self, x: mx.array) -> mx.array:
         return self["gate"](x)  # (T, E)
@@ -41,6 +43,10 @@ class SoftmaxMoeBlock(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.select(self.logits(x))
+
+    def weigh(self, logits: mx.array, inds: mx.array) -> mx.array:
+        """The weights select would give the experts `inds` (T, K) had it chosen them (forced routing)."""
+        return softmax_weights(logits, inds, self.norm_topk_prob)
 
     def decide(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Predicted routing, a token ahead, from its head's logits: the `candidates` likeliest experts (T, M), read
@@ -75,7 +81,7 @@ class SoftmaxMoeBlock(nn.Module):
         scheduled = getattr(executor, "bank_step", None) is not None  # a streamed pipeline's layer (banked or held)
         streamed = resident is None and scheduled  # a slot bank, decided ahead
         if (ext is None or (resident is None and not streamed) or self.shared or x.ndim != 3 or x.shape[1] != 1
-                or x.dtype != mx.float32 or expert_math.current() is not None):
+                or x.dtype != mx.float32 or expert_math.current() is not None or self.routes is not None):
             return None
         planned = self.planned() if self.planned is not None else None
         among = planned[0] if planned is not None else None
@@ -119,6 +125,7 @@ class SigmoidGroupMoeBlock(nn.Module):
         self.shared_experts = src.shared_experts
         self.executor = executor
         self.planned = None
+        self.routes = None  # as SoftmaxMoeBlock's
 
     @property
     def top_k(self) -> int:
@@ -138,6 +145,10 @@ class SigmoidGroupMoeBlock(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.select(self.logits(x))
+
+    def weigh(self, logits: mx.array, inds: mx.array) -> mx.array:
+        g = self.gate
+        return sigmoid_group_weights(logits, inds, g.norm_topk_prob, g.routed_scaling_factor, g.score_function)
 
     decide = select  # predicted routing decides (inds, weights) ahead
 
@@ -170,8 +181,16 @@ def _moe_args(ext, block: SoftmaxMoeBlock, resident, norm_weight, x: mx.array) -
 
 
 def _routing(block, x: mx.array) -> tuple[mx.array, mx.array]:
-    """The block's routing for this step: decided ahead by a prerouter head when planned (its candidates chosen
-    among by the block's router, where the block chooses), else its router."""
+    """The block's routing for this step: forced from a trace or recorded where a trace hook is set (--routes,
+    --record-routes: model/traced.py), else its own (_own_routing)."""
+    if block.routes is not None:
+        return block.routes(block, x, _own_routing)
+    return _own_routing(block, x)
+
+
+def _own_routing(block, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Decided ahead by a prerouter head when planned (its candidates chosen among by the block's router, where the
+    block chooses), else its router."""
     planned = block.planned() if block.planned is not None else None
     if planned is None:
         return block.route(x)

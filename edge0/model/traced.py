@@ -1,0 +1,120 @@
+"""A run's routing forced from a routing trace (`--routes FILE`) or recorded into one (`--record-routes FILE`).
+
+    traced = TracedRouting(model, trace=read_trace(path), record=True, what="--routes t.json")
+    ... generate ...
+    write_trace(out, traced.recorded(prompt_tokens=len(prompt), tokens=prompt + generated))
+    traced.detach()
+
+Every Edge0 MoE block routes through its `routes` hook (blocks.py `_routing`): row t of the trace is the sequence's
+token t (one sequence, computed from its first token: no prompt cache), the trace's i-th layer the model's i-th MoE
+layer. Forced routing uses exactly the traced ids, in their
+order; their weights are the trace's where it holds them (a recorded trace replays bit for bit), else the block's
+own router's weights for those ids (block.weigh). Shapes: T tokens, K routed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import Edge0Error
+from ..io.routetrace import RouteTrace, check_fits, write_trace
+from .routes import moe_blocks
+
+
+def attach_routes(args: argparse.Namespace, engine, trace: RouteTrace | None, req) -> "TracedRouting | None":
+    """The hooks of --routes / --record-routes on the engine's model for request `req`, the trace checked against
+    the run's shape (its MoE layers, experts, K, and the tokens it computes)."""
+    if trace is None and args.record_routes is None:
+        return None
+    what = f"--routes {args.routes}" if trace is not None else f"--record-routes {args.record_routes}"
+    traced = TracedRouting(engine.store.model, trace=trace, record=args.record_routes is not None, what=what)
+    engine.prompt_cache = None  # the trace's rows are the sequence's from its first token: every one is computed
+    if trace is not None:
+        steps = min(req.max_tokens, len(req.forced)) if req.forced else req.max_tokens
+        check_fits(trace, what, layers=len(traced.blocks), experts=engine.store.manifest.num_experts,
+                   top_k=engine.top_k, tokens=len(req.prompt) + steps - 1)
+    return traced
+
+
+def save_routes(args: argparse.Namespace, traced: "TracedRouting | None", engine, req, tokens: list[int]) -> None:
+    """--record-routes: the run's routing, rows [0, prompt) marked the prompt's."""
+    if traced is not None and args.record_routes is not None:
+        write_trace(args.record_routes, traced.recorded(prompt_tokens=len(req.prompt), tokens=list(req.prompt) + tokens,
+                                                        num_experts=engine.store.manifest.num_experts))
+
+
+class TracedRouting:
+    """The hooks of every MoE block of `model` for one sequence: forced from `trace` (None: the blocks route) and
+    recorded when `record`. `what` names the flag in errors."""
+
+    def __init__(self, model, *, trace: RouteTrace | None, record: bool, what: str):
+        blocks = moe_blocks(model)
+        other = [i for i, b in blocks.items() if not hasattr(b, "routes")]
+        if not blocks or other:
+            why = f"layers {', '.join(map(str, other))} route in their family's own code" if other else "it has none"
+            raise Edge0Error(f"{what}: routing traces need Edge0's own MoE blocks (qwen3_moe, qwen3_5_moe, "
+                             f"bailing_moe): {why}")
+        self.trace, self.record, self.what = trace, record, what
+        self.blocks = blocks
+        self.layers = [_Layer(self, j) for j in range(len(blocks))]
+        for blk, hook in zip(blocks.values(), self.layers):
+            blk.routes = hook
+
+    def detach(self) -> None:
+        for blk in self.blocks.values():
+            blk.routes = None
+
+    def recorded(self, *, prompt_tokens: int, tokens: list[int] | None = None, num_experts: int | None = None
+                 ) -> RouteTrace:
+        """What every layer routed to since the hooks were set, as a trace (rows that not every layer routed, as a
+        step that raised leaves, dropped)."""
+        per = [h.arrays() for h in self.layers]
+        n = min(ids.shape[0] for ids, _ in per)
+        ids = np.stack([i[:n] for i, _ in per]).astype(np.int32)
+        weights = np.stack([w[:n] for _, w in per]).astype(np.float32)
+        return RouteTrace(ids, weights, list(self.blocks), num_experts, min(prompt_tokens, n),
+                          None if tokens is None else list(tokens[:n]) if len(tokens) >= n else None)
+
+
+class _Layer:
+    """One MoE layer's hook: its rows of the trace from its cursor on, and what it routed."""
+
+    def __init__(self, owner: TracedRouting, index: int):
+        self.owner, self.index = owner, index
+        self.cursor = 0  # the sequence's next token: the trace's row for it
+        self.rows: list[tuple[mx.array, mx.array]] = []  # (inds, scores) of each call, recorded
+
+    def __call__(self, block, x: mx.array, own) -> tuple[mx.array, mx.array]:
+        o = self.owner
+        lead = x.shape[:-1]  # (B, T) or (T,)
+        if math.prod(lead[:-1]) != 1:
+            raise Edge0Error(f"{o.what}: a routing trace follows one sequence, not a batch of {math.prod(lead[:-1])}")
+        start, t = self.cursor, lead[-1]
+        self.cursor += t
+        if o.trace is not None:
+            tr = o.trace
+            if start + t > tr.num_tokens:
+                raise Edge0Error(f"{o.what}: the trace holds {tr.num_tokens} tokens, the run reached token "
+                                 f"{start + t}")
+            inds = mx.array(tr.ids[self.index, start:start + t].astype(np.uint32)).reshape(*lead, tr.top_k)
+            if tr.weights is not None:
+                scores = mx.array(tr.weights[self.index, start:start + t]).reshape(*lead, tr.top_k).astype(x.dtype)
+            else:
+                scores = block.weigh(block.logits(x), inds)
+        else:
+            inds, scores = own(block, x)
+        if o.record:
+            self.rows.append((inds, scores))
+        return inds, scores
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(T, K) ids and weights recorded (evaluated here where they were not)."""
+        if not self.rows:
+            return np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32)
+        ids = [np.array(i).reshape(-1, i.shape[-1]) for i, _ in self.rows]
+        w = [np.array(s.astype(mx.float32)).reshape(-1, s.shape[-1]) for _, s in self.rows]
+        return np.concatenate(ids), np.concatenate(w)
