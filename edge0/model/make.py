@@ -40,7 +40,7 @@ BITS = 4
 MLX_SHARD_BYTES = 5 << 30  # mlx_lm.utils.MAX_FILE_SIZE_GB
 HF_SHARD_BYTES = 2 << 30  # tests lower it to get several shards
 EXPERT_BIAS_RANGE = 0.1  # bailing expert_bias ~ U(-0.1, 0.1): moves sigmoid scores of std ~0.2
-DIRECT_PRESETS = ("paper-35b",)  # presets whose routed experts skip float generation
+DIRECT_PRESETS = ("paper-35b", "olmoe-1b-7b", "qwen3-30b-a3b")  # presets whose routed experts skip float generation
 
 def make_model(
     arch: str,

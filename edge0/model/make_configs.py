@@ -1,5 +1,5 @@
-"""The configs make-model writes: the three presets of Edge0's own families, and a tiny config of every
-other mlx-lm MoE family, learned from that family's own ModelArgs.
+"""The configs make-model writes: the three presets of Edge0's own families, two real models' shapes on qwen3_moe,
+and a tiny config of every other mlx-lm MoE family, learned from that family's own ModelArgs.
 
 A family's tiny config is the shared tiny values below (under every name the families use for them)
 plus the family's own fields, keeping only the fields its mlx-lm ModelArgs declares; mlx-lm builds the
@@ -18,7 +18,8 @@ from .tokenizer import VOCAB_SIZE, special_token_ids
 
 BESPOKE = ("qwen3_moe", "qwen3_5_moe", "bailing_moe")
 ARCHS = BESPOKE + tuple(sorted(FAMILIES, key=str.lower))
-PRESETS = ("tiny", "small", "paper-35b")
+PRESETS = ("tiny", "small", "paper-35b", "olmoe-1b-7b", "qwen3-30b-a3b")
+REAL_PRESETS = ("olmoe-1b-7b", "qwen3-30b-a3b")  # a real model's shapes on qwen3_moe (its I/O without its weights)
 FORMATS = ("mlx", "hf")
 LINEAR_STD = 0.02  # weights are uniform with this std: int8 draws are 10x faster than normal ones
 
@@ -39,6 +40,23 @@ _DIMS = {
         moe_intermediate_size=512, intermediate_size=5120,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     ),
+    # OLMoE-1B-7B-0924: full multi-head attention (16 heads of 128); the vocabulary stays Edge0's small one.
+    "olmoe-1b-7b": dict(
+        hidden_size=2048, num_hidden_layers=16, num_experts=64, num_experts_per_tok=8,
+        moe_intermediate_size=1024, intermediate_size=1024,
+        num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+    ),
+    # Qwen3-30B-A3B, but for its vocabulary.
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, intermediate_size=6144,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    ),
+}
+# The real models' other fields that differ from the shared qwen3_moe config.
+_REAL_FIELDS = {
+    "olmoe-1b-7b": dict(norm_topk_prob=False, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "qwen3-30b-a3b": dict(),
 }
 _ARCH_DIMS = {
     ("qwen3_5_moe", "tiny"): dict(
@@ -78,14 +96,14 @@ def model_config(arch: str, preset: str) -> dict:
         initializer_range=LINEAR_STD, eos_token_id=eos, use_cache=True,
     )
     if arch == "qwen3_moe":
-        return dict(
+        return {**dict(
             architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", **common,
             attention_bias=False, attention_dropout=0.0, decoder_sparse_step=1, mlp_only_layers=[],
             head_dim=d["head_dim"], intermediate_size=d["intermediate_size"],
             max_position_embeddings=40960, rope_theta=1000000.0,
             router_aux_loss_coef=0.001, output_router_logits=False,
             sliding_window=None, use_sliding_window=False, torch_dtype="bfloat16",
-        )
+        ), **_REAL_FIELDS.get(preset, {})}
     if arch == "qwen3_5_moe":
         n, every = d["num_hidden_layers"], d["full_attention_interval"]
         text = dict(
@@ -129,6 +147,8 @@ def check(arch: str, preset: str, fmt: str) -> None:
         raise Edge0Error(f"Unknown format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     if arch not in BESPOKE and preset != "tiny":
         raise Edge0Error(f"Preset {preset!r} is made for {', '.join(BESPOKE)}; arch {arch} comes in preset tiny.")
+    if preset in REAL_PRESETS and arch != "qwen3_moe":
+        raise Edge0Error(f"Preset {preset!r} is a real model's shapes on arch qwen3_moe; give --arch qwen3_moe.")
 
 
 def family_config(arch: str) -> dict:

@@ -220,3 +220,60 @@ def test_paper_35b_plans_18_to_20_gb(arch):
     assert 18e9 <= total <= 20e9, total / 1e9
     small = planned_bytes(arch, "small")
     assert 0.3e9 <= small <= 1.5e9, small / 1e9
+
+
+# The real models' published shapes (their config.json), typed here: (layers, experts, K, hidden, expert FFN,
+# q heads, kv heads, head dim, norm_topk_prob).
+REAL = {"olmoe-1b-7b": (16, 64, 8, 2048, 1024, 16, 16, 128, False),
+        "qwen3-30b-a3b": (48, 128, 8, 2048, 768, 32, 4, 128, True)}
+
+
+@pytest.mark.parametrize("preset", REAL)
+def test_real_model_presets_have_the_real_shapes(preset):
+    """Without generating them: the config's shapes, and the routed experts' tensors as 4-bit words of group 64."""
+    from edge0.model.make import model_config, planned_tensors
+
+    c = model_config("qwen3_moe", preset)
+    layers, experts, k, d, f, heads, kv, hd, norm = REAL[preset]
+    assert (c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"], c["hidden_size"],
+            c["moe_intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+            c["norm_topk_prob"]) == REAL[preset]
+    plan = planned_tensors("qwen3_moe", preset)
+    last = f"model.layers.{layers - 1}.mlp.switch_mlp"
+    assert plan[f"{last}.down_proj.weight"] == ((experts, d, f * 4 // 32), "uint32")
+    assert plan[f"{last}.gate_proj.scales"] == ((experts, f, d // 64), "bfloat16")
+    assert plan[f"model.layers.{layers - 1}.self_attn.k_proj.weight"][0][0] == kv * hd
+    assert preset in make.DIRECT_PRESETS  # its experts are random words, never float tensors quantized
+    expert = 3 * d * f // 2 + 3 * 2 * (d * f // 64) * 2  # one bundle: packed words, bf16 scales and biases
+    routed = sum(np.prod(s) * (4 if t == "uint32" else 2) for n, (s, t) in plan.items() if ".switch_mlp." in n)
+    assert routed == layers * experts * expert
+
+
+def test_real_model_presets_are_qwen3_moe_only(tmp_path):
+    with pytest.raises(Edge0Error, match="real model's shapes on arch qwen3_moe; give --arch qwen3_moe"):
+        make_model("bailing_moe", "olmoe-1b-7b", tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_experts_written_directly_as_random_words_make_a_store_that_runs(tmp_path, monkeypatch):
+    """The real-shape presets' way of writing experts (as paper-35b's), at the tiny preset's scale: the words are
+    not a quantized float tensor's, and the store converts and generates (here on a forced routing trace)."""
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.io.routetrace import RouteTrace
+    from edge0.model.convert import convert as to_store
+    from edge0.model.traced import TracedRouting
+
+    monkeypatch.setattr(make, "DIRECT_PRESETS", ("tiny",))
+    src = make_model("qwen3_moe", "tiny", tmp_path / "m", progress=False)
+    monkeypatch.undo()
+    plain = make_model("qwen3_moe", "tiny", tmp_path / "p", progress=False)
+    key = "model.layers.0.mlp.switch_mlp.up_proj.weight"
+    assert not mx.array_equal(tensors(src)[key], tensors(plain)[key])
+    store = to_store(src, tmp_path / "s", progress=False)
+    rng = np.random.default_rng(0)
+    ids = np.stack([[rng.permutation(16)[:4] for _ in range(8)] for _ in range(4)]).astype(np.int32)
+    with open_engine(EngineConfig(model=str(store), routing="native", executor="staged")) as engine:
+        TracedRouting(engine.store.model, trace=RouteTrace(ids, None, [0, 1, 2, 3]), record=False, what="t")
+        fig = engine.generate(engine.request([1, 2, 3, 4], max_tokens=4, ignore_eos=True))
+    assert len(fig.tokens) == 4 and fig.bytes_read > 0
