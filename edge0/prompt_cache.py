@@ -6,6 +6,10 @@ trimmed to the shared prefix where the cache types allow it (attention KV caches
 Qwen3.5's linear attention, only when the entry is a whole prefix of the prompt). At least one prompt token
 is always left to prefill, so the routing history a generation starts from (the previous token's experts,
 which prerouter heads read) is the same as without the cache.
+
+An entry is stored as owned, evaluated copies of the positions it uses, and counted by those arrays' bytes: a KV
+cache allocates in steps of 256 positions, and a batch's extracted row is a lazy view that keeps the whole batch's
+buffer alive, so counting the used slice of what it was handed let the cache hold several times its budget.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, can_trim_prompt_cache, trim_prompt_cache
 
 DEFAULT_GIB = 1.0  # --prompt-cache-gib
 
@@ -35,11 +40,12 @@ class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple[int, ...], list] = OrderedDict()
+        self.sizes: dict[tuple[int, ...], int] = {}  # each entry's bytes, counted once when stored
         self.stats = PromptCacheStats()
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(c) for c in self.entries.values())
+        return sum(self.sizes.values())
 
     def take(self, prompt: list[int]) -> tuple[list | None, int]:
         """(a copy of the cache holding the longest reusable prefix of prompt, its length), or (None, 0)."""
@@ -66,15 +72,18 @@ class PromptCache:
         if self.max_bytes <= 0 or not tokens:
             return
         key = tuple(tokens)
-        self.entries.pop(key, None)
-        for other in [k for k in self.entries if len(k) < len(key) and key[:len(k)] == k]:
-            del self.entries[other]  # a prefix of the new entry: the new one serves every prompt it served
-        self.entries[key] = cache
-        while self.entries and self.nbytes > self.max_bytes:
-            self.entries.popitem(last=False)
+        # the same tokens, or a prefix of them: the new entry serves every prompt those served
+        for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k]:
+            del self.entries[other], self.sizes[other]
+        self.entries[key] = _owned(cache)
+        self.sizes[key] = _nbytes(self.entries[key])
+        total = self.nbytes
+        while self.entries and total > self.max_bytes:
+            total -= self.sizes.pop(self.entries.popitem(last=False)[0])
 
     def clear(self) -> None:
         self.entries.clear()
+        self.sizes.clear()
 
 
 def _common(a: tuple[int, ...], b: list[int]) -> int:
@@ -86,8 +95,42 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
 
 
 def _nbytes(cache: list) -> int:
-    total = 0
+    """The bytes an entry holds: after _owned, each array is its own buffer of exactly its nbytes."""
+    return sum(a.nbytes for a in _arrays(cache))
+
+
+def _arrays(value):
+    """Every array inside a cache list, whatever the cache types (CacheList nests caches, ArraysCache a list)."""
+    if isinstance(value, mx.array):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _arrays(v)
+    elif isinstance(value, _BaseCache):
+        yield from _arrays(list(vars(value).values()))
+
+
+def _owned(cache: list) -> list:
+    """cache with its attention KV cut to the positions it holds and every array copied into a buffer of its own
+    (no view into a batch's or a longer allocation), evaluated so that no graph keeps its inputs alive."""
     for c in cache:
-        state = c.state if isinstance(c.state, (list, tuple)) else [c.state]
-        total += sum(getattr(a, "nbytes", 0) for a in state if a is not None)
-    return total
+        _own(c)
+    mx.eval(list(_arrays(cache)))
+    return cache
+
+
+def _own(c) -> None:
+    if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] > c.offset:
+        c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+    for name, value in vars(c).items():
+        setattr(c, name, _copied(value))
+
+
+def _copied(value):
+    if isinstance(value, mx.array):
+        return mx.array(value)  # a copy: a slice or a row of a batch would share (and keep) the whole buffer
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, _BaseCache):
+        _own(value)
+    return value

@@ -1,21 +1,31 @@
 """The prompt cache: a chat's next turn prefills only what follows the shared prefix, with the same answer."""
 
+import gc
+
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.generation import GenRequest
-from edge0.prompt_cache import PromptCache, _nbytes
+from edge0.prompt_cache import PromptCache
 
 TURNS = ["def add(a, b):", "import os", "class Stack:"]
 
 
+PER_TOKEN = 2 * 2 * 8 * 4  # bytes of one position of kv(): keys and values, 2 heads x 8 dims, float32
+
+
 def kv(tokens: int) -> list:
-    c = KVCache()
+    c = KVCache()  # allocates 256 positions
     c.update_and_fetch(mx.ones((1, 2, tokens, 8)), mx.ones((1, 2, tokens, 8)))
     return [c]
+
+
+def active() -> int:
+    gc.collect()
+    return mx.get_active_memory()
 
 
 def test_longest_prefix_trimmed_and_last_two_tokens_left():
@@ -32,13 +42,45 @@ def test_longest_prefix_trimmed_and_last_two_tokens_left():
 
 
 def test_bounded_in_bytes_least_recent_first():
-    one = _nbytes(kv(10))
-    pc = PromptCache(2 * one + 1)
+    pc = PromptCache(22 * PER_TOKEN)  # room for 22 positions: two entries of 10, or one of 10 and one of 12
     for first in (1, 2, 3):
         pc.put([first] + list(range(10, 19)), kv(10))
-    assert [k[0] for k in pc.entries] == [2, 3]
+    assert [k[0] for k in pc.entries] == [2, 3] and pc.nbytes == 20 * PER_TOKEN
     pc.put([2] + list(range(10, 19)) + [7, 7], kv(12))  # extends entry 2: replaces it
-    assert [k[0] for k in pc.entries] == [3, 2] and len(pc.entries) == 2
+    assert [k[0] for k in pc.entries] == [3, 2] and pc.nbytes == 22 * PER_TOKEN
+
+
+def test_an_entry_holds_in_memory_what_it_counts():
+    """A batch's extracted row is a view of the whole batch's buffer (4 rows x 256 positions): the entry must hold
+    only its own positions, as MLX's active memory sees it, and count those bytes."""
+    pc, base = PromptCache(1 << 30), active()
+    for i in range(6):
+        batch = BatchKVCache([0, 0, 0, 0])
+        batch.update_and_fetch(mx.ones((4, 2, 10, 8)), mx.ones((4, 2, 10, 8)))
+        mx.eval(batch.keys, batch.values)
+        pc.put([i] + list(range(10, 19)), [batch.extract(1)])
+        del batch
+    held = active() - base
+    assert pc.nbytes == 6 * 10 * PER_TOKEN
+    assert held <= pc.nbytes + 4096, (held, pc.nbytes)  # a batch's buffer is 100x an entry
+
+
+def test_active_memory_plateaus_at_the_budget():
+    budget = 40 * 10 * PER_TOKEN  # 40 entries of 10 positions
+    pc, base, peak = PromptCache(budget), active(), 0
+    for i in range(200):
+        pc.put([i] + list(range(10, 19)), kv(10))  # each handed over with 256 positions allocated
+        peak = max(peak, active() - base)
+    assert len(pc.entries) == 40 and peak <= budget + 256 * PER_TOKEN, (peak, budget)
+
+
+def test_recurrent_states_are_counted():
+    """ArraysCache (linear attention's states) keeps its arrays in a list: they count like KV."""
+    c = ArraysCache(2)
+    c.cache = [mx.ones((1, 3, 8)), mx.ones((1, 4, 16), dtype=mx.bfloat16)]
+    pc = PromptCache(1 << 30)
+    pc.put([1, 2, 3], [c])
+    assert pc.nbytes == 3 * 8 * 4 + 4 * 16 * 2
 
 
 def conversation(**config) -> list:
