@@ -21,7 +21,7 @@ from aiohttp import web
 
 from ..errors import Edge0Error
 from .jobs import ApiError, Job
-from .validate import MAX_STOPS, flag, gen_request, number, show
+from .validate import MAX_STOPS, flag, gen_request, number, show, text_value
 
 ROUTE = "/v1/messages"
 # Fields that change nothing when sent with their neutral value ([], null, "auto", disabled); else a 400.
@@ -75,9 +75,10 @@ def check_fields(body: dict) -> None:
 
 
 def _text(content, where: str, *, blocks_only: bool = False) -> str:
-    """A string, or a list of text blocks joined; any other block type is a 400 naming it."""
+    """A string, or a list of text blocks joined; any other block type is a 400 naming it, and so is a lone
+    surrogate (JSON's \\ud800, which the tokenizer raises on) named by its field and byte."""
     if isinstance(content, str) and not blocks_only:
-        return content
+        return text_value(content, where)
     if not isinstance(content, list):
         raise _bad(where, f"expected a string or a list of text blocks, got {show(content)}")
     parts = []
@@ -95,7 +96,7 @@ def _text(content, where: str, *, blocks_only: bool = False) -> str:
             raise _bad(f"{at}.citations", "not supported", "unsupported_value")
         if not isinstance(block.get("text"), str):
             raise _bad(f"{at}.text", "required, a string")
-        parts.append(block["text"])
+        parts.append(text_value(block["text"], f"{at}.text"))
     return "".join(parts)
 
 

@@ -9,6 +9,7 @@ clients send them on every request. Numbers are checked for type and range befor
 from __future__ import annotations
 
 import math
+import re
 
 from ..engine import ContextExceeded
 from ..errors import Edge0Error
@@ -35,6 +36,7 @@ TEMP_RANGE = (0.0, 2.0)  # OpenAI's range
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range of presence_penalty and frequency_penalty
 BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a logit_bias value
 MAX_BIASES = 1024  # token ids in one logit_bias
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key; no longer than any vocabulary needs (int() of 5,000 raises)
 
 
 def show(value) -> str:
@@ -147,7 +149,7 @@ def _check_tools(body: dict) -> None:
 # -- prompts ----------------------------------------------------------------------------------------
 
 
-def _text(text: str, param: str) -> str:
+def text_value(text: str, param: str) -> str:
     """text, refused where it is not Unicode text: JSON may carry a lone surrogate (\\ud800), which the tokenizer
     raises on."""
     bad = not_utf8(text)
@@ -161,11 +163,11 @@ def _content(message: dict, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _text(content, f"messages[{i}].content")
+        return text_value(content, f"messages[{i}].content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}]: text parts only
         parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(parts) == len(content) and all(isinstance(t, str) for t in parts):
-            return _text("".join(parts), f"messages[{i}].content")
+            return text_value("".join(parts), f"messages[{i}].content")
     raise ApiError(400, f"'messages[{i}].content': expected a string or a list of text parts", "invalid_value",
                    param=f"messages[{i}].content")
 
@@ -225,7 +227,7 @@ def completion_prompt(engine, body: dict) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return engine.encode_text(_text(prompt, "prompt"))
+        return engine.encode_text(text_value(prompt, "prompt"))
     if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ApiError(400, "'prompt': expected a string, a list of token ids, or a list of one of these",
                        "invalid_value", param="prompt")
@@ -288,7 +290,8 @@ def logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
                        "invalid_value", param="logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and (vocab is None or int(key) < vocab)):
+        # ASCII digits only: str.isdigit() is true of '²' (int() raises) and '١' (int() reads 1)
+        if not (isinstance(key, str) and TOKEN_ID.fullmatch(key) and (vocab is None or int(key) < vocab)):
             raise ApiError(400, f"'logit_bias': {show(key)} is not a token id (0 to {(vocab or 0) - 1})",
                            "invalid_value", param="logit_bias")
         out[int(key)] = number(bias, key, float, 0.0, *BIAS_RANGE, where="logit_bias.")

@@ -173,6 +173,10 @@ CASES = [
     ("POST", C, chat(logit_bias={"5": 101}), None, 400, "'logit_bias.5': 101 is out of range [-100.0, 100.0]", None),
     ("POST", C, chat(logit_bias={"5": "1"}), None, 400, "'logit_bias.5': expected a number, got '1'", None),
     ("POST", P, comp(logit_bias=[5]), None, 400, "'logit_bias': expected an object of at most 1024 token ids", None),
+    # digits to str.isdigit() that int() refuses (a 500), reads as another number ('١' is 1), or cannot hold
+    ("POST", P, comp(logit_bias={"\u00b2": 1}), None, 400, "'logit_bias': '\u00b2' is not a token id", None),
+    ("POST", P, comp(logit_bias={"\u0661": 1}), None, 400, "'logit_bias': '\u0661' is not a token id", None),
+    ("POST", C, chat(logit_bias={"9" * 5000: 1}), None, 400, "'logit_bias': '999", None),
     ("POST", C, chat(user=5), None, 400, "'user': expected a string", None),
     ("POST", C, chat(metadata="x"), None, 400, "'metadata': expected an object", None),
     # types and ranges of numbers and flags
