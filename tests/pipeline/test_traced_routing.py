@@ -164,3 +164,19 @@ def test_a_recorded_trace_is_never_written_over_a_file(tmp_path):
     assert _refused("--record-routes", str(path)) == f"edge0: error: --record-routes {path}: exists; name a new file " \
                                                      "(no file is written over)"
     assert path.read_text() == "my notes"
+
+
+def test_resident_experts_on_the_edge0_kernel_take_the_forced_routing():
+    """Every expert resident on the edge0 kernel, a decode step's MoE block is one fused node that routes inside the
+    extension: a traced block must leave it, or its decode steps would neither be forced nor recorded."""
+    from edge0.compute import kernels
+
+    if not kernels.available():
+        pytest.skip(f"the edge0 kernels are not built: {kernels.reason()}")
+    trace = _random_trace(40, seed=4)
+    with open_engine(EngineConfig(routing="native", executor="resident", kernel="edge0")) as engine:
+        traced = TracedRouting(engine.store.model, trace=trace, record=True, what="--routes t")
+        tokens = _generate(engine, 5)
+        got = traced.recorded(prompt_tokens=len(PROMPT))
+    rows = len(PROMPT) + len(tokens) - 1
+    assert got.ids.shape == (LAYERS, rows, K) and (got.ids == trace.ids[:, :rows]).all()
