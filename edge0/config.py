@@ -146,6 +146,13 @@ class Sampling:
         _float("--frequency-penalty", self.frequency_penalty, -2.0, 2.0, "", lo_open=False)
         return self
 
+    def check_context(self, context: int | None) -> "Sampling":
+        """--max-tokens within what the model's context holds after a one-token prompt: run's and serve's one
+        range check, once the model is loaded (context None: unknown, no bound)."""
+        _int("--max-tokens", self.max_tokens, 1, context - 1 if context else None,
+             f"the model's context of {context} tokens holds the prompt, at least one token, and the answer")
+        return self
+
     def penalties(self) -> dict:
         """The GenRequest fields of the penalties."""
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}

@@ -59,6 +59,8 @@ BAD = [  # (argv, what the one error line must contain)
     (["serve", "--port", "70000"], "--port 70000: must be between 0 and 65535"),
     (["serve", "--max-queue", "-1"], "--max-queue -1: must not be negative"),
     (["serve", "--temp", "inf"], "--temp inf: expected a finite number"),
+    # checked once the model's context is known (the demo's 4096), as serve does (tests/serve/test_stop_and_limits.py)
+    (["run", "--max-tokens", "4096"], "--max-tokens 4096: must be at most 4095"),
     (["chat", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
     (["bench", "--store", "x", "--arms", "nonsense"], "--arms: unknown arm 'nonsense'"),
     (["bench", "--store", "x", "--arms", "exact", "--rounds", "0"], "--rounds 0: must be at least 1"),

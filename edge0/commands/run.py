@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if trace.on:
             trace.meta.update(routing=engine.config.routing, predictor=engine.config.predictor)
         load_s = time.perf_counter() - t0
+        samp.check_context(engine.context)  # serve's check too: one range for the flag
         req = GenRequest(prompt=_prompt(engine, args, replay), max_tokens=samp.max_tokens, temp=samp.temp,
                          top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)

@@ -320,6 +320,7 @@ class Server:
         from ..engine import open_engine
 
         self.engine = await loop.run_in_executor(self.worker, open_engine, self.config)
+        self.sampling.check_context(self.engine.context)  # the default of requests that give none
         self.jobs = JobQueue(self.engine, self.worker, max_queue=self.max_queue)
         self.jobs.start()
         c, d = self.config, self.sampling
