@@ -28,6 +28,13 @@ def active() -> int:
     return mx.get_active_memory()
 
 
+@pytest.fixture
+def fresh_allocator():
+    """MLX reuses a freed buffer for a request up to about half its size: start from an empty buffer cache, so that
+    active memory is what the arrays hold (earlier tests in the process leave buffers of every size)."""
+    mx.clear_cache()
+
+
 def test_longest_prefix_trimmed_and_last_two_tokens_left():
     pc = PromptCache(1 << 30)
     pc.put([1, 2, 3, 4, 5, 6], kv(6))
@@ -50,7 +57,7 @@ def test_bounded_in_bytes_least_recent_first():
     assert [k[0] for k in pc.entries] == [3, 2] and pc.nbytes == 22 * PER_TOKEN
 
 
-def test_an_entry_holds_in_memory_what_it_counts():
+def test_an_entry_holds_in_memory_what_it_counts(fresh_allocator):
     """A batch's extracted row is a view of the whole batch's buffer (4 rows x 256 positions): the entry must hold
     only its own positions, as MLX's active memory sees it, and count those bytes."""
     pc, base = PromptCache(1 << 30), active()
@@ -62,16 +69,16 @@ def test_an_entry_holds_in_memory_what_it_counts():
         del batch
     held = active() - base
     assert pc.nbytes == 6 * 10 * PER_TOKEN
-    assert held <= pc.nbytes + 4096, (held, pc.nbytes)  # a batch's buffer is 100x an entry
+    assert held <= 1.5 * pc.nbytes + 4096, (held, pc.nbytes)  # a batch's buffer is 100x an entry
 
 
-def test_active_memory_plateaus_at_the_budget():
+def test_active_memory_plateaus_at_the_budget(fresh_allocator):
     budget = 40 * 10 * PER_TOKEN  # 40 entries of 10 positions
     pc, base, peak = PromptCache(budget), active(), 0
     for i in range(200):
         pc.put([i] + list(range(10, 19)), kv(10))  # each handed over with 256 positions allocated
         peak = max(peak, active() - base)
-    assert len(pc.entries) == 40 and peak <= budget + 256 * PER_TOKEN, (peak, budget)
+    assert len(pc.entries) == 40 and peak <= 1.5 * budget + 256 * PER_TOKEN, (peak, budget)  # kept whole: 25x
 
 
 def test_recurrent_states_are_counted():
