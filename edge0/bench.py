@@ -254,7 +254,7 @@ def check_args(args) -> tuple[list[str], list[str]]:
             raise Edge0Error(f"--arms {a}: +MODE is --read-ahead's {', '.join(READ_AHEAD)}, on a prefetch or streamed "
                              "predicted arm")
         base, _, guesses = base.partition("/") if base.startswith("prefetch:") else (base, "", "")
-        if guesses and not (guesses.isdigit() and int(guesses) >= 1):
+        if guesses and not (guesses.isascii() and guesses.isdigit() and len(guesses) <= 9 and int(guesses) >= 1):
             raise Edge0Error(f"--arms {a}: a prefetch arm's /N (guesses read ahead) is a whole number of at least 1")
         if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
                                                                                    or is_llama(base))):

@@ -63,6 +63,7 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--max-tokens", "4096"], "--max-tokens 4096: must be at most 4095"),
     (["chat", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
     (["bench", "--store", "x", "--arms", "nonsense"], "--arms: unknown arm 'nonsense'"),
+    (["bench", "--store", "x", "--arms", "prefetch:repeat/\u00b2"], "a prefetch arm's /N (guesses read ahead) is"),
     (["bench", "--store", "x", "--arms", "exact", "--rounds", "0"], "--rounds 0: must be at least 1"),
     (["bench", "--store", "x", "--arms", "exact", "--io-throttle", "0"],
      "--io-throttle 0.0: must be a finite number more than 0"),
@@ -100,7 +101,7 @@ def test_at_least_forty_bad_command_lines():
     assert len(BAD) + len(ARGPARSE_BAD) >= 40
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "\u00b2"])  # '²': str.isdigit() but not int()
 def test_a_bad_kernel_threads_variable_is_one_line(value):
     """$EDGE0_KERNEL_THREADS is read when the edge0 kernels load (a fresh process that uses them)."""
     import os

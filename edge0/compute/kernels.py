@@ -33,7 +33,8 @@ def _env_threads() -> int | None:
     env = os.environ.get("EDGE0_KERNEL_THREADS", "").strip()
     if not env:
         return None
-    if not env.isdigit() or int(env) < 1:
+    # ASCII digits: str.isdigit() alone takes '²', on which int() raises
+    if not (env.isascii() and env.isdigit() and len(env) <= 9) or int(env) < 1:
         raise Edge0Error(f"EDGE0_KERNEL_THREADS={env}: expected a whole number of at least 1")
     return int(env)
 

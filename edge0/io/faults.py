@@ -31,7 +31,7 @@ def parse(spec: str) -> dict[int, str]:
     faults: dict[int, str] = {}
     for item in spec.split(","):
         kind, _, at = item.strip().partition("@")
-        if kind not in KINDS or not at.isdigit() or int(at) < 1:
+        if kind not in KINDS or not (at.isascii() and at.isdigit() and len(at) <= 18) or int(at) < 1:  # not '²'
             raise Edge0Error(f"{ENV}={spec}: expected KIND@N[,KIND@N...] with KIND one of {', '.join(KINDS)} "
                              "and N >= 1 (the read to fail, counted from 1)")
         faults[int(at)] = kind

@@ -195,6 +195,8 @@ def _message(m, i: int) -> dict:
             isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
         raise ApiError(400, f"'{where}.tool_calls': expected a list of {{function}} objects in an assistant message",
                        "invalid_value", param=f"{where}.tool_calls")
+    for path, text in _strings(calls or [], f"{where}.tool_calls"):  # the chat template may render any of them
+        text_value(text, path)
     if m.get("content") is None and not calls:
         need = "required" + (" (or tool_calls)" if role == "assistant" else "")
         raise ApiError(400, f"'{where}.content': {need} in a message of role '{role}'", "missing_field",
@@ -203,6 +205,19 @@ def _message(m, i: int) -> dict:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def _strings(value, where: str):
+    """(path, string) of every string in a JSON value, keys included; a loop, not recursion (any depth parses)."""
+    todo = [(where, value)]
+    while todo:
+        at, v = todo.pop()
+        if isinstance(v, str):
+            yield at, v
+        elif isinstance(v, dict):
+            todo += [(at, str(k)) for k in v] + [(f"{at}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, list):
+            todo += [(f"{at}[{j}]", x) for j, x in enumerate(v)]
 
 
 def chat_prompt(engine, body: dict) -> list[int]:

@@ -85,6 +85,7 @@ def message(**fields) -> bytes:
 CONTEXT, VOCAB = 4096, 4096  # the demo model's (checked below against the server)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 FORM = b"prompt=hi&max_tokens=2"
+BAD_CALL = [{"function": {"name": "f", "arguments": "{\ud800"}}]  # a chat template may render it: the tokenizer raises
 MULTIPART = b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n--b--\r\n'
 
 # (method, path, body, content type or None, status, what the message says, code or None)
@@ -131,6 +132,8 @@ CASES = [
     ("POST", C, message(role="user", content="x", tool_calls=[{"function": {}}]), None, 400,
      "'messages[1].tool_calls'", None),
     ("POST", C, message(role="user", content="x", name=5), None, 400, "'messages[1].name': expected a string", None),
+    ("POST", C, message(role="assistant", content="x", tool_calls=BAD_CALL), None, 400,
+     "'messages[1].tool_calls[0].function.arguments': a lone surrogate at byte 1 is not text", None),
     ("POST", P, b"{}", None, 400, "'prompt': required", "missing_field"),
     ("POST", P, comp(prompt=5), None, 400, "'prompt': expected a string", None),
     ("POST", P, comp(prompt=[[1, 2], [3]]), None, 400, "'prompt': expected a string", None),
