@@ -61,6 +61,7 @@ BAD = [  # (argv, what the one error line must contain)
     (["serve", "--temp", "inf"], "--temp inf: expected a finite number"),
     # checked once the model's context is known (the demo's 4096), as serve does (tests/serve/test_stop_and_limits.py)
     (["run", "--max-tokens", "4096"], "--max-tokens 4096: must be at most 4095"),
+    (["chat", "--max-tokens", "4096"], "--max-tokens 4096: must be at most 4095"),
     (["chat", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
     (["bench", "--store", "x", "--arms", "nonsense"], "--arms: unknown arm 'nonsense'"),
     (["bench", "--store", "x", "--arms", "prefetch:repeat/\u00b2"], "a prefetch arm's /N (guesses read ahead) is"),

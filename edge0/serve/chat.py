@@ -14,6 +14,7 @@ import sys
 import threading
 
 from ..engine import Engine, open_engine
+from ..errors import Edge0Error
 from ..flags import not_utf8
 from ..generation import Figures, GenRequest
 
@@ -80,6 +81,11 @@ def chat(args, *, stdin=None, out=None) -> int:
     out = out or sys.stdout
     config, samp = serve_configs(args)
     engine = open_engine(config)
+    try:
+        samp.check_context(engine.context)  # as run's and serve's: a turn would cut it to the room left silently
+    except Edge0Error:
+        engine.close()
+        raise
     talk = Conversation(engine, samp, out, system=args.system, show=bool(args.stats))
     interactive = stdin.isatty()
     print(f"edge0 chat: {engine.model_id} (/help for commands)", file=sys.stderr)
