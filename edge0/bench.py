@@ -286,7 +286,10 @@ def check_args(args) -> tuple[list[str], list[str]]:
     return arms, caches
 
 
-def results_dir(root: str) -> Path:
+def results_dir(root: str, inputs: dict) -> Path:
+    from .io.outputs import refuse_inputs
+
+    refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
     out = Path(root) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     try:
         out.mkdir(parents=True, exist_ok=False)
@@ -311,7 +314,7 @@ def bench(args) -> int:
     if getattr(args, "replay_text", None):  # a short or unreadable text is said before anything is written
         text_replay(args.replay_text, Path(args.store), args.prompt_tokens, args.max_tokens)
     cap = None if args.memory_cap is None else MemoryCap(None if args.memory_cap == "none" else float(args.memory_cap))
-    out = results_dir(args.out)
+    out = results_dir(args.out, {"--store": args.store, "--source": args.source})
     replay = make_replay(args, out)
     played = json.loads(replay.read_text())
     args.max_tokens, args.prompt_tokens = len(played["tokens"]), len(played["prompt"])

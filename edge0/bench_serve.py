@@ -264,7 +264,10 @@ def arms_to_run(args) -> tuple[dict[str, int | None], str | None]:
     return {"batched": batch, "fifo": 1}, None
 
 
-def results_dir(root: str) -> Path:
+def results_dir(root: str, inputs: dict) -> Path:
+    from .io.outputs import refuse_inputs
+
+    refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
     out = Path(root) / f"bench-serve-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     try:
         out.mkdir(parents=True, exist_ok=False)
@@ -278,10 +281,10 @@ def results_dir(root: str) -> Path:
 
 def bench_serve(args) -> int:
     store = check_args(args)
+    out = results_dir(args.out, {"--model": store})
     arms, note = arms_to_run(args)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    out = results_dir(args.out)
     n, r = args.clients, args.requests
     every = prompts(store, 1 + IDLE_SAMPLES + n * r, args.prompt_tokens)
     texts = {"warm": every[0], "idle": every[1:1 + IDLE_SAMPLES],

@@ -20,7 +20,7 @@ def _convert_flags(p: argparse.ArgumentParser) -> None:
                    help="quantization bits for float sources (default 4; an mlx-lm source keeps its own)")
     p.add_argument("--group-size", type=int, default=None,
                    help="quantization group size for float sources: 32, 64 or 128 (default 64)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--force", action="store_true", help="replace OUT if it is an earlier store (never other files)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -31,7 +31,8 @@ def _make_model_flags(p: argparse.ArgumentParser) -> None:
                    "olmoe-1b-7b, qwen3-30b-a3b (real models' shapes, qwen3_moe; 3.5 and 15.7 GiB of experts)")
     p.add_argument("--format", default="mlx", choices=["mlx", "hf"], help="mlx: mlx-lm 4-bit (default); hf: Hugging Face bf16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it is an earlier make-model output (never other files)")
     p.add_argument("out", metavar="OUT")
 
 
@@ -57,7 +58,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 def _trace_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["summarize"])
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--plot", metavar="PNG", help="draw a few steps' timeline and the load-cost fit")
+    p.add_argument("--plot", metavar="PNG", help="draw a few steps' timeline and the load-cost fit (.png, .svg or .pdf)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--windows", type=int, metavar="N", help="also the step times, stalls and reads of every N "
                    "decode steps (a run's trend; the stretches --read-ahead measured compares)")

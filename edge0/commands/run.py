@@ -81,6 +81,17 @@ def _creatable(d: Path) -> bool:
     return d.is_dir() and os.access(d, os.W_OK)
 
 
+def _check_trace(args) -> None:
+    """--trace lies in no input (the store included) and replaces only an earlier trace."""
+    from ..io.outputs import Kind, check_file_out, refuse_inputs, starts_with
+    from ..model.demo import DEMO_STORE
+
+    lora = None if args.lora == "none" else args.lora
+    refuse_inputs(args.trace, {"--model": args.model or DEMO_STORE, "--prompt-file": args.prompt_file,
+                               "--replay": args.replay, "--heads": args.heads, "--lora": lora}, "--trace")
+    check_file_out(args.trace, None, Kind("a trace", "traceEvents", starts_with(b'{"traceEvents"')), "--trace")
+
+
 def _prompt(engine, args, replay: dict | None) -> list[int]:
     if replay is not None:
         return replay["prompt"]
@@ -103,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     replay = read_replay(args.replay) if args.replay else None
     if args.trace and (Path(args.trace).is_dir() or not _creatable(Path(args.trace).resolve().parent)):
         raise Edge0Error(f"--trace {args.trace}: not a writable file path")
+    if args.trace:
+        _check_trace(args)
     trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
     with open_engine(config, trace=trace) as engine:
         if trace.on:

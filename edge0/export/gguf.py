@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path, free_bytes, human
 from ..io.manifest import read_manifest
+from ..io.outputs import GGUF_KIND, check_file_out, refuse_inputs
 from ..model.arch import read_config
 from .plan import SUPPORTED, TYPES, Report, check_exportable, expert_jobs, resident_jobs
 from .source import Resident
@@ -30,7 +31,7 @@ def add_export_gguf_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
     p.add_argument("--type", dest="qtype", default="q4_1", choices=TYPES,
                    help="q4_1: the store's 4-bit weights exactly (default); q4_0: experts re-quantized to Q4_0")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT.gguf")
+    p.add_argument("--force", action="store_true", help="replace OUT.gguf if it is a GGUF file (never other files)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -53,7 +54,7 @@ def export_gguf(store: str | Path, out: str | Path, *, qtype: str = "q4_1", forc
     manifest = read_manifest(root)
     config = read_config(root)
     check_exportable(root, config, manifest, qtype)
-    _check_out(out, force)
+    _check_out(root, out, force)
     arch = getattr(gguf.MODEL_ARCH, SUPPORTED[manifest.arch])
     name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     report = Report(out, qtype)
@@ -78,11 +79,11 @@ def export_gguf(store: str | Path, out: str | Path, *, qtype: str = "q4_1", forc
     return report
 
 
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(root: Path, out: Path, force: bool) -> None:
     if out.is_dir():
         raise Edge0Error(f"{out}: is a directory; name the .gguf file to write")
-    if out.exists() and not force:
-        raise Edge0Error(f"{out}: exists; pass --force to replace it")
+    refuse_inputs(out, {"STORE": root})
+    check_file_out(out, force, GGUF_KIND)
     if not out.parent.is_dir():
         raise Edge0Error(f"{out}: directory {out.parent} does not exist")
 

@@ -7,8 +7,8 @@
         ...
 
 A temporary lives beside its target, so the final rename stays on one filesystem and is atomic:
-`.edge0-tmp-<pid>-<tag>-<name>`. A writer removes its temporary when it fails, on Ctrl-C, and in
-atomic_dir on SIGTERM/SIGHUP too (where nobody else handles them). What a kill -9 leaves behind is removed
+`.edge0-tmp-<pid>-<tag>-<name>`. A writer removes its temporary when it fails, on Ctrl-C, and on
+SIGTERM/SIGHUP too (where nobody else handles them). What a kill -9 leaves behind is removed
 by the next writer into the same directory once the pid in its name is gone. A directory replaced with
 --force is swapped in by one renameat2(RENAME_EXCHANGE) where the kernel offers it; elsewhere the old one is
 moved aside as `.edge0-old-<pid>-<tag>-<name>` for the moment between two renames, and put back by the next
@@ -78,10 +78,13 @@ def _alive(pid: int) -> bool:
 
 
 def _remove(path: Path) -> None:
+    """Remove a temporary if it was made; a cleanup that fails (a read-only disk) never hides the error it follows."""
+    if not os.path.lexists(path):  # never made: unlinking it anyway fails with EROFS on a read-only filesystem
+        return
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # never made: nothing to remove
+        with contextlib.suppress(OSError):
             path.unlink()
 
 
@@ -113,9 +116,10 @@ def no_space(where: Path, needed: int | None = None) -> Edge0Error:
 
 def disk_full(exc: BaseException, where: Path) -> bool:
     """Whether a failed write ran out of space; ask while the partial output still holds its space."""
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and exc.errno is not None:
         return exc.errno in _NO_SPACE
-    if isinstance(exc, RuntimeError) and "Unable to write" in str(exc):  # MLX's writer gives no errno
+    # MLX's writer and numpy's tofile ("N requested and M written") give no errno: ask the filesystem
+    if isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Unable to write" in str(exc)):
         free = free_bytes(where if where.is_dir() else where.parent)
         return free is not None and free < (1 << 22)
     return False
@@ -141,18 +145,20 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True, needed: int | No
     path = Path(path)
     clean_stale(path.parent)
     tmp = temp_for(path)
-    try:
-        yield tmp
-        if fsync:
-            _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        full = disk_full(e, path)
-        _remove(tmp)
-        err = write_error(path, e, needed, full)
-        if err is not None:
-            raise err from None
-        raise
+    with signals_raise():  # SIGTERM/SIGHUP raise, so the temporary is removed below as on Ctrl-C
+        try:
+            yield tmp
+            if fsync:
+                _fsync(tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            full = disk_full(e, path)
+            with _signals_ignored():
+                _remove(tmp)
+            err = write_error(path, e, needed, full)
+            if err is not None:
+                raise err from None
+            raise
     if fsync:
         _fsync(path.parent)
 

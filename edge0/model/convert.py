@@ -27,6 +27,7 @@ from ..errors import Edge0Error
 from ..io.atomic import atomic_dir, free_bytes, no_space
 from ..io.layerfile import LayerFileWriter, bundle_layout
 from ..io.manifest import FORMAT_VERSION, MANIFEST, LayerEntry, Manifest, file_entry, write_manifest
+from ..io.outputs import MADE_MODEL_KIND, STORE_KIND, check_dir_out, refuse_inputs
 from .adapter import expert_slots, get_path
 from .arch import arch_for, mlx_lm_module, read_config, routing_constants, text_config
 from .load import RESIDENT, cast_floats
@@ -36,7 +37,8 @@ SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 MLP_PROJS = ("fc1", "fc2")
 KINDS = ("weight", "scales", "biases", "bias")
-_SKIP = re.compile(r"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$|^\.)")
+_SKIP = re.compile(rf"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$|^\."
+                   rf"|^{re.escape(MADE_MODEL_KIND.sign)}$)")
 _CONVERSION_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode takes
 GROUP_SIZES = (32, 64, 128)
@@ -44,16 +46,9 @@ DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64
 
 
 def check_paths(src: Path, out: Path, force: bool) -> None:
-    """OUT must not be SRC, lie inside it or hold it, and is replaced only with --force."""
-    s, o = src.resolve(), out.resolve()
-    if o == s:
-        raise Edge0Error(f"{out}: OUT must differ from SRC")
-    if o.is_relative_to(s):
-        raise Edge0Error(f"{out}: OUT is inside SRC {src}; write the store outside the checkpoint")
-    if s.is_relative_to(o):
-        raise Edge0Error(f"{out}: SRC {src} is inside OUT; choose another OUT")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise Edge0Error(f"{out}: exists and is not empty; pass --force to replace it")
+    """OUT must not be SRC, lie inside it or hold it, and replaces only an earlier store, with --force."""
+    refuse_inputs(out, {"SRC": src})
+    check_dir_out(out, force, STORE_KIND)
 
 
 def quant_settings(src: Path, config: dict, bits: int | None, group_size: int | None) -> tuple[int, int]:

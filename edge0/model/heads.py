@@ -27,6 +27,7 @@ from ..io.atomic import atomic_path
 HIDDEN = 512  # head width (docs/DESIGN.md §10)
 SKIP_FIRST = 2  # MoE layers at the start that keep their own router (their input moves fastest)
 FEATURES = "h|multi_hot_t|multi_hot_t-1"
+FORMAT = "edge0-heads-1"  # the metadata that names a heads file
 
 
 class Head(nn.Module):
@@ -118,7 +119,7 @@ class HeadSet:
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         """safetensors with the layout in its metadata; written atomically."""
         path = Path(path)
-        meta = {"format": "edge0-heads-1", "fingerprint": self.fingerprint, "top_k": str(self.top_k),
+        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "top_k": str(self.top_k),
                 "hidden": str(self.hidden), "features": FEATURES, "data_hash": self.data_hash,
                 "owners": json.dumps({str(c): o for c, o in self.owners.items()}), **(extra or {})}
         if self.routes is not None:
@@ -145,7 +146,7 @@ class HeadSet:
             weights, meta = mx.load(str(path), return_metadata=True)
         except (RuntimeError, ValueError) as e:
             raise Edge0Error(f"{path}: not a safetensors head file ({e})") from None
-        if meta.get("format") != "edge0-heads-1":
+        if meta.get("format") != FORMAT:
             raise Edge0Error(f"{path}: not an Edge0 head file (metadata format {meta.get('format')!r})")
         want = model_fingerprint(manifest, config)
         if meta.get("fingerprint") != want:

@@ -31,6 +31,7 @@ import numpy as np
 
 from edge0.errors import Edge0Error
 from edge0.io.atomic import atomic_dir
+from edge0.io.outputs import MADE_MODEL_KIND, check_dir_out
 from edge0.model.make_configs import ARCHS, BESPOKE, FORMATS, LINEAR_STD, PRESETS, check, model_config  # noqa: F401
 from edge0.model.make_hf import bar, hf_plan, shards, write_hf
 from edge0.model.tokenizer import save_tokenizer
@@ -56,7 +57,7 @@ def make_model(
 
     fmt: "mlx" (4-bit, as mlx_lm.convert -q writes it) or "hf" (bf16, Hugging Face names).
     seed: the same (arch, preset, fmt, seed) gives byte-identical files.
-    force: replace a non-empty `out`, once the new checkpoint is complete.
+    force: replace an earlier make-model output at `out` (never other files), once the new one is complete.
     Builds into a temporary sibling of `out` and renames it into place at the end (edge0.io.atomic).
     """
     check(arch, preset, fmt)
@@ -66,14 +67,14 @@ def make_model(
         gb = planned_bytes(arch, preset, "hf") / 1e9
         raise Edge0Error(f"Preset {preset} in hf format would take {gb:.0f} GB of bf16; make it with format mlx.")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise Edge0Error(f"{out} exists and is not a directory.")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise Edge0Error(f"{out} exists and is not empty; pass --force to replace it.")
+    check_dir_out(out, force, MADE_MODEL_KIND)
     with atomic_dir(out, replace=force, needed=planned_bytes(arch, preset, fmt)) as tmp:
         spec = _Spec(arch, preset, seed)
         _write_mlx(spec, tmp, progress) if fmt == "mlx" else write_hf(spec, tmp, progress, HF_SHARD_BYTES)
         save_tokenizer(tmp)
+        # the marker --force looks for: only an earlier make-model output is ever replaced
+        marker = {"arch": arch, "preset": preset, "format": fmt, "seed": seed}
+        (tmp / MADE_MODEL_KIND.sign).write_text(json.dumps(marker, indent=1) + "\n")
     return out
 
 

@@ -38,6 +38,7 @@ from ..errors import Edge0Error
 from ..io.atomic import atomic_dir, free_bytes, no_space
 from ..io.layerfile import LayerFileWriter, bundle_layout
 from ..io.manifest import FORMAT_VERSION, MANIFEST, LayerEntry, Manifest, file_entry, read_manifest, write_manifest
+from ..io.outputs import STORE_KIND, check_dir_out, refuse_inputs
 from ..io.reader import BundleReader
 from .arch import read_config
 
@@ -235,8 +236,8 @@ def make_workload(out: str, *, base: str | None = None, width: int | None = None
     m = read_manifest(base_path)
     width = width or default_width(m, gib)
     check_width(m, width)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not force:
-        raise Edge0Error(f"{out_path}: exists and is not empty; pass --force to replace it")
+    refuse_inputs(out_path, {"--base": base_path})  # --base-heads may lie in OUT: it is copied before the swap
+    check_dir_out(out_path, force, STORE_KIND)
     if heads_steps < 1:
         raise Edge0Error(f"--heads-steps {heads_steps}: must be at least 1")
     needed = m.bundle_bytes // hidden_of(m) * width * m.num_experts * len(m.layers) * 1.01 + (64 << 20)
@@ -293,7 +294,7 @@ def add_workload_flags(p) -> None:
                    help=f"a head's prediction is the routing (--routing predicted) where its held-out recall is at "
                         f"least R (default {ROUTE_RECALL}); below, the head only reads ahead")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--force", action="store_true", help="replace OUT if it is an earlier store (never other files)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

@@ -17,7 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import Edge0Error
+from ..io.atomic import atomic_path, write_error
+from ..io.outputs import Kind, check_file_out, refuse_inputs, starts_with
 from .trace import FORMAT
+
+PLOT_FORMATS = {".png": (b"\x89PNG",), ".svg": (b"<?xml", b"<svg"), ".pdf": (b"%PDF",)}  # what savefig begins with
 
 
 def load_trace(path: str | Path) -> dict:
@@ -243,9 +247,26 @@ def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
     bx.set_ylabel("load ms")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, dpi=100, format=out.suffix[1:].lower())
+    except OSError as e:  # the parent could not be made (a write's own errors are said by atomic_path)
+        raise write_error(out, e) or Edge0Error(f"{out}: cannot be written ({e.strerror})") from None
+    finally:
+        plt.close(fig)
+
+
+def check_plot(out: str, trace: str) -> None:
+    """--plot's file: a format drawn here, not the trace itself, and over an existing file only a plot of its
+    format (drawn again without a flag, as before)."""
+    ext = Path(out).suffix.lower()
+    if ext not in PLOT_FORMATS:
+        raise Edge0Error(f"--plot {out}: {repr(ext) if ext else 'no extension'} is not a format it draws; name a "
+                         f"{', '.join(list(PLOT_FORMATS)[:-1])} or {list(PLOT_FORMATS)[-1]} file")
+    refuse_inputs(out, {"FILE": trace}, "--plot")
+    name = ext[1:].upper()
+    check_file_out(out, None, Kind(f"a {name} image", f"{name} header", starts_with(*PLOT_FORMATS[ext])), "--plot")
 
 
 def trace_cli(args) -> int:
@@ -253,6 +274,8 @@ def trace_cli(args) -> int:
         raise Edge0Error(f"`edge0 trace {args.action}`: unknown action (summarize)")
     if args.windows is not None and args.windows < 1:
         raise Edge0Error(f"--windows {args.windows}: must be at least 1 (decode steps a window)")
+    if args.plot:
+        check_plot(args.plot, args.file)
     data = load_trace(args.file)
     s = summarize(data)
     if args.windows:

@@ -44,8 +44,8 @@ from mlx.utils import tree_flatten
 from edge0.errors import Edge0Error
 from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import SPECIAL_TOKENS
-from edge0.train.base_ckpt import (_truncate_log, _write_atomic, latest_checkpoint, load_checkpoint,  # noqa: F401
-                                   read_log, save_checkpoint)  # read_log: the run's curve, for callers
+from edge0.train.base_ckpt import (_truncate_log, _write_atomic, check_run_dir, latest_checkpoint,  # noqa: F401
+                                   load_checkpoint, read_log, save_checkpoint)  # read_log: the run's curve, for callers
 from edge0.model.tokenizer import save_tokenizer_files
 from edge0.train.corpus import Corpus, prepare_corpus
 from edge0.config import blas
@@ -200,6 +200,7 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
     p = _preset(preset, steps)
     out = Path(out)
     ckpt_dir = out / "ckpt"
+    check_run_dir(out)
     last = latest_checkpoint(ckpt_dir)
     if last is not None and not resume:
         raise Edge0Error(f"{ckpt_dir}: holds checkpoints (latest step {last}); pass --resume or use another --out")

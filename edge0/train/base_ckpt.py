@@ -16,8 +16,19 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0.io.atomic import atomic_path, write_atomic
+from edge0.io.outputs import check_own_dir
 
 KEEP_CKPTS = 2  # older complete checkpoints are deleted
+RUN_NAMES = r"data|ckpt|fp|store|log\.jsonl|summary\.json"  # what a run writes in OUT
+CKPT_NAMES = r"step_\d+(\.json|\.safetensors|\.opt\.safetensors)"
+CORPUS_NAMES = r"train\.npy|heldout\.npy|tokenizer\.json|corpus\.json"  # train/corpus.py's cache
+
+
+def check_run_dir(out: Path) -> None:
+    """OUT, OUT/ckpt and OUT/data hold only what a run writes (it writes among no other files, and deletes
+    old checkpoints by name)."""
+    for path, own in ((out, RUN_NAMES), (out / "ckpt", CKPT_NAMES), (out / "data", CORPUS_NAMES)):
+        check_own_dir(path, own, "`edge0 train base`")
 
 
 def latest_checkpoint(ckpt_dir: Path) -> int | None:

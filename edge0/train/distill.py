@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from ..config import blas
 from ..errors import Edge0Error
-from ..model.lora import Adapter, adapted
+from ..model.lora import FORMAT as LORA_FORMAT, Adapter, adapted
 from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
                    save_checkpoint, schedule, write_outputs)
 from .student import Student, load_student, mlx_kernel
@@ -124,7 +124,9 @@ def train_distill(model_dir, out, *, init=None, teacher=None, data=None, heads=N
     from .teacher import load_teacher, resolve_teacher
 
     out, model_dir = Path(out), Path(model_dir)
-    report_path = check_out(out, resume, steps)
+    report_path = check_out(out, resume, steps, fmt=LORA_FORMAT, inputs={
+        "--teacher": teacher, "--data": data, "--heldout": heldout, "--heads": heads, "--init": init},
+        ckpt=out.with_name(out.name + ".ckpt"))
     world = World.init()
     world.check_batch(batch)
     blas_notice(world, progress)

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..config import blas
 from ..errors import Edge0Error
-from ..model.heads import HIDDEN, HeadSet, multi_hot
+from ..model.heads import FORMAT as HEADS_FORMAT, HIDDEN, HeadSet, multi_hot
 from ..model.routes import recorded_routes
 from .loop import World, blas_notice, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
 from .student import mlx_kernel
@@ -115,7 +115,8 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
     from ..model.load import load_store
 
     out = Path(out)
-    report_path = check_out(out, resume, steps)
+    report_path = check_out(out, resume, steps, fmt=HEADS_FORMAT, inputs={"--data": data, "--heldout": heldout},
+                            ckpt=out.with_suffix(".ckpt"))
     world = World.init()
     blas_notice(world, progress)
     store = load_store(model_dir, dtype="float32", executor="staged")

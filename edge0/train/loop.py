@@ -26,6 +26,7 @@ from ..config import blas
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path, write_atomic
 from ..io.manifest import MANIFEST, record_files
+from ..io.outputs import check_trained_out
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,15 @@ class World:
             raise Edge0Error(f"--batch {batch}: must be a multiple of the {self.size} data-parallel ranks")
 
 
-def check_out(out: Path, resume: bool, steps: int) -> Path:
+CHECKPOINT_NAMES = r"weights\.safetensors|opt\.safetensors|state\.json"  # what save_checkpoint writes
+TEACHER_CACHE_NAMES = r"teacher-[0-9a-f]+\.npy"  # train/teacher.py's cached windows
+
+
+def check_out(out: Path, resume: bool, steps: int, *, fmt: str, inputs: dict, ckpt: Path, cache: Path | None = None
+              ) -> Path:
     """Refuse before anything loads: --steps below 1, an existing OUT or OUT.json without --resume, a missing
-    or read-only directory. Returns the report's path (OUT.json)."""
+    or read-only directory; and (io/outputs.check_trained_out) OUT in an input ({flag: path}), over a file of
+    another format than fmt, or a checkpoint or cache directory holding other files. Returns OUT.json's path."""
     report = Path(str(out) + ".json")
     if steps < 1:
         raise Edge0Error(f"--steps {steps}: must be at least 1")
@@ -84,6 +91,10 @@ def check_out(out: Path, resume: bool, steps: int) -> Path:
         raise Edge0Error(f"--out {out}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise Edge0Error(f"--out {out}: the directory {parent} is not writable")
+    sides = {ckpt: (CHECKPOINT_NAMES, "a training checkpoint")}
+    if cache is not None:
+        sides[cache] = (TEACHER_CACHE_NAMES, "the teacher's text cache")
+    check_trained_out(out, report, resume, fmt, inputs, sides)
     return report
 
 

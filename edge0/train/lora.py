@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import blas
-from ..model.lora import ALPHA, RANK, Adapter
+from ..model.lora import ALPHA, FORMAT as LORA_FORMAT, RANK, Adapter
 from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
                    save_checkpoint, schedule, windows_of, write_outputs)
 from .distill import TOP, forward_kl, log_softmax
@@ -120,7 +120,9 @@ def train_lora(model_dir, out, *, teacher=None, data=None, heldout=None, heads=N
     no output (an interruption, for tests). init: an adapter of this store to start from (another K's, or
     another run's) instead of a fresh one."""
     out, model_dir = Path(out), Path(model_dir)
-    report_path = check_out(out, resume, steps)
+    report_path = check_out(out, resume, steps, fmt=LORA_FORMAT, inputs={
+        "--teacher": teacher, "--data": data, "--heldout": heldout, "--heads": heads, "--init": init},
+        ckpt=out.with_name(out.name + ".ckpt"), cache=out.with_name(out.name + ".data"))
     hp = Hyper(steps, batch, seq_len, rank, alpha, lr, seed, temp, samples, loss=loss, top=top)
     world = World.init()
     world.check_batch(batch)

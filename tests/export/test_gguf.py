@@ -132,11 +132,18 @@ def test_export_gguf_refuses_what_llama_cpp_cannot_take(models, tmp_path, capsys
                            "qwen3_moe to llama.cpp's architectures")
     assert not out.exists()
     out.write_bytes(b"mine")
+    for force in ([], ["--force"]):  # nothing a user wrote is overwritten, even with --force
+        assert main(["export-gguf", str(models("qwen3_moe")), str(out), "--quiet", *force]) == 2
+        assert capsys.readouterr().err.strip() == (f"edge0: error: {out}: exists and is not a GGUF file (no GGUF "
+                                                   "magic); only a GGUF file is replaced, with --force: choose another OUT")
+        assert out.read_bytes() == b"mine"
+    out.unlink()
+    assert main(["export-gguf", str(models("qwen3_moe")), str(out), "--quiet"]) == 0
+    first = out.read_bytes()
     assert main(["export-gguf", str(models("qwen3_moe")), str(out), "--quiet"]) == 2
-    assert capsys.readouterr().err.strip() == f"edge0: error: {out}: exists; pass --force to replace it"
-    assert out.read_bytes() == b"mine"  # nothing a user wrote is overwritten
-    assert main(["export-gguf", str(models("qwen3_moe")), str(out), "--quiet", "--force"]) == 0
-    assert "tensors" in capsys.readouterr().err and out.read_bytes()[:4] == b"GGUF"
+    assert f"edge0: error: {out}: exists; pass --force to replace it" in capsys.readouterr().err
+    assert main(["export-gguf", str(models("qwen3_moe")), str(out), "--quiet", "--force"]) == 0  # an earlier GGUF
+    assert "tensors" in capsys.readouterr().err and out.read_bytes() == first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".edge0-tmp")]
 
 

@@ -174,11 +174,17 @@ def test_out_not_empty_is_not_overwritten(models, capsys, tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     src = models("qwen3_moe", "mlx", "src")
-    code, err = run_cli(capsys, "convert", str(src), str(out))
-    assert code == 2 and "not empty" in err and "--force" in err
-    assert (out / "mine.txt").read_text() == "keep me"
-    code, err = run_cli(capsys, "convert", "--quiet", "--force", str(src), str(out))
-    assert code == 0 and not (out / "mine.txt").exists() and verify_store(out).problems == []
+    for force in ([], ["--force"]):  # not a store: never replaced
+        code, err = run_cli(capsys, "convert", "--quiet", *force, str(src), str(out))
+        assert code == 2 and f"{out}: exists, is not empty and is not an Edge0 store (no edge0.json)" in err
+        assert (out / "mine.txt").read_text() == "keep me"
+    (out / "mine.txt").unlink()
+    assert run_cli(capsys, "convert", "--quiet", str(src), str(out))[0] == 0
+    code, err = run_cli(capsys, "convert", "--quiet", str(src), str(out))
+    assert code == 2 and f"{out}: exists and is not empty; pass --force to replace it" in err
+    code, err = run_cli(capsys, "convert", "--quiet", "--force", str(src), str(out))  # an earlier store: replaced
+    assert code == 0 and verify_store(out).problems == []
+
 
 
 def test_checkpoint_given_to_run_is_named(models, capsys):

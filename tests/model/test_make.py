@@ -184,15 +184,23 @@ def test_same_seed_same_bytes_other_seed_differs(made, tmp_path):
     assert not mx.array_equal(a[key], b[key]).item()
 
 
-def test_refuses_non_empty_out_unless_forced(tmp_path):
+def test_force_replaces_only_an_earlier_make_model_output(tmp_path):
     out = tmp_path / "m"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(Edge0Error, match="not empty"):
-        make_model("qwen3_moe", "tiny", out, progress=False)
-    assert (out / "keep.txt").exists()
-    make_model("qwen3_moe", "tiny", out, force=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    for force in (False, True):  # another directory's files are never deleted, even with --force
+        with pytest.raises(Edge0Error, match=f"^{out}: exists, is not empty and is not a make-model checkpoint "
+                                             r"\(no edge0-make-model.json\)"):
+            make_model("qwen3_moe", "tiny", out, force=force, progress=False)
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    make_model("qwen3_moe", "tiny", out, progress=False)
+    assert json.loads((out / "edge0-make-model.json").read_text()) == {"arch": "qwen3_moe", "preset": "tiny",
+                                                                       "format": "mlx", "seed": 0}
+    with pytest.raises(Edge0Error, match="exists and is not empty; pass --force to replace it"):
+        make_model("qwen3_moe", "tiny", out, fmt="hf", progress=False)
+    make_model("qwen3_moe", "tiny", out, fmt="hf", force=True, progress=False)  # an earlier output: replaced
+    assert json.loads((out / "edge0-make-model.json").read_text())["format"] == "hf"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no tmp or old directory left
     empty = tmp_path / "empty"
     empty.mkdir()
