@@ -10,9 +10,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -34,7 +31,6 @@
 #include "mlx/version.h"
 #include "dense.h"
 #include "qmv.h"
-#include "widen.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -414,65 +410,6 @@ class QMV : public mx::UnaryPrimitive, public Computes {
   int64_t ratio_;
   bool has_idx_, glu_, combine_;
 };
-
-#if defined(__AVX512F__) && defined(__FMA__)
-// y[i] += scale * (x[i] A) B for ROWS rows of x (D each) and y (N each), A (D, 16), B (16, N): the loop below
-// (project_rows) for rank 16, its operations in its order for each row (t's lanes one FMA a feature of x, then
-// each output one FMA a rank in order), so each row has the bits it has alone; A's and B's loads serve every row,
-// and the rows' FMA chains run side by side. A and B as float32 or as bfloat16 bits (W uint16_t: widened exactly,
-// so the bits of their float32 widening).
-template <int ROWS, typename W>
-static void adapt_rows(const float* x, int64_t D, const W* a, const W* b, int64_t N, float scale, float* y) {
-  __m512 t[ROWS];
-  for (int i = 0; i < ROWS; i++) t[i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d++) {
-    const __m512 ad = wide16(a + d * 16);
-    for (int i = 0; i < ROWS; i++) t[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * D + d]), ad, t[i]);
-  }
-  alignas(64) float ts[ROWS][16];
-  for (int i = 0; i < ROWS; i++) _mm512_store_ps(ts[i], _mm512_mul_ps(_mm512_set1_ps(scale), t[i]));
-  for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    __m512 acc[ROWS];
-    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_loadu_ps(y + i * N + n0);
-    for (int j = 0; j < 16; j++) {
-      const __m512 bj = wide16(b + j * N + n0);
-      for (int i = 0; i < ROWS; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ts[i][j]), bj, acc[i]);
-    }
-    for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(y + i * N + n0, acc[i]);
-  }
-}
-#endif
-
-// y (R, N) += scale * (xd A) B: an unmerged adapter's branch, A (D, r) and B (r, N) float32 or bfloat16 bits.
-template <typename W>
-static void adapt(const float* xd, int64_t R, int64_t D, const W* a, const W* b, int64_t N, int64_t r, float scale,
-                  float* y) {
-#if defined(__AVX512F__) && defined(__FMA__)
-  if (r == 16 && N % 16 == 0) {  // the adapters' rank: each row's t in one register, 4 rows a task
-    parallel_for((R + 3) / 4, [&](int64_t task) {
-      const int64_t r0 = task * 4, n = std::min<int64_t>(4, R - r0);
-      (n == 4 ? adapt_rows<4, W> : n == 3 ? adapt_rows<3, W> : n == 2 ? adapt_rows<2, W> : adapt_rows<1, W>)(
-          xd + r0 * D, D, a, b, N, scale, y + r0 * N);
-    }, spread(R));
-    return;
-  }
-#endif
-  parallel_for(R, [&](int64_t row) {
-    std::vector<float> t(r, 0.f);
-    const float* xr = xd + row * D;
-    for (int64_t d = 0; d < D; d++) {
-      const float xv = xr[d];
-      const W* ad = a + d * r;
-      for (int64_t j = 0; j < r; j++) t[j] += xv * wval(ad, j);
-    }
-    float* yr = y + row * N;
-    for (int64_t j = 0; j < r; j++) {
-      const float tj = scale * t[j];
-      const W* bj = b + j * N;
-      for (int64_t n = 0; n < N; n++) yr[n] += tj * wval(bj, n);
-    }
-  }, spread(R));
-}
 
 static void adapt_arrays(const float* xd, int64_t R, int64_t D, const mx::array& a, const mx::array& b, float scale,
                          float* y);
@@ -2140,6 +2077,11 @@ NB_MODULE(_kernels, m) {
         "The MLX version this extension was built against.");
   m.def("impl", [] { return std::string(edge0::impl()); }, "avx512, avx2 or portable: the path qmv takes.");
   m.def("set_impl", [](const std::string& n) { return edge0::set_impl(n.c_str()); }, "name"_a);
+  m.def("impls", &edge0::impls, "qmv's code paths built here, narrowest first.");
+  m.def("dense_impl", [] { return std::string(edge0::dense_impl()); },
+        "avx512, avx2 or portable: the build of the dense ops (norms, rope, attention, float linears) in use.");
+  m.def("set_dense_impl", [](const std::string& n) { return edge0::set_dense_impl(n.c_str()); }, "name"_a);
+  m.def("dense_impls", &edge0::dense_impls, "the dense ops' builds, narrowest first.");
   m.def("set_num_threads", &edge0::set_num_threads, "n"_a, "prompt"_a = 0,
         "Compute threads, the caller included: n for decode steps, prompt (n when 0) for prompt chunks\n"
         "(nodes of at least SPREAD_ROWS token rows: prompt chunks, a served batch's steps).");

@@ -1,7 +1,8 @@
 // See dense.h. Plain loops the compiler vectorizes (-O3 -march=native, -fopenmp-simd for the sums); the work is tiny next to the
-// quantized products, what they save is MLX's per-node dispatch.
+// quantized products, what they save is MLX's per-node dispatch. Built once per instruction set (CMakeLists.txt), each
+// build in a namespace of its own (EDGE0_DENSE_NS) with its table of these functions (dense_ops.h).
 
-#include "dense.h"
+#include "dense_ops.h"
 #include "qmv.h"
 #include "widen.h"
 
@@ -17,7 +18,12 @@
 #include <immintrin.h>
 #endif
 
+#ifndef EDGE0_DENSE_NS
+#define EDGE0_DENSE_NS native
+#endif
+
 namespace edge0 {
+namespace EDGE0_DENSE_NS {
 
 namespace mx_simd = mlx::core::simd;
 
@@ -92,8 +98,10 @@ static inline Lanes erf_lanes(Lanes v) {
 }
 #endif
 
-static inline float exp1(float x) { return mx_simd::exp(mx_simd::Simd<float, 1>(x)).value; }
-static inline float erf1(float x) { return mx_simd::erf(mx_simd::Simd<float, 1>(x)).value; }
+// flatten: MLX's functions inlined here, compiled for this build's instructions (an out-of-line copy is one symbol that
+// the linker would share among dense.cpp's builds: CMakeLists.txt)
+__attribute__((flatten)) static inline float exp1(float x) { return mx_simd::exp(mx_simd::Simd<float, 1>(x)).value; }
+__attribute__((flatten)) static inline float erf1(float x) { return mx_simd::erf(mx_simd::Simd<float, 1>(x)).value; }
 
 // y[i] = f(x[i]) for i < n with the lanes' form (fv) or one at a time (f1) past the last whole vector: the bits
 // of f1 either way.
@@ -652,4 +660,84 @@ void head(const float* x, const uint32_t* now, const uint32_t* prev, int64_t row
   head_rows(x, now, prev, rows, k, D, E, router, delta, w1, b1, H, w2, b2, N, out);
 }
 
+#if defined(__AVX512F__) && defined(__FMA__)
+// y[i] += scale * (x[i] A) B for ROWS rows of x (D each) and y (N each), A (D, 16), B (16, N): adapt_w's loop
+// for rank 16, its operations in its order for each row (t's lanes one FMA a feature of x, then
+// each output one FMA a rank in order), so each row has the bits it has alone; A's and B's loads serve every row,
+// and the rows' FMA chains run side by side. A and B as float32 or as bfloat16 bits (W uint16_t: widened exactly,
+// so the bits of their float32 widening).
+template <int ROWS, typename W>
+static void adapt_rows(const float* x, int64_t D, const W* a, const W* b, int64_t N, float scale, float* y) {
+  __m512 t[ROWS];
+  for (int i = 0; i < ROWS; i++) t[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d++) {
+    const __m512 ad = wide16(a + d * 16);
+    for (int i = 0; i < ROWS; i++) t[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * D + d]), ad, t[i]);
+  }
+  alignas(64) float ts[ROWS][16];
+  for (int i = 0; i < ROWS; i++) _mm512_store_ps(ts[i], _mm512_mul_ps(_mm512_set1_ps(scale), t[i]));
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_loadu_ps(y + i * N + n0);
+    for (int j = 0; j < 16; j++) {
+      const __m512 bj = wide16(b + j * N + n0);
+      for (int i = 0; i < ROWS; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ts[i][j]), bj, acc[i]);
+    }
+    for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(y + i * N + n0, acc[i]);
+  }
+}
+#endif
+
+template <typename W>
+static void adapt_w(const float* xd, int64_t R, int64_t D, const W* a, const W* b, int64_t N, int64_t r, float scale,
+                    float* y) {
+#if defined(__AVX512F__) && defined(__FMA__)
+  if (r == 16 && N % 16 == 0) {  // the adapters' rank: each row's t in one register, 4 rows a task
+    parallel_for((R + 3) / 4, [&](int64_t task) {
+      const int64_t r0 = task * 4, n = std::min<int64_t>(4, R - r0);
+      (n == 4 ? adapt_rows<4, W> : n == 3 ? adapt_rows<3, W> : n == 2 ? adapt_rows<2, W> : adapt_rows<1, W>)(
+          xd + r0 * D, D, a, b, N, scale, y + r0 * N);
+    }, spread(R));
+    return;
+  }
+#endif
+  parallel_for(R, [&](int64_t row) {
+    std::vector<float> t(r, 0.f);
+    const float* xr = xd + row * D;
+    for (int64_t d = 0; d < D; d++) {
+      const float xv = xr[d];
+      const W* ad = a + d * r;
+      for (int64_t j = 0; j < r; j++) t[j] += xv * wval(ad, j);
+    }
+    float* yr = y + row * N;
+    for (int64_t j = 0; j < r; j++) {
+      const float tj = scale * t[j];
+      const W* bj = b + j * N;
+      for (int64_t n = 0; n < N; n++) yr[n] += tj * wval(bj, n);
+    }
+  }, spread(R));
+}
+
+void adapt(const float* xd, int64_t R, int64_t D, const float* a, const float* b, int64_t N, int64_t r, float scale,
+           float* y) {
+  adapt_w(xd, R, D, a, b, N, r, scale, y);
+}
+void adapt(const float* xd, int64_t R, int64_t D, const uint16_t* a, const uint16_t* b, int64_t N, int64_t r,
+           float scale, float* y) {
+  adapt_w(xd, R, D, a, b, N, r, scale, y);
+}
+
+// This build's table (dense_ops.h), named for the instruction set its #if paths were built for.
+const DenseOps ops = {
+#if defined(__AVX512F__) && defined(__FMA__)
+    "avx512",
+#elif defined(__AVX2__) && defined(__FMA__)
+    "avx2",
+#else
+    "portable",
+#endif
+    rms_norm, log_softmax, rope, attention, softmax_topk, linear, linear, head, head, exp_mlx, erf_mlx, swiglu, embed,
+    combine, adapt, adapt};
+
+}  // namespace EDGE0_DENSE_NS
 }  // namespace edge0

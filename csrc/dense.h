@@ -1,9 +1,12 @@
 // The per-token dense ops of a decoder layer that MLX's CPU backend runs as a dozen small graph nodes
 // each (its fast:: ops fall back to composed ops on the CPU, attention on the reference BLAS): RMS norm,
 // rotary embedding and attention, each as one loop here. float32, no MLX types; strides in elements.
+// Each runs on the build of dense.cpp set_dense_impl chose (below).
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace edge0 {
 
@@ -76,5 +79,20 @@ void embed(const int64_t* ids, int64_t n, const uint32_t* w, const float* scales
 
 // out[t] = sum_j scores[t, j] * y[t, j] for y (T, k, D) and scores (T, k): the routed experts' weighted sum.
 void combine(const float* y, const float* scores, int64_t T, int k, int64_t D, float* out);
+
+// y (R, N) += scale * (xd A) B: an unmerged adapter's branch, A (D, r) and B (r, N), float32 or bfloat16 bits (widened
+// exactly); each row as it is alone.
+void adapt(const float* xd, int64_t R, int64_t D, const float* a, const float* b, int64_t N, int64_t r, float scale,
+           float* y);
+void adapt(const float* xd, int64_t R, int64_t D, const uint16_t* a, const uint16_t* b, int64_t N, int64_t r,
+           float scale, float* y);
+
+// The code path of the functions above: dense.cpp is built once for each instruction set the machine runs (its own,
+// AVX2, plain C++: CMakeLists.txt), and they run the build chosen here, the widest by default. Names "avx512", "avx2",
+// "portable" (dense_impls: those built, narrowest first); set_dense_impl is false for one not built. Tests run the
+// narrower paths on a wider machine.
+std::vector<std::string> dense_impls();
+const char* dense_impl();
+bool set_dense_impl(const char* name);
 
 }  // namespace edge0

@@ -257,6 +257,8 @@ static std::atomic<bool> use_packed{true};
 void set_packed(bool on) { use_packed.store(on); }
 bool packed_on() { return use_packed.load(); }
 
+std::vector<std::string> impls() { return std::vector<std::string>(IMPL_NAMES, IMPL_NAMES + BEST + 1); }
+
 bool set_impl(const char* name) {
   for (int i = 0; i <= BEST; i++) {
     if (std::strcmp(name, IMPL_NAMES[i]) == 0) {

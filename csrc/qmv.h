@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <new>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -160,9 +161,10 @@ void qmv(const QWeights& q, const float* x, int64_t x_rows, const std::vector<Pa
          bool prompt = false);
 
 // "avx512" (VNNI), "avx2" or "portable": the code path qmv takes (the best built by default);
-// set_impl names another one built here (tests, benchmarks), false when it is not.
+// set_impl names another one built here (tests, benchmarks), false when it is not; impls: those built, narrowest first.
 const char* impl();
 bool set_impl(const char* name);
+std::vector<std::string> impls();
 
 // Whether products run on packed copies where weights have one (default true); off, every product takes the row
 // layout (the same bits): benchmarks compare the two in one process.

@@ -71,9 +71,51 @@ def load():
     if built != mx.__version__:
         _reason = f"built against mlx {built} but mlx {mx.__version__} is installed; rebuild: pip install -e ."
         return None
+    env = os.environ.get("EDGE0_KERNEL_ISA", "").strip()
+    if env:  # checked before the module is taken: every later load() refuses it too
+        _set_isa(_kernels, env, f"EDGE0_KERNEL_ISA={env}")
     _ext = _kernels
     set_num_threads(default_threads(), default_prompt_threads())
     return _ext
+
+
+# The kernels' code paths, narrowest first. The products (qmv.cpp) choose theirs at run time; the dense ops (dense.cpp)
+# are built once per instruction set the machine runs. A path set here runs each on its widest built path no wider
+# than it, so a wider machine runs (and tests) what a narrower one would: $EDGE0_KERNEL_ISA, default the widest.
+ISAS = ("portable", "avx2", "avx512")
+
+
+def _built(ext) -> list[str]:
+    have = set(ext.impls()) | set(ext.dense_impls())
+    return [i for i in ISAS if i in have]
+
+
+def _set_isa(ext, name: str, what: str) -> None:
+    built = _built(ext)
+    if name not in built:
+        raise Edge0Error(f"{what}: this build's kernels run {', '.join(built)}")
+    level = ISAS.index(name)
+    for have, choose in ((ext.impls(), ext.set_impl), (ext.dense_impls(), ext.set_dense_impl)):
+        choose(max((i for i in have if ISAS.index(i) <= level), key=ISAS.index))
+
+
+def isas() -> list[str]:
+    """The code paths this build runs, narrowest first ([] without the extension)."""
+    return _built(_ext) if load() is not None else []
+
+
+def isa() -> str | None:
+    """The code path in use: the wider of the products' and the dense ops' (None without the extension)."""
+    if load() is None:
+        return None
+    return max(_ext.impl(), _ext.dense_impl(), key=ISAS.index)
+
+
+def set_isa(name: str) -> None:
+    """Run the products and the dense ops on their widest built paths no wider than `name`, one of isas()."""
+    if load() is None:
+        raise Edge0Error(f"the CPU kernels are {reason()}")
+    _set_isa(_ext, name, f"kernel path {name}")
 
 
 def available() -> bool:

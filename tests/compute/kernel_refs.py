@@ -11,7 +11,8 @@ from edge0.compute import kernels
 
 EXT = kernels.load()
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()} (built by pip install -e . where a C++ compiler and cmake exist)")
-IMPLS = ["portable"] + [i for i in ("avx2", "avx512") if EXT is not None and EXT.set_impl(i)]
+IMPLS = kernels.isas() or ["portable"]  # the code paths this build runs (kernels.set_isa), narrowest first
+VNNI = EXT is not None and "avx512" in EXT.impls()  # the products' VNNI path: the packed layout is its own
 TOL = {"portable": 1e-5, "avx2": 1e-2, "avx512": 1e-2}  # int8 activations: about 5e-3 on Gaussian inputs
 
 
@@ -19,8 +20,18 @@ TOL = {"portable": 1e-5, "avx2": 1e-2, "avx512": 1e-2}  # int8 activations: abou
 def restore():
     yield
     if EXT is not None:
-        EXT.set_impl(IMPLS[-1])
+        kernels.set_isa(IMPLS[-1])
         EXT.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
+
+
+@pytest.fixture(params=IMPLS)
+def every_isa(request):
+    """The test once on each code path this build runs (a narrower machine's on a wider one), the widest after."""
+    if EXT is not None:
+        kernels.set_isa(request.param)
+    yield request.param
+    if EXT is not None:
+        kernels.set_isa(IMPLS[-1])
 
 
 def quantized(shape, gs, seed, bits=4):

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from edge0.bench_kernels import node_counts
 from edge0.compute import dense, kernels
 from edge0.compute.qmm import use_kernel_products
+from tests.compute.kernel_refs import every_isa  # noqa: F401 (a fixture: each code path the build runs)
 from tests.helpers import use_kernel
 
 EXT = kernels.load()
@@ -48,6 +49,7 @@ def decode(attn, steps: int, prompt: int, fused: bool, seed: int = 1):
     return np.concatenate([np.array(o) for o in outs]), cache
 
 
+@pytest.mark.usefixtures("every_isa")
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
 def test_the_three_nodes_give_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, kv_heads):
     """Across the cache's growth at 256 rows (that step runs mlx-lm's code, the next ones the nodes again): every
@@ -62,6 +64,7 @@ def test_the_three_nodes_give_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, 
         assert np.array_equal(np.array(a[..., :262, :]), np.array(b[..., :262, :]))
 
 
+@pytest.mark.usefixtures("every_isa")
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])
 def test_a_left_padded_batch_gets_the_bits_of_mlx_lm_code_on_the_same_kernel(heads, kv_heads):
     """Three sequences in mlx-lm's BatchKVCache, left-padded by 0, 3 and 1, across the cache's growth: each step's
@@ -89,6 +92,7 @@ def test_a_left_padded_batch_gets_the_bits_of_mlx_lm_code_on_the_same_kernel(hea
         assert np.array_equal(np.array(a[..., :262, :]), np.array(b[..., :262, :]))
 
 
+@pytest.mark.usefixtures("every_isa")
 def test_the_nodes_match_mlx_kernels():
     """Against mlx-lm's attention on MLX's own kernels (mx.fast norms, RoPE, attention): float32 rounding apart."""
     use_kernel("edge0")
@@ -131,6 +135,7 @@ def test_a_decode_step_is_three_nodes_and_no_slice_update(lora):
     assert nodes == {"Edge0KVWrite": 2, "Edge0DecodeAttention": 1}
 
 
+@pytest.mark.usefixtures("every_isa")
 @pytest.mark.parametrize("lora", [False, True])
 def test_absorbed_projections_give_the_bits_of_their_own_nodes(lora):
     """Served projections (quantized, with and without an adapter) run inside the KV writes and the attention (o_proj

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from edge0.compute import qmm
-from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse)
-    EXT, needs_ext, quantized, rel, restore)
+from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse); every_isa: on
+    EXT, needs_ext, quantized, rel, restore, every_isa)  # each code path the build runs
 from tests.helpers import use_kernel
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("producer", ["qmv", "glu+combine", "qmv+lora"])
 def test_add_norm_runs_its_residuals_node_with_the_same_bits(producer):
@@ -47,6 +48,7 @@ def test_add_norm_runs_its_residuals_node_with_the_same_bits(producer):
     assert all(mx.array_equal(i, j) for i, j in zip(inside, apart))
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("t", [1, 3])
 def test_routed_glu_and_its_combine_are_one_node_with_the_bits_of_two(t):
@@ -74,6 +76,7 @@ def test_routed_glu_and_its_combine_are_one_node_with_the_bits_of_two(t):
     assert fused.shape == apart.shape == (1, t, d) and mx.array_equal(fused, apart)
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 def test_a_left_padded_batch_ropes_and_attends_each_row_as_alone():
     """Batched decode over mlx-lm's BatchKVCache: RoPE at each sequence's own offset and attention from its own
@@ -153,6 +156,7 @@ def test_threads_give_identical_results():
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 def test_prompt_chunks_and_batches_on_prompt_threads_give_identical_results():
     """A node of at least SPREAD_ROWS token rows (a prompt chunk; a served batch's step, one row per sequence)
@@ -187,6 +191,7 @@ def test_prompt_chunks_and_batches_on_prompt_threads_give_identical_results():
     assert EXT.prompt_threads() == 2
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_lora_linear_is_the_product_plus_the_adapter(rows):
@@ -211,6 +216,7 @@ def test_lora_linear_is_the_product_plus_the_adapter(rows):
         EXT.qmv_lora(x, lin["weight"], lin["scales"], lin["biases"], b, a, 1.0, 64)
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("rank", [16, 8])
 def test_a_bfloat16_adapter_gives_the_bits_of_its_float32_widening(rank):
@@ -255,6 +261,7 @@ def test_profile_times_each_node_kind_only_while_on():
     assert EXT.profile(True) == {}  # reset
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 5, 48)])
 def test_residual_add_and_norm_are_one_node_with_the_bits_of_two(shape):

@@ -6,11 +6,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse)
-    EXT, needs_ext, quantized, rel, restore)
+from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse); every_isa: on
+    EXT, needs_ext, quantized, rel, restore, every_isa)  # each code path the build runs
 from tests.helpers import use_kernel
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("shape,k,norm", [((5, 64), 4, True), ((2, 3, 60), 8, False), ((1, 128), 1, True)])
 def test_softmax_topk_matches_mlx(shape, k, norm):
@@ -31,6 +32,7 @@ def test_softmax_topk_matches_mlx(shape, k, norm):
         assert list(gs_[row]) == sorted(gs_[row], reverse=True)
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("norm", [True, False])
 def test_choose_among_candidates_matches_mlx(norm):
@@ -65,6 +67,7 @@ def test_choose_among_candidates_matches_mlx(norm):
         EXT.softmax_topk(logits, k, norm, among[..., :2])
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 def test_combine_matches_mlx():
     from edge0.compute.routing import combine
@@ -126,6 +129,7 @@ def _head_args(**over):
     return list(a.values())
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("rows,d,n,bias", [(1, 320, 96, True), (8, 2112, 512, True), (5, 17, 3, False),
                                            (40, 64, 33, True)])
@@ -149,34 +153,39 @@ def test_linear_matches_mlx_and_a_row_does_not_depend_on_the_others(rows, d, n, 
     assert np.array_equal(np.array(y16), np.array(mx.concatenate([EXT.linear(x[i:i + 1], w16, b) for i in range(rows)])))
 
 
-def dot16_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def dot16_reference(x: np.ndarray, w: np.ndarray, fused: bool = True) -> np.ndarray:
     """x @ w.T in dot16's order, in numpy: 16 float32 lanes (i mod 16), each a chain of fused multiply-adds over i (the
-    product exact in float64, one rounding to float32), then the lanes in the tree lane j += lane j + k, k = 8, 4, 2,
-    1."""
+    product exact in float64, one rounding to float32; not fused: the product rounded too), then the lanes in the
+    tree lane j += lane j + k, k = 8, 4, 2, 1."""
     rows, d = x.shape
     lanes = np.zeros((rows, w.shape[0], 16), np.float32)
     for i in range(d):
         prod = x[:, None, i].astype(np.float64) * w[None, :, i].astype(np.float64)
+        prod = prod if fused else prod.astype(np.float32).astype(np.float64)
         lanes[:, :, i % 16] = (lanes[:, :, i % 16].astype(np.float64) + prod).astype(np.float32)
     for k in (8, 4, 2, 1):
         lanes[:, :, :k] = lanes[:, :, :k] + lanes[:, :, k:2 * k]
     return lanes[:, :, 0]
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("rows,d", [(1, 320), (4, 320), (1, 512), (4, 17)])
-def test_linear_sums_in_dot16s_order(rows, d):
+def test_linear_sums_in_dot16s_order(rows, d, every_isa):
     """The heads' float linear, every path (one row 16 outputs at a time, four rows at a time, a tail past the last
-    16 inputs), gives the bits of dot16's order computed apart in numpy: a lane tree in another association fails."""
+    16 inputs), gives the bits of dot16's order computed apart in numpy: a lane tree in another association fails.
+    The SIMD builds fuse each multiply-add; the plain C++ one cannot on x86 without FMA (elsewhere it may)."""
+    fused = (True, False) if every_isa == "portable" else (True,)
     rng = np.random.default_rng(d + rows)
     x = rng.standard_normal((rows, d)).astype(np.float32)
     w = (rng.standard_normal((32, d)) * 0.05).astype(np.float32)
     for wt in (mx.float32, mx.bfloat16):
         wm = mx.array(w).astype(wt)
         got = np.array(EXT.linear(mx.array(x)[:, None, :], wm, None))[:, 0, :]
-        assert np.array_equal(got, dot16_reference(x, np.array(wm.astype(mx.float32)))), wt
+        assert any(np.array_equal(got, dot16_reference(x, np.array(wm.astype(mx.float32)), f)) for f in fused), wt
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 def test_heads_on_the_edge0_kernel_are_row_independent():
     """A prerouter head over a batch equals it over each row (edge0 kernel); under MLX's it is nn.Linear's."""
@@ -253,6 +262,7 @@ def test_routing_runs_the_router_and_head_nodes_it_decides_from(prev):
     assert mx.array_equal(logits, want_logits) and all(mx.array_equal(i, j) for i, j in zip(decided, want))
 
 
+@pytest.mark.usefixtures("every_isa")
 @needs_ext
 @pytest.mark.parametrize("rows,prev,served", [(1, True, False), (1, False, False), (6, True, False), (1, True, True),
                                               (6, False, True)])

@@ -13,9 +13,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from edge0.compute import qmm
+from edge0.compute import kernels, qmm
 from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse)
-    EXT, needs_ext, IMPLS, TOL, quantized, dequantized, rel, restore)
+    EXT, needs_ext, IMPLS, TOL, VNNI, every_isa, quantized, dequantized, rel, restore)
 from tests.helpers import use_kernel
 
 
@@ -29,7 +29,7 @@ GATHER = [  # (D, N, E, K, T, gs)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d,n,e,k,t,gs", GATHER)
 def test_gather_matches_reference(impl, d, n, e, k, t, gs):
-    assert EXT.set_impl(impl)
+    kernels.set_isa(impl)
     use_kernel("edge0")
     w, s, b = quantized((e, n, d), gs, seed=d + n + e)
     ref_w = dequantized(w, s, b, gs)  # (E, N, D)
@@ -65,7 +65,7 @@ def test_gather_matches_reference(impl, d, n, e, k, t, gs):
 @pytest.mark.parametrize("lead,d,n,gs", [((1,), 128, 256, 64), ((3,), 1024, 512, 32), ((2, 5), 2048, 128, 128),
                                          ((1, 1), 4096, 64, 64), ((67,), 512, 96, 64), ((2,), 576, 40, 64)])
 def test_dense_matches_reference(impl, lead, d, n, gs):
-    assert EXT.set_impl(impl)
+    kernels.set_isa(impl)
     use_kernel("edge0")
     w, s, b = quantized((n, d), gs, seed=n)
     x = mx.array(np.random.default_rng(1).standard_normal((*lead, d)).astype(np.float32))
@@ -82,7 +82,7 @@ def test_dense_matches_reference(impl, lead, d, n, gs):
 def test_glu_matches_reference(impl, d, h, e, k, t, gs):
     """The fused routed product: down(silu(gate x) * up x) per (token, expert), against float64 (two
     int8 activation stages in a row: within 3% on the SIMD paths) and against the three products run apart."""
-    assert EXT.set_impl(impl)
+    kernels.set_isa(impl)
     use_kernel("edge0")
     parts = {n: quantized((e, *shape), gs, seed=i) for i, (n, shape) in
              enumerate((("gate_proj", (h, d)), ("up_proj", (h, d)), ("down_proj", (d, h))))}
@@ -106,6 +106,7 @@ def test_glu_matches_reference(impl, d, h, e, k, t, gs):
 
 
 @needs_ext
+@pytest.mark.usefixtures("every_isa")
 @pytest.mark.parametrize("fn", ["exp", "erf"])
 def test_exp_and_erf_are_mlx_bitwise(fn):
     """The kernels' exp and erf (attention's softmax, the routed SwiGLU, the heads' gelu), vectorized, give mx.exp's
@@ -127,6 +128,7 @@ def test_exp_and_erf_are_mlx_bitwise(fn):
 
 
 @needs_ext
+@pytest.mark.usefixtures("every_isa")
 def test_log_softmax_is_mlx_bitwise():
     """A step's log-probabilities as one node: the bits of MLX's x - logsumexp(x) (its exp one float at a time, its
     sum in order), for a vocabulary's width and widths no multiple of the vector width, logits far apart, rows
@@ -149,6 +151,7 @@ def test_log_softmax_is_mlx_bitwise():
 
 
 @needs_ext
+@pytest.mark.usefixtures("every_isa")
 def test_dense_ops_match_mlx():
     """RMS norm, RoPE and attention (one query, and causal prompts) against MLX's fast ops, views as inputs."""
     from edge0.compute import dense
@@ -187,7 +190,7 @@ def test_dense_ops_match_mlx():
 def test_bf16_scales_give_the_bits_of_their_float32_widening(impl, bits, d, gs):
     """Scales and biases as stored (bfloat16) and widened to float32 first: the same products, bit for bit, dense,
     gathered and fused (GLU), on every code path; and the edge0 kernel takes them (no MLX fallback)."""
-    assert EXT.set_impl(impl)
+    kernels.set_isa(impl)
     use_kernel("edge0")
     rng = np.random.default_rng(d + bits)
     w, s, b = quantized((5, 48, d), gs, seed=d, bits=bits)
@@ -219,7 +222,7 @@ def test_bf16_scales_give_the_bits_of_their_float32_widening(impl, bits, d, gs):
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_8bit_matches_reference(impl, gs):
     """8-bit weights (the routers): dense and gathered, against float64."""
-    assert EXT.set_impl(impl)
+    kernels.set_isa(impl)
     use_kernel("edge0")
     rng = np.random.default_rng(gs)
     w, s, b = quantized((64, 1024), gs, seed=gs, bits=8)
@@ -245,7 +248,7 @@ def test_rows_sharing_an_expert_get_the_bits_of_each_row_alone(impl, gs, d, bf16
     once for several of them (the row tile); every output keeps the bits of its row multiplied alone, so prefill,
     batched decode and a sequence decoding alone agree. 19 rows, 2 experts each out of 4: runs of several rows."""
     use_kernel("edge0")
-    EXT.set_impl(impl)
+    kernels.set_isa(impl)
     w, s, b = quantized((4, 24, d), gs, seed=11)
     if bf16:
         s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
@@ -270,7 +273,7 @@ def test_outputs_summed_four_at_once_keep_the_bits_of_one_alone(impl, gs, d):
     row tile's four activation rows likewise); a matrix of one row takes the single dot product and its own
     reduction. Each weight row alone must give the bits it gets among the four."""
     use_kernel("edge0")
-    EXT.set_impl(impl)
+    kernels.set_isa(impl)
     w, s, b = quantized((8, d), gs, seed=3)
     s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
     x = mx.array(np.random.default_rng(9).standard_normal((1, d)).astype(np.float32) * 4)
@@ -290,7 +293,7 @@ def _copies(*arrays):
 
 
 @needs_ext
-@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+@pytest.mark.skipif(not VNNI, reason="the packed layout is the AVX-512 VNNI path's")
 @pytest.mark.parametrize("d,gs", [(128, 32), (256, 64), (384, 128), (1024, 32), (1024, 64)])
 @pytest.mark.parametrize("experts", [1, 5])
 @pytest.mark.parametrize("bf16", [True, False])
@@ -350,7 +353,7 @@ def _thp() -> str:
 
 
 PACKED_SMAPS = [needs_ext,  # tests that read a packed copy's mapping
-                pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the VNNI path's"),
+                pytest.mark.skipif(not VNNI, reason="the packed layout is the VNNI path's"),
                 pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the copy's mapping")]
 
 
@@ -477,7 +480,7 @@ def test_pack_declines_what_the_layout_cannot_serve():
 
 
 @needs_ext
-@pytest.mark.skipif(EXT is None or "avx512" not in IMPLS, reason="the packed layout is the AVX-512 VNNI path's")
+@pytest.mark.skipif(not VNNI, reason="the packed layout is the AVX-512 VNNI path's")
 def test_a_freed_weights_packed_copy_serves_no_other_array():
     """A packed copy is found by its weight's address, but only while the arrays it was made from live: arrays
     made after they are freed (which the allocator may place at the same address) are never served the old copy."""
