@@ -111,9 +111,10 @@ class Server:
 
     def __init__(self, flags: list[str], log: Path):
         self.log = log
+        env = {k: v for k, v in os.environ.items() if k != "EDGE0_API_KEY"}  # on loopback, its clients send none
         with open(log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "edge0.cli", "serve", "--port", "0", *flags],
-                                         stdout=subprocess.DEVNULL, stderr=err)
+                                         stdout=subprocess.DEVNULL, stderr=err, env=env)
         end = time.monotonic() + START_TIMEOUT_S
         while not (m := re.search(r"(http://[0-9.]+:\d+)/v1", log.read_text(errors="replace"))):
             if self.proc.poll() is not None or time.monotonic() > end:

@@ -8,6 +8,8 @@ import pytest
 # mlx-lm is the oracle of most tests: compute with MLX's own kernels (subprocesses inherit this);
 # the kernel tests select Edge0's explicitly.
 os.environ.setdefault("EDGE0_KERNEL", "mlx")
+# the servers the tests start listen on loopback, where no API key is needed; one in the environment is not theirs
+os.environ.pop("EDGE0_API_KEY", None)
 
 from edge0.model.convert import convert
 from edge0.model.make import make_model

@@ -244,9 +244,9 @@ def failure(e: Exception) -> ApiError:
     return ApiError(500, msg, "internal_error")
 
 
-async def answer(request: web.Request, body: dict, engine, jobs, defaults: dict) -> web.StreamResponse:
-    """POST /v1/messages of a parsed body naming this server's model (or none)."""
-    req = messages_request(engine, body, defaults)
+async def answer(request: web.Request, body: dict, req, engine, jobs) -> web.StreamResponse:
+    """POST /v1/messages of a parsed body naming this server's model (or none), and its messages_request (made
+    off the loop: tokenizing a long prompt takes a while)."""
     stream = flag(body, "stream")
     job = jobs.submit(req)
     out = Answer(engine, job)

@@ -4,18 +4,18 @@
     curl localhost:8080/v1/chat/completions -d '{"model": "qwen3-30b", "messages": [{"role": "user", "content": "hi"}]}'
 
 One process, one model, one asyncio loop. Requests are served first come, first served, one generation
-at a time: the loop only parses, queues and writes; every MLX call (loading, prefill, decode) runs on
-one dedicated worker thread, which hands each piece of text back to the loop as it is decoded. A client
+at a time: the loop only reads, queues and writes; every MLX call (loading, prefill, decode) runs on
+one dedicated worker thread, which hands each piece of text back to the loop as it is decoded. Parsing and
+tokenizing a request run on one more thread (prep), so that a large prompt holds up no other client. A client
 that goes away cancels its generation at the next token; a full queue answers 503 with Retry-After.
-Request bodies are checked in validate.py. Stopping (Ctrl-C, SIGTERM) cancels the running generation and
-answers every waiting request 503 rather than finishing them.
+Request bodies are checked in validate.py; the API key, deadlines and size limits are guard.py's. Stopping
+(Ctrl-C, SIGTERM) cancels the running generation and answers every waiting request 503 rather than finishing them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 import time
 import traceback
@@ -23,52 +23,34 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from ..errors import Edge0Error
 from ..engine import Engine
-from ..generation import Figures
+from ..generation import Figures, GenRequest
 from ..log import log
 from . import messages
+from .guard import (Bodies, Connection, Front, Runner, check_key, check_text, http_logger, max_token_bytes,
+                    read_body)
 from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, error_response
 from .validate import check_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
 
-MAX_BODY = 64 * 2**20  # bytes of one request body
 SHUTDOWN_TIMEOUT_S = 10.0  # how long stopping waits for the handlers once their generations are cancelled
-
-
-class _OneLine(logging.Handler):
-    """aiohttp's own log (malformed HTTP that no route sees) as one line of Edge0's log; a traceback only
-    for what is not a malformed request."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is None or isinstance(exc, HttpProcessingError):
-            why = f": {' '.join(str(exc).split())}" if exc is not None else ""
-            log.warning(f"{record.getMessage()}{why}")
-        else:
-            log.error(record.getMessage(), error=repr(exc), traceback="".join(traceback.format_exception(exc)))
-
-
-def http_logger() -> logging.Logger:
-    logger = logging.getLogger("edge0.serve.http")
-    if not logger.handlers:
-        logger.addHandler(_OneLine())
-        logger.propagate = False
-    return logger
 
 
 class Api:
     """The routes, over one engine and its queue."""
 
-    def __init__(self, engine: Engine, jobs: JobQueue, *, model_names: set[str], defaults: dict):
-        self.engine, self.jobs = engine, jobs
+    def __init__(self, engine: Engine, jobs: JobQueue, *, model_names: set[str], defaults: dict, front: Front,
+                 prep: ThreadPoolExecutor, per_token: int | None = None):
+        self.engine, self.jobs, self.front, self.prep = engine, jobs, front, prep
+        self.bodies = Bodies(front.max_body)
         self.names = model_names | {engine.model_id}
         self.defaults = defaults  # temp, top_p, seed, max_tokens of the command line
+        self.per_token = per_token  # the most bytes of text one token stands for (guard.max_token_bytes)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.front.max_body, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post(messages.ROUTE, self.messages)
@@ -80,7 +62,11 @@ class Api:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        conn = request.protocol if isinstance(request.protocol, Connection) else None
+        if conn is not None:
+            conn.busy()  # the headers are in: the body has its own deadline (read_body), generating has none
         try:
+            check_key(request, self.front.api_key)
             resp = await handler(request)
         except ApiError as e:
             resp = self._error(request, e)
@@ -93,9 +79,14 @@ class Api:
             log.error(f"{request.method} {request.path[:80]} failed", error=repr(e), traceback=traceback.format_exc())
             resp = self._error(request, ApiError(500, f"internal error ({type(e).__name__}); see the server's log",
                                                  "internal_error"))
-        if not request.content.is_eof():  # a body left unread or unreadable: close rather than drain it
-            request.content.feed_eof()
-            resp.force_close()
+        finally:
+            if conn is not None:
+                conn.idle()  # until the next request's headers are in
+        if not request.content.is_eof() and (resp.status == 408 or request.content.exception() is not None):
+            request.content.feed_eof()  # stalled or undecodable: close; a body merely unread (401, 413...) is
+            resp.force_close()  # read and dropped by aiohttp for a while, so that a client still sending hears this
+        if resp.status == 401:
+            resp.headers["WWW-Authenticate"] = "Bearer"
         status = str(resp.status)
         self.jobs.metrics.requests[status] = self.jobs.metrics.requests.get(status, 0) + 1
         return resp
@@ -161,26 +152,32 @@ class Api:
     # -- POST -----------------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        check_fields(body, chat=True)
-        return await self._generate(request, body, chat_prompt(self.engine, body), chat=True)
+        body, req = await self._prepared(request, lambda body: self._request(body, chat_prompt, True))
+        return await self._generate(request, body, req, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        check_fields(body, chat=False)
-        return await self._generate(request, body, completion_prompt(self.engine, body), chat=False)
+        body, req = await self._prepared(request, lambda body: self._request(body, completion_prompt, False))
+        return await self._generate(request, body, req, chat=False)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        return await messages.answer(request, body, self.engine, self.jobs, self.defaults)
+        body, req = await self._prepared(request, lambda body: messages.messages_request(self.engine, body,
+                                                                                         self.defaults))
+        return await messages.answer(request, body, req, self.engine, self.jobs)
 
-    async def _body(self, request: web.Request) -> dict:
-        """The request's JSON object, naming this server's model (or none)."""
-        try:
-            raw = await request.read()
-        except web.RequestPayloadError as e:  # say, a Content-Encoding it does not decode to
-            why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
-            raise ApiError(400, f"the request body cannot be read ({why})", "invalid_body") from None
+    async def _prepared(self, request: web.Request, make) -> tuple[dict, GenRequest]:
+        """The request's JSON object (_parse) and make(body), both on the prep thread, so that a large prompt
+        holds up no other client; its bytes count against the bodies in flight meanwhile."""
+        loop = asyncio.get_running_loop()
+        with self.bodies.hold(request.content_length):
+            body = await loop.run_in_executor(self.prep, self._parse, await read_body(request, self.front))
+            return body, await loop.run_in_executor(self.prep, make, body)
+
+    def _request(self, body: dict, prompt_of, chat: bool) -> GenRequest:
+        check_fields(body, chat=chat)
+        return gen_request(self.engine, body, prompt_of(self.engine, body), self.defaults)
+
+    def _parse(self, raw: bytes) -> dict:
+        """The body's JSON object, naming this server's model (or none), with no more text than the context holds."""
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -195,10 +192,10 @@ class Api:
         if name not in (None, "") and name not in self.names:
             raise ApiError(404, f"the model {show(name)} does not exist; this server has '{self.engine.model_id}'",
                            "model_not_found", param="model")
+        check_text(body, self.engine.context, self.per_token)
         return body
 
-    async def _generate(self, request: web.Request, body: dict, prompt: list[int], *, chat: bool) -> web.StreamResponse:
-        req = gen_request(self.engine, body, prompt, self.defaults)
+    async def _generate(self, request: web.Request, body: dict, req: GenRequest, *, chat: bool) -> web.StreamResponse:
         stream, usage = stream_flags(body)
         job = self.jobs.submit(req)
         out = Output(chat, self.engine.model_id, job)
@@ -307,13 +304,16 @@ class Server:
     end_thread = False  # clear the MLX worker's streams at stop (the process exits right after)
 
     def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 8080,
-                 max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, front: Front = Front()):
         self.config, self.sampling = config, sampling  # EngineConfig, Sampling (the defaults of requests)
-        self.host, self.port, self.max_queue = host, port, max_queue
+        self.host, self.port, self.max_queue, self.front = host, port, max_queue, front
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-mlx")
+        # one thread parses and tokenizes requests: one large prompt's memory at a time
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-prep")
         self.engine: Engine | None = None
         self.jobs: JobQueue | None = None
         self.runner: web.AppRunner | None = None
+        self.api: Api | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -325,11 +325,13 @@ class Server:
         self.jobs.start()
         c, d = self.config, self.sampling
         names = {c.model} if c.model else set()
+        per_token = await loop.run_in_executor(self.prep, max_token_bytes, self.engine.tokenizer)
         api = Api(self.engine, self.jobs, model_names=names,
                   defaults={"temp": d.temp, "top_p": d.top_p, "seed": d.seed, "max_tokens": d.max_tokens,
-                            **d.penalties()})
-        self.runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, logger=http_logger(),
-                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                            **d.penalties()}, front=self.front, prep=self.prep, per_token=per_token)
+        self.api = api
+        self.runner = Runner(api.app(), stall_s=self.front.client_timeout, handler_cancellation=True,
+                             access_log=None, logger=http_logger(), shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
@@ -352,6 +354,7 @@ class Server:
         if self.engine is not None:
             await loop.run_in_executor(self.worker, lambda: self.engine.close(end_thread=self.end_thread))
         self.worker.shutdown(wait=True)
+        self.prep.shutdown(wait=False, cancel_futures=True)
 
     @property
     def url(self) -> str:
@@ -362,10 +365,10 @@ class BackgroundServer:
     """A Server on its own loop in a thread (tests, embedding): start() returns once it listens."""
 
     def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 0,
-                 max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, front: Front = Front()):
         from ..sched.scheduler import new_loop
 
-        self.server = Server(config, sampling, host=host, port=port, max_queue=max_queue)
+        self.server = Server(config, sampling, host=host, port=port, max_queue=max_queue, front=front)
         self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="edge0-serve", daemon=True)
 

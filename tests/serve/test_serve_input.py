@@ -265,8 +265,8 @@ def send_raw(url: str, data: bytes) -> bytes:
 
 
 def test_malformed_http_is_a_400_and_one_log_line(server):
-    """Requests broken below JSON: aiohttp answers those no route sees (plain text); a body that cannot be
-    decoded is this server's JSON 400. The log gets one line each, never a traceback."""
+    """Requests broken below JSON: those no route sees and a body that cannot be decoded are JSON 400s (the
+    former's shape: test_front.py). The log gets one line each, never a traceback."""
     srv, _, _ = server
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
     cases = [
