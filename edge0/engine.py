@@ -66,6 +66,19 @@ def default_heads(store: Path, k: int | None) -> Path | None:
     return path if path is not None and path.exists() else None
 
 
+def _own_heads(store: Path, k: int | None) -> Path | None:
+    """default_heads where they decide the routing: heads the store's manifest lists but lacks are an error, not
+    another routing."""
+    from .io.manifest import read_manifest
+
+    found = default_heads(store, k)
+    name = f"heads-k{_heads_k(store, k)}.safetensors"
+    if found is None and (store / "edge0.json").exists() and read_manifest(store).lists(name):
+        raise Edge0Error(f"{store / name}: missing, though {store / 'edge0.json'} lists it (restore it, or pass "
+                         "--routing native to route with the model's own router)")
+    return found
+
+
 def _no_heads(store: Path, k: int | None) -> str:
     """The refusal of heads routing where default_heads found none: for which K, and which heads there are."""
     k = _heads_k(store, k)
@@ -86,11 +99,14 @@ def resolve(config: EngineConfig) -> EngineConfig:
     path = Path(c.model) if c.model else demo_store()
     routing, predictor, heads = c.routing, c.predictor, c.heads
     if routing is None and heads is None and predictor is None and c.executor in ("auto", "staged", "resident"):
-        found = default_heads(path, c.top_k)
+        found = _own_heads(path, c.top_k)
         if found is not None:
             routing = "predicted"
             log.info("routing predicted by the prerouter heads", heads=str(found),
                      hint="--routing native to use the model's own router")
+        elif others := sorted(p.name for p in path.glob("heads-k*.safetensors")):  # another K's: say why unused
+            log.info(f"routing native: no prerouter heads for K = {_heads_k(path, c.top_k)}", has=", ".join(others),
+                     hint="--k of those heads, or train heads for this K with `edge0 train heads`")
     if routing is None and heads is not None and predictor is None and c.executor in ("auto", "staged", "resident"):
         routing = "predicted"  # the heads named route, as the store's own do by default
     if heads is not None and routing == "prefetch" and predictor is None:
@@ -121,7 +137,7 @@ def resolve(config: EngineConfig) -> EngineConfig:
     if routing != "native":
         predictor = "heads" if routing == "predicted" else predictor or "next-router"
         if predictor == "heads" and heads is None:
-            found = default_heads(path, c.top_k)
+            found = _own_heads(path, c.top_k)
             if found is None:
                 raise Edge0Error(_no_heads(path, c.top_k))
             heads = str(found)
@@ -271,7 +287,8 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         executor = "staged" if c.executor == "auto" and c.slots is not None else c.executor  # --slots: staged banks
         store = load_store(path, dtype=c.dtype, verify=c.verify, executor=executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
-                           build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None)
+                           build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None,
+                           using=[f for f in (c.heads, c.lora) if f not in (None, "none")])
     if not c.kernel_threads:  # the default for this runtime: both of 2 cores where no expert is read in decode
         kernels.set_num_threads(kernels.default_threads(resident=store.runtime.executor == "resident"),
                                 kernels.default_prompt_threads())

@@ -65,7 +65,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                         "prefills only the rest (default 1; 0: off)")
     p.add_argument("--cold", action="store_true", help="evict the store from the page cache before loading")
     p.add_argument("--verify", action="store_true",
-                   help="check the resident files' checksums at load and every bundle's checksum as it is read")
+                   help="also check every expert bundle's checksum as it is read (every load checks the small "
+                        "files' checksums and each layer file's size and header; `edge0 verify STORE` checks every "
+                        "byte)")
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import Edge0Error
-from ..io.manifest import LayerEntry, Manifest, Piece
+from ..io.layerfile import check_header
+from ..io.manifest import LayerEntry, Manifest, Piece, store_file
 from ..io.pagecache import evict
 from .blocks import NP_DTYPES, as_f32
 
@@ -58,7 +59,7 @@ class Resident:
     """resident.safetensors of a store, read tensor by tensor."""
 
     def __init__(self, root: Path):
-        self.path = root / RESIDENT
+        self.path = store_file(root, RESIDENT)
         if not self.path.is_file():
             raise Edge0Error(f"{self.path}: missing")
         self.entries = read_header(self.path)
@@ -76,12 +77,15 @@ class Experts:
     """The routed experts of one MoE layer: pieces of a slice of experts, shaped (n, *piece shape)."""
 
     def __init__(self, root: Path, manifest: Manifest, entry: LayerEntry):
-        self.path = root / entry.file
+        self.path = store_file(root, entry.file)
         self.pieces = {p.name: p for p in manifest.pieces}
         self.E = manifest.num_experts
         size = entry.data_offset + self.E * manifest.bundle_stride
         if not self.path.is_file() or os.path.getsize(self.path) < size:
             raise Edge0Error(f"{self.path}: missing or shorter than the manifest says (run `edge0 verify`)")
+        with open(self.path, "rb") as f:  # the header of the layer the manifest says (a swapped file is refused)
+            check_header(self.path, f.fileno(), manifest.pieces, entry.data_offset, manifest.bundle_stride,
+                         layer=entry.layer, crc=entry.header_crc32)
         self.bundles = np.memmap(self.path, np.uint8, "r", offset=entry.data_offset,
                                  shape=(self.E, manifest.bundle_stride))
 

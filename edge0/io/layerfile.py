@@ -89,18 +89,32 @@ class LayerFileWriter:
         return self.data_offset + self.num_experts * self.stride
 
 
-def check_header(path: Path, fd: int, pieces: list[Piece], data_offset: int, stride: int) -> None:
-    """Cheap start-up check: the header parses and places expert 0 and expert 1 where the manifest says."""
+def check_header(path: Path, fd: int, pieces: list[Piece], data_offset: int, stride: int, *, layer: int | None = None,
+                 crc: str | None = None) -> None:
+    """Cheap start-up check: the header is the one the manifest recorded (crc, when given), of the layer the
+    manifest lists the file as (layer, when given: a swapped or renamed file), and places expert 0 and expert 1
+    where the manifest says."""
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
         raise Edge0Error(f"{path}: truncated (no safetensors header)")
     (size,) = struct.unpack("<Q", head)
     if 8 + size != data_offset:
         raise Edge0Error(f"{path}: safetensors header is {size} bytes, manifest expects data at offset {data_offset}")
+    text = os.pread(fd, size, 8)
+    damaged = crc is not None and f"{zlib.crc32(text, zlib.crc32(head)):08x}" != crc
     try:
-        header = json.loads(os.pread(fd, size, 8))
+        header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Edge0Error(f"{path}: corrupt safetensors header ({e})") from None
+        why = ("checksum mismatch in the safetensors header (file damaged)" if damaged
+               else f"corrupt safetensors header ({e})")
+        raise Edge0Error(f"{path}: {why}") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    held = meta.get("layer") if isinstance(meta, dict) else None
+    if layer is not None and held is not None and held != str(layer):
+        raise Edge0Error(f"{path}: holds the experts of layer {held}, the manifest lists it as layer {layer} "
+                         "(layer files swapped or renamed)")
+    if damaged:
+        raise Edge0Error(f"{path}: checksum mismatch in the safetensors header (file damaged)")
     for e in (0, 1):
         for p in pieces:
             entry = header.get(tensor_name(e, p.name)) if isinstance(header, dict) else None

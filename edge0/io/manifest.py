@@ -29,7 +29,7 @@ import os
 import re
 import zlib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..errors import Edge0Error
 from .atomic import write_atomic
@@ -87,6 +87,10 @@ class Manifest:
     def expert_bytes(self) -> int:
         """Bytes of all routed expert weights in the store."""
         return self.bundle_bytes * self.num_experts * len(self.layers)
+
+    def lists(self, name: str) -> bool:
+        """Whether `files` records `name` (a path relative to the store)."""
+        return name in (self.files or {})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -148,8 +152,9 @@ def _locked(root: Path):
         os.close(fd)
 
 
-def read_manifest(root: str | os.PathLike) -> Manifest:
-    """Read and check a store's manifest; bad input raises Edge0Error naming the file."""
+def read_manifest(root: str | os.PathLike, *, own_checksum: bool = True) -> Manifest:
+    """Read and check a store's manifest; bad input raises Edge0Error naming the file. own_checksum: a format 2
+    manifest whose bytes do not match its recorded checksum is refused (`edge0 verify` reports it instead)."""
     path = Path(root) / MANIFEST
     if not Path(root).is_dir():
         raise Edge0Error(f"{root}: no such model directory")
@@ -171,6 +176,8 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         _check_types(manifest)
     except (KeyError, TypeError) as e:
         raise Edge0Error(f"{path}: malformed manifest ({e})") from None
+
+    _check_paths(path, manifest)
     layers = [entry.layer for entry in manifest.layers]
     if len(set(layers)) != len(layers):
         raise Edge0Error(f"{path}: a layer is listed twice ({layers})")
@@ -183,6 +190,9 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raise Edge0Error(f"{path}: pieces do not add up to bundle_bytes {manifest.bundle_bytes}")
     if not 1 <= manifest.top_k <= manifest.num_experts:
         raise Edge0Error(f"{path}: top_k {manifest.top_k} must be between 1 and num_experts {manifest.num_experts}")
+    if own_checksum and version >= 2 and manifest_checksum(path.read_bytes()) is not True:
+        raise Edge0Error(f"{path}: checksum mismatch (file damaged or edited); `edge0 verify {root}` checks every "
+                         "file of the store")
     return manifest
 
 
@@ -210,12 +220,44 @@ def _check_types(m: "Manifest") -> None:
 
 
 def read_json(path: Path):
-    """Parse a JSON file; a broken one is an Edge0Error naming it (an unreadable one says so)."""
+    """Parse a JSON file; a broken one is an Edge0Error naming it (an unreadable one, or bytes that are not UTF-8,
+    say so)."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise Edge0Error(f"{path}: cannot read ({e.strerror})") from None
     try:
+        text = data.decode("utf-8")  # JSON is UTF-8 whatever the locale
+    except UnicodeDecodeError as e:
+        raise Edge0Error(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    try:
         return json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise Edge0Error(f"{path}: not valid JSON ({e})") from None
+
+
+def store_file(root: str | os.PathLike, rel: str) -> Path:
+    """root / rel, refused unless it resolves (symbolic links followed) to a path inside the store: a store reads
+    only its own files, whatever its manifest or its links say."""
+    root = Path(root)
+    path = root / rel
+    try:
+        real, base = path.resolve(), root.resolve()
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise Edge0Error(f"{path}: cannot be resolved ({e})") from None
+    if real != base and base not in real.parents:
+        raise Edge0Error(f"{path}: leads to {real}, outside the store {root} (a store reads only its own files)")
+    return path
+
+
+def _check_paths(path: Path, m: "Manifest") -> None:
+    """Every file the manifest names is a relative path that stays inside the store."""
+    named = [(f"layers[{i}].file", e.file) for i, e in enumerate(m.layers)]
+    named += [("files", name) for name in (m.files or {})]
+    for where, rel in named:
+        if not isinstance(rel, str):
+            raise Edge0Error(f"{path}: malformed manifest ({where} is not a path)")
+        parts = PurePosixPath(rel).parts
+        if not parts or parts[0] == "/" or ".." in parts:
+            raise Edge0Error(f"{path}: {where} '{rel}' is not a path inside the store (a store reads only its own "
+                             "files)")

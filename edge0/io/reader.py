@@ -23,7 +23,7 @@ from ..errors import Edge0Error
 from ..log import log
 from .faults import install_from_env
 from .layerfile import check_header, round_up
-from .manifest import Manifest, read_manifest
+from .manifest import Manifest, read_manifest, store_file
 from .pagecache import Residency, evict
 from .pool import IO_WORKERS, ReadPool
 from .throttle import Throttle
@@ -51,8 +51,8 @@ class ReadStats:
 class BundleReader:
     """Open layer files of one store; read bundle (layer, expert) into a list of writable buffers.
 
-    Checks every file's size and header at open (cheap). With verify, checks the crc32 of each
-    bundle it reads; without, the read path pays nothing for checksums.
+    Checks every file's size and header (its checksum, layer and layout) at open (cheap). With verify, checks the
+    crc32 of each bundle it reads; without, the read path pays nothing for checksums.
     """
 
     IOV_MAX = 1024  # iovecs per preadv (Linux's limit)
@@ -78,7 +78,7 @@ class BundleReader:
         m = self.manifest
         try:
             for entry in m.layers:
-                path = self.root / entry.file
+                path = store_file(self.root, entry.file)
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
@@ -89,7 +89,8 @@ class BundleReader:
                 size = os.fstat(fd).st_size
                 if size != entry.file_size:
                     raise Edge0Error(f"{path}: {size} bytes, manifest says {entry.file_size} (truncated or damaged file)")
-                check_header(path, fd, m.pieces, entry.data_offset, m.bundle_stride)
+                check_header(path, fd, m.pieces, entry.data_offset, m.bundle_stride, layer=entry.layer,
+                             crc=entry.header_crc32)
                 if probe:
                     self._residency[entry.layer] = Residency(fd, size)
                 if io == "mmap":

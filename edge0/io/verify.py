@@ -18,12 +18,16 @@ from pathlib import Path
 
 from ..errors import Edge0Error
 from .layerfile import check_header
-from .manifest import MANIFEST, LayerEntry, Manifest, file_entry, manifest_checksum, read_json, read_manifest
+from .manifest import (MANIFEST, LayerEntry, Manifest, file_entry, manifest_checksum, read_json, read_manifest,
+                       store_file)
 
 RESIDENT = "resident.safetensors"
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 BUNDLES_PER_READ = 64
 OLD = "store written by an older edge0; re-convert to cover it"
+TOKENIZER_READS = ("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges",
+                   "tiktoken")  # name prefixes of the files the tokenizer loader reads
+TRAINED = ("heads-", "lora")  # what `edge0 train` adds to a store: checked at load only when a run uses it
 
 
 @dataclass
@@ -43,7 +47,7 @@ def verify_store(root: str | os.PathLike, *, config_check=None, progress=None) -
     progress: a tqdm-like object, updated with bytes checked.
     """
     root = Path(root)
-    manifest = read_manifest(root)
+    manifest = read_manifest(root, own_checksum=False)
     report = Report()
     _check_manifest_bytes(root, manifest, report)
     if (root / "config.json").exists() and config_check is not None:
@@ -77,7 +81,7 @@ def uncovered(root: Path, manifest: Manifest) -> list[str]:
         rel = path.relative_to(root).as_posix()
         if rel in known or path.name.startswith(".edge0-") or rel.split("/")[0].endswith(".ckpt"):
             continue  # a writer's temporary, or training state that serving never reads
-        if path.name.startswith(("heads-", "lora")):
+        if path.name.startswith(TRAINED):
             why = "heads and adapters are recorded when `edge0 train` writes them into the store"
         else:
             why = OLD if old else "added to the store after it was written"
@@ -97,7 +101,11 @@ def _check_manifest_bytes(root: Path, manifest: Manifest, report: Report) -> Non
 
 
 def _check_file(root: Path, name: str, want: dict, report: Report, progress) -> None:
-    path = root / name
+    try:
+        path = store_file(root, name)
+    except Edge0Error as e:
+        report.problems.append(str(e))
+        return
     if not path.exists():
         if not any(p.startswith(f"{path}:") for p in report.problems):  # a required file is named once
             report.problems.append(f"{path}: missing (the manifest lists it)")
@@ -117,9 +125,12 @@ def _check_file(root: Path, name: str, want: dict, report: Report, progress) -> 
 
 def _check_layer(root: Path, m: Manifest, entry: LayerEntry, report: Report, progress) -> None:
     """Header bytes, every bundle's checksum and zero padding between bundles, in large sequential reads."""
-    path = root / entry.file
     try:
+        path = store_file(root, entry.file)
         fd = os.open(path, os.O_RDONLY)
+    except Edge0Error as e:
+        report.problems.append(str(e))
+        return
     except OSError as e:
         report.problems.append(f"{path}: missing layer file of the store" if isinstance(e, FileNotFoundError)
                                else f"{path}: cannot open ({e.strerror})")
@@ -129,11 +140,11 @@ def _check_layer(root: Path, m: Manifest, entry: LayerEntry, report: Report, pro
         if size != entry.file_size:
             report.problems.append(f"{path}: {size} bytes, manifest says {entry.file_size} (truncated or damaged file)")
             return
-        header = os.pread(fd, entry.data_offset, 0)
-        if entry.header_crc32 is not None and f"{zlib.crc32(header):08x}" != entry.header_crc32:
-            report.problems.append(f"{path}: checksum mismatch in the safetensors header (file damaged)")
-        else:
-            check_header(path, fd, m.pieces, entry.data_offset, m.bundle_stride)
+        try:
+            check_header(path, fd, m.pieces, entry.data_offset, m.bundle_stride, layer=entry.layer,
+                         crc=entry.header_crc32)
+        except Edge0Error as e:
+            report.problems.append(str(e))
         report.problems += _check_bundles(path, fd, m, entry, progress)
         report.files += 1
         report.bytes += size
@@ -167,21 +178,39 @@ def _check_bundles(path: Path, fd: int, m: Manifest, entry: LayerEntry, progress
     return problems
 
 
-def check_resident(root: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """Before a load with --verify: every file the manifest lists, checked; one Edge0Error for the first bad one.
+def check_at_load(root: str | os.PathLike, manifest: Manifest, using=()) -> list[str]:
+    """What every load checks (cheap: the small files, read once): the size and crc32 of each file the manifest
+    lists but the heads and adapters a run does not use (`using`: the paths of those it does). One Edge0Error for
+    the first problem. read_manifest checks the manifest's own checksum; BundleReader the layer files' sizes and
+    headers at open.
 
     Returns warnings for what carries no checksum (a store written by an older edge0).
     """
     root = Path(root)
     report = Report()
-    _check_manifest_bytes(root, manifest, report)
+    used = {_relative(root, p) for p in using if p is not None}
     for name, want in (manifest.files or {}).items():
-        _check_file(root, name, want, report, None)
+        if not Path(name).name.startswith(TRAINED) or name in used:
+            _check_file(root, name, want, report, None)
+    read = [RESIDENT, "config.json"] + sorted(p.name for p in root.iterdir() if p.name.startswith(TOKENIZER_READS))
+    unrecorded = [name for name in read if not manifest.lists(name)]
+    for name in unrecorded:
+        try:
+            store_file(root, name)
+        except Edge0Error as e:
+            report.problems.append(str(e))
     if report.problems:
-        raise Edge0Error(report.problems[0])
+        raise Edge0Error(f"{report.problems[0]}; `edge0 verify {root}` checks every file of the store")
     if manifest.files is None:
         return [f"{root / RESIDENT}: no checksum recorded ({OLD}); loaded unchecked"]
-    return []
+    return [f"{root / name}: read at load, but {MANIFEST} records no checksum of it (added after the store was "
+            "written)" for name in unrecorded if (root / name).is_file()]
+
+
+def _relative(root: Path, path) -> str | None:
+    """A file's path inside the store, as the manifest lists it; None for one elsewhere."""
+    real, base = Path(path).resolve(), root.resolve()
+    return real.relative_to(base).as_posix() if base in real.parents else None
 
 
 def store_bytes(root: Path, manifest: Manifest) -> int:
@@ -195,7 +224,7 @@ def verify_cli(store: str, config_check=None) -> int:
     from tqdm import tqdm
 
     root = Path(store)
-    manifest = read_manifest(root)
+    manifest = read_manifest(root, own_checksum=False)
     with tqdm(total=store_bytes(root, manifest), unit="B", unit_scale=True, desc="verify", file=sys.stderr,
               disable=None) as bar:
         report = verify_store(root, config_check=config_check, progress=bar)

@@ -16,13 +16,14 @@ from ..compute.dense import use_kernel_ops
 from ..compute.qmm import pack_at_load, use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
 from ..errors import Edge0Error
-from ..io.manifest import Manifest, read_manifest
+from ..io.manifest import MANIFEST, Manifest, read_manifest
 from ..io.reader import BundleReader
-from ..io.verify import check_resident
+from ..io.verify import check_at_load
 from ..log import log
 from .arch import arch_for, read_config, text_config
 from .adapter import attach_streamed, check_predictor
 from .blocks import is_moe_block, make_block
+from .consistency import config_problems
 from .routers import ROUTERS
 
 RESIDENT = "resident.safetensors"
@@ -122,6 +123,18 @@ def _attach(model: nn.Module, runtime, arch, manifest: Manifest, config: dict, r
     model.eval()
 
 
+def _checked_manifest(root: Path, using) -> Manifest:
+    """The store's manifest, once its small files are checked (a checkpoint directory is told to convert)."""
+    if not (root / MANIFEST).exists() and root.is_dir() and list(root.glob("model*.safetensors")):
+        config = read_config(root)
+        raise Edge0Error(f"{root}: a {config['model_type']} checkpoint, not an Edge0 store; convert it first: "
+                         f"edge0 convert {root} OUT")
+    manifest = read_manifest(root)
+    for warning in check_at_load(root, manifest, using):
+        log.warning(warning)
+    return manifest
+
+
 def _tokenizer(root: Path, config: dict):
     if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise Edge0Error(f"{root}: no tokenizer (tokenizer.json); copy the source checkpoint's tokenizer files here")
@@ -133,25 +146,21 @@ def _tokenizer(root: Path, config: dict):
 
 def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = False, executor: str = "exact",
                memory_budget: float | None = None, io: str = "pread", io_throttle: float | None = None,
-               slots: int | None = None, build=None) -> Store:
+               slots: int | None = None, build=None, using=()) -> Store:
     """Build mlx-lm's model for the store's architecture, load resident.safetensors, stream the experts.
 
+    Every load checks the small files' checksums and the layer files' sizes and headers (io/verify.py
+    check_at_load); verify also checks each expert bundle as it is read.
     executor: exact | staged | hot | resident | auto (resident when every expert fits, else staged);
     memory_budget: GiB of resident expert bytes;
     io: pread | mmap | direct; io_throttle: cap on read bandwidth in MB/s (experiments).
     build: (reader, compute dtype) -> Runtime, for executors made elsewhere (the scheduler's); overrides executor.
+    using: the heads and adapter files the run reads (checked with the store's files when the store lists them).
     """
     root = Path(path)
+    manifest = _checked_manifest(root, using)
     config = read_config(root)
     arch = arch_for(config, root / "config.json")
-    if not (root / "edge0.json").exists() and list(root.glob("model*.safetensors")):
-        raise Edge0Error(f"{root}: a {config['model_type']} checkpoint, not an Edge0 store; convert it first: edge0 convert {root} OUT")
-    manifest = read_manifest(root)
-    if manifest.arch != arch.model_type:
-        raise Edge0Error(f"{root / 'edge0.json'}: arch '{manifest.arch}' disagrees with config.json model_type '{arch.model_type}'")
-    if verify:  # the files loaded whole, checked before any is used; bundles are checked as they are read
-        for warning in check_resident(root, manifest):
-            log.warning(warning)
     weights = _resident_weights(root)
     cdtype = compute_dtype(dtype)
     model_class, args_class = _get_classes(config)
@@ -160,6 +169,9 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         quantize_like_config(model, config, weights)
     except (TypeError, ValueError, KeyError) as e:
         raise Edge0Error(f"{root / 'config.json'}: does not describe a {arch.model_type} model ({e})") from None
+    problems = config_problems(manifest, config, where=root / MANIFEST, model=model)
+    if problems:  # before any executor sizes itself by the manifest
+        raise Edge0Error(problems[0])
     reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
     runtime = None
     try:

@@ -307,5 +307,9 @@ def resolve_lora(lora: str | None, store: Path, *, routing: str, default_heads: 
         return lora
     if routing != "predicted" or not default_heads:
         return "none"
-    found = store / f"lora-k{top_k or read_manifest(store).top_k}.safetensors"
+    manifest = read_manifest(store)
+    found = store / f"lora-k{top_k or manifest.top_k}.safetensors"
+    if not found.exists() and manifest.lists(found.name):  # the store's own adapter gone: not a run without one
+        raise Edge0Error(f"{found}: missing, though {store / 'edge0.json'} lists it (restore it, or pass --lora none "
+                         "to serve without the adapter)")
     return str(found) if found.exists() else "none"

@@ -145,13 +145,12 @@ def test_top_k_beyond_the_experts_is_refused_everywhere(store, capsys, top_k):
 
 
 @pytest.mark.parametrize("name", ["resident.safetensors", "config.json", "tokenizer.json"])
-def test_load_with_verify_checks_resident_files(store, name):
+def test_every_load_checks_resident_files(store, name):
     path = store / name
     flip(path, path.read_bytes().index(b'"num_experts"') + 3 if name == "config.json" else path.stat().st_size // 2)
-    with pytest.raises(Edge0Error, match=f"^{path}: checksum mismatch"):
-        load_store(store, verify=True)
-    if name == "resident.safetensors":
-        load_store(store).close()  # without --verify nothing is read twice
+    for verify in (True, False):  # the small files are checked by every load, not only with --verify
+        with pytest.raises(Edge0Error, match=f"^{path}: checksum mismatch"):
+            load_store(store, verify=verify)
 
 
 def test_run_verify_names_a_damaged_resident_file(store, capsys):

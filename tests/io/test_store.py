@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from edge0.cli import main
-from edge0.io.manifest import read_manifest
+from edge0.io.manifest import read_manifest, record_files, write_manifest
 from edge0.io.reader import BundleReader
 from edge0.io.verify import verify_store
 
@@ -223,6 +223,11 @@ def test_store_without_tokenizer(models, capsys, tmp_path):
     store = copy_store(models, tmp_path)
     (store / "tokenizer.json").unlink()
     code, err = run_cli(capsys, "run", "--model", str(store), "--max-tokens", "2")
+    assert code == 2 and f"{store / 'tokenizer.json'}: missing (the manifest lists it)" in err
+    m = read_manifest(store)
+    m.files.pop("tokenizer.json")  # a manifest that lists no tokenizer: the load looks for one of its own
+    write_manifest(store, m)
+    code, err = run_cli(capsys, "run", "--model", str(store), "--max-tokens", "2")
     assert code == 2 and "no tokenizer" in err and str(store) in err
 
 
@@ -263,7 +268,8 @@ def _edit_json(path, edit):
 
 
 @pytest.mark.parametrize("damage,message", [  # each gave a traceback before
-    (lambda s: _edit_json(s / "config.json", lambda c: c.pop("hidden_size")), "config.json: does not describe"),
+    (lambda s: _edit_json(s / "config.json", lambda c: c.pop("hidden_size")) or record_files(s, ["config.json"]),
+     "config.json: does not describe"),  # edited, and its checksum refreshed
     (lambda s: _edit_json(s / "edge0.json", lambda m: m["layers"][0].update(checksums=None)), "malformed manifest"),
     (lambda s: _edit_json(s / "edge0.json", lambda m: m["layers"][0].update(file_size="1")), "malformed manifest"),
     (lambda s: _edit_json(s / "edge0.json", lambda m: m.update(quantization={"mode": "affine"})), "malformed manifest"),
