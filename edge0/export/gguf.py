@@ -17,6 +17,8 @@ from pathlib import Path
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path, free_bytes, human
 from ..io.manifest import read_manifest
+from ..io.verify import check_at_load
+from ..log import log
 from ..io.outputs import GGUF_KIND, check_file_out, refuse_inputs
 from ..model.arch import read_config
 from .plan import SUPPORTED, TYPES, Report, check_exportable, expert_jobs, resident_jobs
@@ -54,6 +56,8 @@ def export_gguf(store: str | Path, out: str | Path, *, qtype: str = "q4_1", forc
     manifest = read_manifest(root)
     config = read_config(root)
     check_exportable(root, config, manifest, qtype)
+    for warning in check_at_load(root, manifest):
+        log.warning(warning)
     _check_out(root, out, force)
     arch = getattr(gguf.MODEL_ARCH, SUPPORTED[manifest.arch])
     name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])

@@ -153,3 +153,18 @@ def test_export_gguf_cli_prints_one_summary_line(models, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith(f"wrote {tmp_path / 'm.gguf'} (51 tensors, ") and len(proc.stderr.splitlines()) == 1
     assert "Q4_1 scales and biases: all" in proc.stderr
+
+
+def test_export_gguf_checks_the_small_files_as_a_load_does(models, tmp_path, capsys):
+    """A flipped byte in the resident weights is refused by name, not exported into llama.cpp's file."""
+    store = tmp_path / "store"
+    shutil.copytree(models("qwen3_moe"), store)
+    res = store / "resident.safetensors"
+    data = bytearray(res.read_bytes())
+    data[-1] ^= 0x01
+    res.write_bytes(bytes(data))
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", str(store), str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert str(res) in err and "edge0 verify" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
