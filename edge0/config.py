@@ -19,6 +19,7 @@ EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
 IO_MODES = ("pread", "mmap", "direct")
 READ_AHEAD = ("measured", "always", "never")
 PLACEMENTS = ("auto", "even")
+EVICTIONS = ("lfu", "lru")  # compute/eviction.py POLICIES
 DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
 IO_WORKERS = 8  # I/O pool threads (every read): they block in the kernel, so more than cores (docs/results/pipeline.md)
@@ -85,6 +86,7 @@ class EngineConfig:
     executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
     slots: int | None = None  # slots per staged bank; None: 2K
     placement: str = "auto"  # streamed, with heads: auto holds every expert of the layers no head routes | even
+    evict: str = "lfu"  # which held expert a slot bank replaces: lfu (least often used lately) | lru
     memory_budget_gib: float | None = None  # most expert bytes held resident
     io: str = "pread"  # pread | mmap | direct
     io_workers: int = IO_WORKERS  # I/O pool threads
@@ -106,6 +108,7 @@ class EngineConfig:
         _choice("--io", self.io, IO_MODES)
         _choice("--read-ahead", self.read_ahead, READ_AHEAD)
         _choice("--placement", self.placement, PLACEMENTS)
+        _choice("--evict", self.evict, EVICTIONS)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kernel", self.kernel, KERNELS, optional=True)
         _int("--k", self.top_k, 1, None)

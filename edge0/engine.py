@@ -24,6 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .compute import kernels
+from .compute.executors import evict_by
 from .compute.kernel import Kernel
 from .config import EngineConfig
 from .errors import Edge0Error
@@ -302,6 +303,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
             adapter = Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads)
             adapter.attach(store.model, Adapter.served_dtype(store.dtype))
         store.runtime.trace = trace
+        evict_by(store.runtime.executors, c.evict)
         store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
         if c.top_k is not None:
             from .model.routes import moe_blocks

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .config import (DTYPES, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
+from .config import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD,
+                     ROUTINGS,
                      EngineConfig, Sampling)
 from .errors import Edge0Error
 
@@ -80,6 +81,9 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                         "and no host sync inside a step), the other layers' banks sharing the rest of S slots a layer, "
                         "where that leaves them 2M slots each and S is under the model's experts; even: S slots every "
                         "layer")
+    p.add_argument("--evict", choices=EVICTIONS, default="lfu",
+                   help="which held expert a slot bank (staged, hot) replaces: lfu (default), the one used least often "
+                        "lately; lru, the least recently used")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="most GiB of expert bundles held resident (slot banks, LRU, prefill banks); hot default 1")
     p.add_argument("--io", choices=IO_MODES, default="pread",
@@ -113,7 +117,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
         guesses=args.guesses, candidates=args.candidates, read_ahead=args.read_ahead,
-        executor=args.executor, slots=args.slots, placement=args.placement, memory_budget_gib=args.memory_budget,
+        executor=args.executor, slots=args.slots, placement=args.placement, evict=args.evict,
+        memory_budget_gib=args.memory_budget,
         io=args.io, io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
         dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
         model_id=getattr(args, "model_id", None), prompt_cache_gib=args.prompt_cache_gib,

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..io.pool import ReadTask
 from .banks import Bank, BankBusy, Fence
+from .eviction import DECAY, POLICIES, Frequency, victim_order
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
 from .kernels import host_eval, queue
 
@@ -35,32 +36,35 @@ class SlotStats:
 SMALL_BANK = 64  # slots up to which SlotCache.assign works on Python lists (a staged layer's bank)
 
 
-def victim_order(rank: np.ndarray, held: np.ndarray, used: np.ndarray) -> np.ndarray:
-    """Each slot's place in the order of replacement when `rank` scores each key (slots holding keys `held`, -1:
-    empty): empty first, then the lowest scored, ties the least recently used (lower goes first)."""
-    score = np.where(held >= 0, rank[np.maximum(held, 0)], -np.inf)
-    return np.lexsort((used, score)).argsort()
-
-
 class SlotCache:
-    """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared),
-    replaced least recently used first, never a slot a pending graph reads or a read is filling."""
+    """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared), replaced by
+    `policy` (eviction.py: lfu, the least often used lately, or lru), never a slot a pending graph reads or a
+    read is filling. decay: lfu's per lookup (a shared bank's is per layer's)."""
 
-    def __init__(self, bank: Bank, stats: SlotStats, num_keys: int):
-        self.bank, self.stats = bank, stats
+    def __init__(self, bank: Bank, stats: SlotStats, num_keys: int, policy: str = POLICIES[0], decay: float = DECAY):
+        self.bank, self.stats, self.decay = bank, stats, decay
+        self.freq: Frequency | None = None  # lfu: lookups' decayed counts per key
         self.slot_of = np.full(num_keys, -1, dtype=np.int64)  # key -> slot, -1 when not held
+        self.evict_by(policy)
         self.used = np.zeros(bank.slots, dtype=np.int64)  # clock of each slot's last use
         self.filling = np.zeros(bank.slots, dtype=bool)  # a read into the slot is in flight (scheduler's)
         self.reserved = np.zeros(bank.slots, dtype=bool)  # planned for a step that has not read it yet (scheduler's)
         self.clock = 0
 
+    def evict_by(self, policy: str) -> None:
+        """Replace by `policy` (lfu, lru) from now on; lfu counts lookups from now on."""
+        self.freq = Frequency(len(self.slot_of), self.decay) if policy == "lfu" else None
+
     def assign(self, keys: np.ndarray, *, count: bool = True,
                rank: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """Slots for unique `keys`, and the (slot, key) fills that make them hold those keys; None when
         too few slots can be written now. rank: a score per key (a head's for the step the fill serves); the
-        held keys it scores lowest are replaced first (empty slots before any), else the least recently used."""
+        held keys it scores lowest are replaced first (empty slots before any), else the policy's (ties: the least
+        recently used)."""
         if rank is not None and len(rank) != len(self.slot_of):  # keys of several layers (a shared bank)
             rank = None
+        if rank is None and self.freq is not None:
+            rank = self.freq.counts
         if self.bank.slots <= SMALL_BANK:
             return self._assign_small(keys, count, rank)
         slots = self.slot_of[keys]  # (U,)
@@ -86,9 +90,9 @@ class SlotCache:
 
     def _assign_small(self, keys: np.ndarray, count: bool,
                       rank: np.ndarray | None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
-        """assign for a bank of a few slots (a staged layer's 2K): the same choice (the least recently used
-        writable slots, ties in slot order) on Python lists, where each of the array version's ~25 numpy calls
-        on a handful of elements costs more than the arithmetic."""
+        """assign for a bank of a few slots (a staged layer's 2K): the same choice (the writable slots first in
+        the order of replacement, ties in slot order) on Python lists, where each of the array version's ~25 numpy
+        calls on a handful of elements costs more than the arithmetic."""
         slot_of, holds = self.slot_of, self.bank.holds
         keyl = keys.tolist()
         slotl = slot_of[keys].tolist()
@@ -122,6 +126,8 @@ class SlotCache:
         if count:
             self.stats.lookups += len(slots)
             self.stats.hits += hits
+            if self.freq is not None:
+                self.freq.use(self.bank.holds[slots])
         self.clock += 1
         self.used[slots] = self.clock
 
@@ -140,6 +146,13 @@ class SlotCache:
         self.slot_of[held[held >= 0]] = -1
         self.bank.holds[slots] = -1
         self.used[slots] = 0
+
+
+def evict_by(executors, policy: str) -> None:
+    """Every slot bank behind `executors` (a runtime's, by layer) replaces by `policy` (--evict)."""
+    caches = {id(c): c for c in (getattr(ex, "cache", None) for ex in executors.values()) if c is not None}
+    for cache in caches.values():
+        cache.evict_by(policy)
 
 
 def fill_slots(reader, layer: int, bank: Bank, fills: list[tuple[int, int]], num_experts: int | None = None,

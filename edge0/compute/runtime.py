@@ -11,6 +11,7 @@ import mlx.core as mx
 from ..errors import Edge0Error
 from ..io.cgroup import memory_room
 from .banks import Bank, Fence
+from .eviction import DECAY
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
 from .experts import ExactExperts, ResidentExperts
 
@@ -244,7 +245,7 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
 
 
 def _hot(rt: Runtime, reader, exact: dict, budget: int | None) -> Runtime:
-    """One LRU bank shared by every layer, as large as the budget allows after the prefill banks."""
+    """One bank shared by every layer, as large as the budget allows after the prefill banks."""
     m, fence, cdtype = reader.manifest, rt.fence, _dtype(exact)
     layers = list(exact)
     per_slot = Bank.slot_bytes(m.pieces, cdtype)
@@ -259,7 +260,7 @@ def _hot(rt: Runtime, reader, exact: dict, budget: int | None) -> Runtime:
         return rt
     bank = Bank(m.pieces, capacity, fence, cdtype)
     rt.banks.append(bank)
-    cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1))
+    cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1), decay=DECAY ** (1 / len(layers)))  # per step
     for layer in layers:
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=True)
     return rt
