@@ -27,6 +27,7 @@ from pathlib import Path
 from .bench_arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
 from .bench_cap import GIB, ArmRun, MemoryCap, launch
 from .bench_replay import given_replay, make_replay, text_replay
+from .bench_routes import add_routes_flag, check_routes, route_flags, routes_section
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .config import READ_AHEAD, blas
 from .errors import Edge0Error
@@ -77,6 +78,7 @@ def add_bench_flags(p) -> None:
                    help="real text to replay instead: its first --prompt-tokens ids (the store's tokenizer) are the "
                         "prompt, the next --max-tokens ids the forced decode tokens, so routing varies as on real "
                         "text (a random model's greedy tokens loop)")
+    add_routes_flag(p)
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
     p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
                                                         "(bench_serve.py: --clients, batched against FIFO)")
@@ -146,7 +148,7 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         return [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm)]
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm), *route_flags(args)]
     if args.threads:
         cmd += ["--kernel-threads", str(args.threads)]
     if args.memory_budget is not None:
@@ -309,8 +311,8 @@ def bench(args) -> int:
     m = read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
     if getattr(args, "slots", None) is not None:
         check_slots(args.slots, arms, m)
-    if args.replay:
-        given_replay(args.replay)
+    given = given_replay(args.replay) if args.replay else None
+    trace = check_routes(args, arms, m, given)  # --routes: read and checked before anything is written
     if getattr(args, "replay_text", None):  # a short or unreadable text is said before anything is written
         text_replay(args.replay_text, Path(args.store), args.prompt_tokens, args.max_tokens)
     cap = None if args.memory_cap is None else MemoryCap(None if args.memory_cap == "none" else float(args.memory_cap))
@@ -338,9 +340,10 @@ def bench(args) -> int:
             "threads": args.threads,
             "gguf": args.gguf if llama_version else None, "llama_cpp": llama_version,
             "memory_cap_gib": cap.gib if cap else None, "cgroup": str(cap.parent) if cap else None,
-            "replay": args.replay}
+            "replay": args.replay, "routes": getattr(args, "routes", None)}
+    routes = routes_section(trace, summary, runs, meta, m)  # the trace's own hit rates, into the summary
     write_atomic(out / "results.json", json.dumps({"meta": meta, "median": summary, "runs": runs}, indent=1).encode())
-    lines = table(summary, meta)
+    lines = table(summary, meta) + routes
     write_atomic(out / "results.md", ("\n".join(lines) + "\n").encode())
     print("\n".join(lines))
     print(f"\nwrote {out}/results.json and results.md", file=sys.stderr)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .bench_routes import route_flags
 from .errors import Edge0Error
 
 
@@ -33,7 +34,7 @@ def make_replay(args, out: Path) -> Path:
         path.write_text(json.dumps({"prompt": ids, "tokens": []}))
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(args.store), "--replay", str(path), "--max-tokens",
            str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, "--routing", "native",
-           "--executor", "exact"]
+           "--executor", "exact", *route_flags(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise Edge0Error(f"recording the replay tokens failed: {proc.stderr.strip()[-300:]}")

@@ -2,8 +2,9 @@
 (compute/eviction.py) for the trace's decode rows, under each policy, and lfu hits more than lru on skewed routing."""
 
 import numpy as np
+import pytest
 
-from edge0.compute.eviction import replay
+from edge0.compute.eviction import replay, trace_hit_rates
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.io.routetrace import RouteTrace
@@ -40,3 +41,20 @@ def test_a_staged_run_hits_what_the_replay_of_its_trace_hits():
             want = [replay(layer, slots, policy, num_keys=EXPERTS) for layer in decode]
             assert (stats.hits, stats.lookups) == (sum(h for h, _ in want), sum(n for _, n in want)), policy
     assert hits["lfu"] > hits["lru"]
+
+
+def test_a_hot_run_hits_what_the_shared_replay_of_its_trace_hits():
+    """--executor hot: one bank of every layer's bundles, looked up layer after layer; lfu decays per layer step."""
+    trace = _skewed_trace(len(PROMPT) + TOKENS)
+    decode = trace.ids[:, len(PROMPT) - 1:len(PROMPT) + TOKENS - 1]
+    for policy in ("lru", "lfu"):
+        config = EngineConfig(routing="native", executor="hot", memory_budget_gib=0.012, evict=policy,
+                              prompt_cache_gib=0)
+        with open_engine(config) as engine:
+            TracedRouting(engine.store.model, trace=trace, record=False, what="--routes t")
+            stats = engine.store.runtime.stats
+            engine.generate(engine.request(PROMPT, max_tokens=TOKENS, ignore_eos=True))
+            slots = engine.store.runtime.banks[0].slots
+            assert 2 * K < slots < LAYERS * EXPERTS and engine.store.runtime.prefill is not None, slots  # it chooses
+            rate = trace_hit_rates(decode, slots, (policy,), num_keys=EXPERTS, shared=True)[policy]
+            assert stats.lookups == decode.size and stats.hits / stats.lookups == pytest.approx(rate, abs=1e-12)
