@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .errors import Edge0Error
 
-ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "hot", "resident", "native", "prefetch:repeat",
-        "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",
+ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "staged:lru", "hot", "hot:lru", "resident", "native",
+        "prefetch:repeat", "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",
         "predicted:resident", "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 
 
@@ -38,13 +38,15 @@ def _arm_flags(arm: str) -> list[str]:
     if arm.startswith("prefetch:"):  # prefetch:PREDICTOR[/N]: N guesses read ahead per predicted set
         predictor, _, guesses = arm.split(":", 1)[1].partition("/")
         return ["--routing", "prefetch", "--predictor", predictor] + (["--guesses", guesses] if guesses else [])
+    if arm.endswith(":lru"):  # the banks replace the least recently used (--evict lru), not lfu
+        return ["--routing", "native", "--executor", arm.split(":")[0], "--evict", "lru"]
     return ["--routing", "native", "--executor", arm]
 
 
 def streams_staged(arm: str) -> bool:
     """The arms whose experts stream through staged banks: the ones --slots sizes."""
     base = split_arm(arm)[0]
-    return (base in ("native", "staged", "predicted", "predicted:even", "predicted:no-lora")
+    return (base in ("native", "staged", "staged:lru", "predicted", "predicted:even", "predicted:no-lora")
             or base.startswith("prefetch:"))
 
 

@@ -28,7 +28,7 @@ def test_bench_forces_every_arm_and_reports_the_traces_hit_rates(tmp_path):
     tokens = 10
     ids = _trace(tmp_path / "t.npz", len(PROMPT) + tokens - 1)
     (tmp_path / "replay.json").write_text(json.dumps({"prompt": PROMPT, "tokens": [5] * tokens}))
-    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "bench", "--arms", "staged,hot", "--rounds", "1",
+    proc = subprocess.run([sys.executable, "-m", "edge0.cli", "bench", "--arms", "staged,staged:lru,hot", "--rounds", "1",
                            "--replay", str(tmp_path / "replay.json"), "--routes", str(tmp_path / "t.npz"),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -41,6 +41,7 @@ def test_bench_forces_every_arm_and_reports_the_traces_hit_rates(tmp_path):
     assert (staged["trace_lru"], staged["trace_optimum"]) == (want["lru"], want["belady"])
     lfu = [replay(layer, 2 * K, "lfu", num_keys=EXPERTS) for layer in rows]  # the arm's own policy: forced, exactly
     assert staged["hit_rate"] == sum(h for h, _ in lfu) / sum(n for _, n in lfu)
+    assert results["median"]["staged:lru/warm"]["hit_rate"] == want["lru"]  # --evict lru: the trace's LRU, exactly
     hot = results["median"]["hot/warm"]  # 1 GiB holds every expert: only first uses miss
     first = len({(layer, e) for layer in range(LAYERS) for e in rows[layer].ravel()})
     assert hot["trace_optimum"] == hot["trace_lru"] == hot["hit_rate"] == (rows.size - first) / rows.size
