@@ -122,7 +122,7 @@ def test_default_routing_reuses_the_prefix():
 def test_second_chat_turn_over_http_prefills_only_the_new_tokens():
     """Through the OpenAI API of the default server: the second turn's usage counts the first turn's tokens
     as cached, and its answer is the answer of a server without the cache (the model's own router: the
-    answers are exact there; under predicted routing a near-tie may differ, see the README)."""
+    answers are exact there; under predicted routing a near-tie may differ, see docs/USAGE.md, "Prompt cache")."""
     import argparse
 
     openai = pytest.importorskip("openai")

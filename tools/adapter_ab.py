@@ -1,6 +1,6 @@
 """What the unmerged adapter costs a decode step, in one process (issue #15): the engine's generations on real text
 with the adapter as served (bfloat16), the adapter in float32, and no adapter, the three alternating round by round,
-for docs/results/cpu-kernels.md.
+for docs/lab/cpu-kernels.md.
 
     python tools/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
         [--executor staged] [--slots N]

@@ -1,6 +1,6 @@
 """A streamed layer's decided decode step as one node over its slot bank (pipeline/prefetch.py bank_step: Edge0MoeBlock
 with a table of each candidate's slot) against the same step built call by call, in one process, for
-docs/results/pipeline.md (issue #18).
+docs/lab/pipeline.md (issue #18).
 
     python tools/bank_step_ab.py [--store S] [--slots N] [--io pread|direct] [--rounds 9] [--replay FILE]
         [--prompt-tokens 256] [--max-tokens 129]

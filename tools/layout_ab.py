@@ -1,6 +1,6 @@
 """The kernels' packed weight layout against the row layout in one process (csrc/qmv.h Packed): prefill and decode
 of the engine's own generations on real text, the two layouts alternating round by round (kernels' set_packed:
-the same tokens, only the time differs), for docs/results/cpu-kernels.md.
+the same tokens, only the time differs), for docs/lab/cpu-kernels.md.
 
     python tools/layout_ab.py [--store S] [--routing native] [--executor staged] [--slots N] [--rounds 9]
         [--prompt-tokens 256] [--max-tokens 65] [--bank-copies] [--io direct]

@@ -1,4 +1,4 @@
-"""The edge0 kernels' exp and erf against mx.exp and mx.erf, bit for bit (docs/results/cpu-kernels.md).
+"""The edge0 kernels' exp and erf against mx.exp and mx.erf, bit for bit (docs/lab/cpu-kernels.md).
 
     python tools/math_bits.py            # 2^26 random float32 bit patterns and 2^26 values in [-100, 100]
     python tools/math_bits.py --all      # every float32 bit pattern (about 12 minutes on 2 cores)

@@ -1,4 +1,4 @@
-"""What single edge0 nodes cost, for docs/results/cpu-kernels.md (issue #19): the figures behind a decode step's
+"""What single edge0 nodes cost, for docs/lab/cpu-kernels.md (issue #19): the figures behind a decode step's
 node count, the heads' weight dtype and the adapter's cost.
 
     python tools/node_cost.py [--rounds 300] [--packed]

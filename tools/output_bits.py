@@ -1,4 +1,4 @@
-"""The outputs a change to the kernels must leave bit for bit, saved and compared (docs/results/cpu-kernels.md).
+"""The outputs a change to the kernels must leave bit for bit, saved and compared (docs/lab/cpu-kernels.md).
 
     python tools/output_bits.py --store S --replay R --out before.npz
     PYTHONPATH=/path/to/other/tree python tools/output_bits.py --store S --replay R --out after.npz --against before.npz

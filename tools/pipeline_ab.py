@@ -1,4 +1,4 @@
-"""Before/after arms of `edge0 run --json` on one store, alternating, for docs/results/pipeline.md.
+"""Before/after arms of `edge0 run --json` on one store, alternating, for docs/lab/pipeline.md.
 
     python tools/pipeline_ab.py --store S --replay R --rounds 4 --io direct,warm --out results.jsonl \\
         'native|/tmp/e0base|--routing native --executor staged' 'predicted|/tmp/e0after|--routing predicted'

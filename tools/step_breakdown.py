@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, for docs/results/cpu-kernels.md (issue #19).
+"""Where a decode step's time goes, for docs/lab/cpu-kernels.md (issue #19).
 
     python tools/step_breakdown.py --store S [--replay R] [--threads 1] [--steps 48] [--routing native] [--slots N]
         [--layout row] [--lora none]

@@ -1,4 +1,4 @@
-"""What building a decode step's graph costs on the graph-building thread, for docs/results/cpu-kernels.md (issue #19).
+"""What building a decode step's graph costs on the graph-building thread, for docs/lab/cpu-kernels.md (issue #19).
 
     python tools/step_build.py --replay R [--store S] [--routing native] [--lora none] [--rounds 7]
 

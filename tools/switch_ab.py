@@ -1,4 +1,4 @@
-"""Decode with one of the kernels' switches on against off, in one process, for docs/results/cpu-kernels.md (issue #19).
+"""Decode with one of the kernels' switches on against off, in one process, for docs/lab/cpu-kernels.md (issue #19).
 
     python tools/switch_ab.py --switch held|placement --replay R [--store S] [--threads 2] [--routing native]
         [--executor staged] [--slots N] [--rounds 15]

@@ -164,7 +164,7 @@ class Bank:
     def prepare(self) -> None:
         """Queue the zeros of the bank's memory on the allocation stream, and start its packed copies (_reserve), to
         be taken by its first use (`arrays`): a decode bank's memory is written while the prompt computes, not at its
-        first use (the prompt's last token: docs/results/pipeline.md, "Twentieth" and "Twenty-second sitting"). Once."""
+        first use (the prompt's last token, which would otherwise wait for it). Once."""
         if self._arrays is not None or self._bases or self._reserved:
             return
         for p, w in zip(self.pieces, self.widen):

@@ -149,12 +149,10 @@ def set_num_threads(n: int, prompt: int | None = None) -> None:
 # Where the threads of a decode step run. A step keeps busy the thread that builds its graph, MLX's stream thread
 # (which runs the nodes, the step's critical path) and the kernels' n - 1 pool workers. Where they outnumber the
 # cores (two decode threads on two cores), the host's scheduler moves the graph-building thread onto the stream's
-# core now and then: the stream then shares its core, and waits for a worker that thread has preempted (the demo at
-# two threads, threads pinned by hand: 1903-1955 tok/s with the stream sharing that thread's core, 3020-3244 with the
-# stream alone; docs/results/cpu-kernels.md). There the stream keeps one core to itself, the workers run on the
-# others, and so does a thread while it builds graphs (graph_thread); elsewhere every thread runs anywhere
-# (`python tools/switch_ab.py --switch placement` pairs the two).
-_placing = True  # set_placement: off, no thread is placed (the other arm of tools/switch_ab.py)
+# core now and then: the stream then shares its core, and waits for a worker that thread has preempted. There the
+# stream keeps one core to itself, the workers run on the others, and so does a thread while it builds graphs
+# (graph_thread); elsewhere every thread runs anywhere.
+_placing = True  # set_placement(False): no thread is placed, every thread runs anywhere
 _off_stream: tuple[int, ...] | None = None  # the cores off the stream's, where it keeps one
 
 

@@ -19,11 +19,7 @@ EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
 PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of bundles larger than this: each fill
 # repacks its slot (on the thread that read it: the graph-building one for a bundle this small in the page cache),
-# more than the products of small experts gain. `python tools/layout_ab.py --executor staged --bank-copies [--io
-# direct]` (docs/results/pipeline.md, "Thirteenth sitting"): the built-in model's native staged decode 1.25x faster
-# without the copy; the workload's (5.35 MiB bundles) 1.00-1.09x warm and 1.13x from the disk with it. The same
-# for the whole-layer prefill banks (docs/results/pipeline.md, "Nineteenth sitting", with their reads started earlier:
-# the workload's prompt 62.35 -> 84.15 tok/s with every read from the disk).
+# which costs more than the products of small experts gain; large bundles gain, the whole-layer prefill banks' too.
 
 
 @dataclass

@@ -2,9 +2,8 @@
 
 Reading ahead hides a read behind the step before it, and costs: the predictions' graphs, their pulls and
 plans, and every wrong guess read from a disk that the step's own misses then wait behind. Which wins depends
-on the disk, the bundles' size and the predictor's recall: on the demo store with every read from the disk
-(50 KB bundles), prefetch by its heads decoded at 0.66-0.69x native reading ahead at every step, and at 0.93x
-with its reads ahead paused. So the runtime measures it: decode steps alternate between the two modes in
+on the disk, the bundles' size and the predictor's recall, and on small bundles read by wrong guesses reading
+ahead can lose by far more than it hides. So the runtime measures it: decode steps alternate between the two modes in
 windows, and the faster mode holds for a while before the other is measured again (a hold that the
 measurement confirms doubles, up to MAX_HOLD steps, and grows 4x where the other mode lost by DECISIVE or
 more: a probe of the slower mode then costs a few percent at most). A generation's first steps run paused (what
@@ -137,8 +136,8 @@ class ReadAheadGate:
 
 class NoReadAhead(ReadAheadGate):
     """`--read-ahead never`: every decode step paused (prefetch reads on demand, as native; predicted routing's
-    heads still route, their reads planned at the step's end). A disk known to lose by reading ahead, and the
-    paused arm of an A/B. Nothing is timed or chosen; its summary is the gate's, with no choices."""
+    heads still route, their reads planned at the step's end): for a disk known to lose by reading ahead, and
+    `edge0 bench`'s `ARM+never` arms. Nothing is timed or chosen; its summary is the gate's, with no choices."""
 
     mode = "never"
 
@@ -154,11 +153,9 @@ class CertainReads(ReadAheadGate):
     """The measured gate of a runtime that guesses nothing: predicted routing where every layer is routed by its head
     or holds its experts (pipeline/runtime.py held_layers). Each read ahead is one its step makes anyway, so reading
     ahead adds no read, and pausing would only start the reads later (at the step's end instead of the next layer):
-    while reads come from the disk every step reads ahead, with nothing to measure. On the workload at 24 slots, every
-    read from the disk: always reading ahead 61.8 tok/s, never 55.0, measured 54.1 (docs/results/pipeline.md, "Twelfth
-    sitting"). A warm page cache pauses it (one pull a step instead of one a layer) only for bundles under
-    WARM_PAUSE_BYTES: a bigger one's copy from the page cache is worth hiding (docs/results/pipeline.md, "Nineteenth
-    sitting": the workload warm 52.6-56.2 tok/s paused, 56.7-58.4 reading ahead)."""
+    while reads come from the disk every step reads ahead, with nothing to measure (measuring would only pause reads
+    the step needs). A warm page cache pauses it (one pull a step instead of one a layer) only for bundles under
+    WARM_PAUSE_BYTES: a bigger one's copy from the page cache is worth hiding."""
 
     WARM_PAUSE_BYTES = 1 << 20
     FIRST_AHEAD = True

@@ -391,7 +391,7 @@ def held_layers(m, heads, slots: int | None, candidates: int) -> tuple:
     so their reads can only be guessed ahead, and each costs a host sync and a wait for the disk inside the step;
     under prefetch routing their heads are the weak ones) hold every expert, where that fits in the memory of
     `slots` per layer (default 2K) and leaves each other layer at least twice its candidates (a step's and the
-    next's), S >= E too (a bank holding every expert syncs at each step: pipeline.md, "Twenty-third sitting")."""
+    next's), S >= E too (a bank holding every expert still syncs with the host at each step; a held layer does not)."""
     layers = [e.layer for e in m.layers]
     routed = set(heads.owners if heads.routes is None else heads.routes) & set(heads.owners)
     own = tuple(layer for layer in layers if layer not in routed)

@@ -367,8 +367,8 @@ def _marked(test):
 @pytest.mark.skipif(_thp() == "never", reason="no transparent huge pages here (Linux, THP madvise or always)")
 def test_large_packed_copies_lie_on_huge_pages():
     """A packed copy of 2 MiB or more starts on a 2 MiB page and is advised onto transparent huge pages (csrc/qmv.h
-    LineAligned): products stream an expert's rows through one TLB entry a 2 MiB page (on the workload, the streamed
-    arm 1.14x from the disk, docs/results/pipeline.md "Twenty-first sitting"). A small copy starts on a 64-byte line."""
+    LineAligned): products stream an expert's rows through one TLB entry a 2 MiB page instead of 512. A small copy
+    starts on a 64-byte line."""
     use_kernel("edge0")
     w, s, b = _copies(*quantized((8, 4096, 256), 64, seed=3))  # the copy's words: 4 MiB
     assert EXT.pack(w, s, b, 64)

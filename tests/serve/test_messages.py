@@ -44,7 +44,7 @@ def setup():
     p = argparse.ArgumentParser()
     add_serve_flags(p)
     # one generation at a time: the 529 and failure tests act on the queue's one generating slot; no prompt cache:
-    # answers are compared across routes, and a cached prefix splits the prefill elsewhere (README, Prompt cache)
+    # answers are compared across routes, and a cached prefix splits the prefill elsewhere (docs/USAGE.md)
     srv = BackgroundServer(*serve_configs(p.parse_args(["--max-batch", "1", "--prompt-cache-gib", "0"])), port=0,
                            max_queue=8).start()
     claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
