@@ -38,27 +38,29 @@ class Frequency:
             self.weight = 1.0
 
 
-def victim_order(score: np.ndarray, held: np.ndarray, used: np.ndarray) -> np.ndarray:
+def victim_order(score: np.ndarray, held: np.ndarray, used: np.ndarray, recent: np.ndarray | None = None) -> np.ndarray:
     """Each slot's place in the order of replacement when `score` scores each key (slots holding keys `held`, -1:
     empty): empty first, then the lowest scored, ties the least recently used (lower `used` goes first), then in
-    slot order."""
+    slot order; slots marked `recent` last of all (by recency)."""
     key_score = np.where(held >= 0, score[np.maximum(held, 0)], -np.inf)
+    if recent is not None:
+        key_score = np.where(recent & (held >= 0), np.inf, key_score)
     return np.lexsort((used, key_score)).argsort(kind="stable")
 
 
-def replay(steps, slots: int, policy: str = "lfu", num_keys: int | None = None,
-           decay: float = DECAY) -> tuple[int, int]:
+def replay(steps, slots: int, policy: str = "lfu", num_keys: int | None = None, decay: float = DECAY,
+           window: int = 0) -> tuple[int, int]:
     """Hits and lookups of one bank of `slots` over `steps` ((T, K) routed ids, or a list of id arrays), each step's
     unique ids looked up and its misses filled as SlotCache.assign does (empty slots first, in slot order; the
-    `policy`'s victims among the slots not holding one of the step's ids); a step of more ids than slots is not
-    looked up (the engine reads it the exact way)."""
+    `policy`'s victims among the slots not holding one of the step's ids; lfu: the slots used in the last `window`
+    lookups last); a step of more ids than slots is not looked up (the engine reads it the exact way)."""
     steps = [np.unique(np.asarray(s)) for s in steps]
     num_keys = num_keys or (1 + max((int(s.max()) for s in steps if s.size), default=0))
     held = np.full(slots, -1, dtype=np.int64)
     used = np.zeros(slots, dtype=np.int64)
     freq = Frequency(num_keys, decay)
     future = _next_uses(steps, num_keys) if policy == "belady" else None
-    hits = lookups = 0
+    hits = lookups = clock = 0
     for t, ids in enumerate(steps):
         if len(ids) > slots:
             continue
@@ -70,11 +72,13 @@ def replay(steps, slots: int, policy: str = "lfu", num_keys: int | None = None,
             score = {"lfu": freq.counts, "lru": np.zeros(num_keys), "belady": None}[policy]
             if score is None:
                 score = -future[t + 1]  # used again last: lowest
-            order = victim_order(score, held, used)
+            recent = clock - used < window if window and policy == "lfu" else None
+            order = victim_order(score, held, used, recent)
             order[here] = slots  # never a slot the step reads
             victims = np.argsort(order, kind="stable")[:len(misses)]
             held[victims] = misses
-        used[np.isin(held, ids)] = t + 1
+        clock += 1
+        used[np.isin(held, ids)] = clock
         freq.use(ids)
     return hits, lookups
 
@@ -83,7 +87,7 @@ def trace_hit_rates(ids: np.ndarray, slots: int, policies=("lru", "lfu", "belady
                     shared: bool = False) -> dict[str, float]:
     """Slot hit rate over a trace's ids (L, T, K), per policy: hits over lookups, every layer together, of a staged
     bank of `slots` per layer, or (shared) of one bank of `slots` for every layer (hot: keys layer * E + expert,
-    looked up layer after layer, token after token)."""
+    looked up layer after layer, token after token; lfu keeps the last token's experts of every layer)."""
     num_keys = num_keys or int(ids.max()) + 1
     layers = ids.shape[0]
     out = {}
@@ -91,7 +95,7 @@ def trace_hit_rates(ids: np.ndarray, slots: int, policies=("lru", "lfu", "belady
         if shared:
             steps = [ids[layer, t].astype(np.int64) + layer * num_keys for t in range(ids.shape[1])
                      for layer in range(layers)]
-            got = [replay(steps, slots, policy, layers * num_keys, DECAY ** (1 / layers))]
+            got = [replay(steps, slots, policy, layers * num_keys, DECAY ** (1 / layers), window=layers)]
         else:
             got = [replay(layer, slots, policy, num_keys) for layer in ids]
         out[policy] = sum(h for h, _ in got) / max(1, sum(n for _, n in got))

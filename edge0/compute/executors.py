@@ -39,10 +39,12 @@ SMALL_BANK = 64  # slots up to which SlotCache.assign works on Python lists (a s
 class SlotCache:
     """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared), replaced by
     `policy` (eviction.py: lfu, the least often used lately, or lru), never a slot a pending graph reads or a
-    read is filling. decay: lfu's per lookup (a shared bank's is per layer's)."""
+    read is filling. decay: lfu's per lookup (a shared bank's is per layer's); window: lfu replaces the slots used
+    in the last `window` lookups last (a shared bank's: one token's layers)."""
 
-    def __init__(self, bank: Bank, stats: SlotStats, num_keys: int, policy: str = POLICIES[0], decay: float = DECAY):
-        self.bank, self.stats, self.decay = bank, stats, decay
+    def __init__(self, bank: Bank, stats: SlotStats, num_keys: int, policy: str = POLICIES[0], decay: float = DECAY,
+                 window: int = 0):
+        self.bank, self.stats, self.decay, self.window = bank, stats, decay, window
         self.freq: Frequency | None = None  # lfu: lookups' decayed counts per key
         self.slot_of = np.full(num_keys, -1, dtype=np.int64)  # key -> slot, -1 when not held
         self.evict_by(policy)
@@ -63,10 +65,12 @@ class SlotCache:
         recently used)."""
         if rank is not None and len(rank) != len(self.slot_of):  # keys of several layers (a shared bank)
             rank = None
+        recent = None
         if rank is None and self.freq is not None:
             rank = self.freq.counts
+            recent = self.clock - self.used < self.window if self.window else None
         if self.bank.slots <= SMALL_BANK:
-            return self._assign_small(keys, count, rank)
+            return self._assign_small(keys, count, rank, recent)
         slots = self.slot_of[keys]  # (U,)
         miss = slots < 0
         n_miss = int(miss.sum())
@@ -77,7 +81,8 @@ class SlotCache:
             free = np.flatnonzero(free)
             if len(free) < n_miss:
                 return None
-            order = self.used[free] if rank is None else victim_order(rank, self.bank.holds[free], self.used[free])
+            order = self.used[free] if rank is None else victim_order(rank, self.bank.holds[free], self.used[free],
+                                                                      None if recent is None else recent[free])
             victims = free[np.argsort(order, kind="stable")][:n_miss]
             old = self.bank.holds[victims]
             self.slot_of[old[old >= 0]] = -1
@@ -88,8 +93,8 @@ class SlotCache:
         self._used(slots, len(keys) - n_miss, count)
         return slots, fills
 
-    def _assign_small(self, keys: np.ndarray, count: bool,
-                      rank: np.ndarray | None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    def _assign_small(self, keys: np.ndarray, count: bool, rank: np.ndarray | None,
+                      recent: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """assign for a bank of a few slots (a staged layer's 2K): the same choice (the writable slots first in
         the order of replacement, ties in slot order) on Python lists, where each of the array version's ~25 numpy
         calls on a handful of elements costs more than the arithmetic."""
@@ -108,7 +113,7 @@ class SlotCache:
             if rank is None:
                 used = self.used.tolist()
             else:
-                used = victim_order(rank, holds, self.used).tolist()
+                used = victim_order(rank, holds, self.used, recent).tolist()
             free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
             for i, slot in zip(misses, free):
                 old = int(holds[slot])

@@ -256,7 +256,8 @@ def _hot(rt: Runtime, reader, exact: dict, budget: int | None) -> Runtime:
         return rt
     bank = Bank(m.pieces, capacity, fence, cdtype)
     rt.banks.append(bank)
-    cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1), decay=DECAY ** (1 / len(layers)))  # per step
+    cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1), decay=DECAY ** (1 / len(layers)),
+                      window=len(layers))  # lfu decays per token, keeps the last token's experts of every layer
     for layer in layers:
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=True)
     return rt

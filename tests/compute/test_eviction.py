@@ -104,6 +104,25 @@ def test_a_slot_cache_replaces_as_the_replay_does_on_long_random_routing():
     assert got["lfu"] > got["lru"]
 
 
+# RECENT: 0 used three times, then 1, 2, 3, 1, 2 into 3 slots. At step 5, lfu alone replaces 1 (used once, longest
+# ago), then misses 1 and 2: hits at 1, 2 = 2. Keeping the slots used in the last 2 lookups (1 and 2), it replaces
+# 0: hits at 1, 2, 6, 7 = 4, as LRU and the optimum do.
+RECENT = [0, 0, 0, 1, 2, 3, 1, 2]
+
+
+@pytest.mark.parametrize("window,hits", [(0, 2), (2, 4)])
+def test_a_window_keeps_the_last_lookups_experts(window, hits):
+    steps = [[e] for e in RECENT]
+    assert replay(steps, 3, "lfu", window=window) == (hits, 8)
+    assert replay(steps, 3, "lru") == replay(steps, 3, "belady") == (4, 8)
+    pieces = [Piece(name="w", dtype="U32", shape=[2], offset=0, nbytes=8)]
+    cache = SlotCache(Bank(pieces, 3, Fence(), None), SlotStats(), 8, window=window)  # the engine's, as hot's bank
+    for e in RECENT:
+        cache.assign(np.array([e]))
+        cache.bank.fence.sync()
+    assert cache.stats.hits == hits
+
+
 def test_trace_hit_rates_pool_every_layer():
     ids = np.array([[[e] for e in SCAN], [[e] for e in MIXED]])  # (L=2, T=10, K=1)
     rates = trace_hit_rates(ids, 3)

@@ -15,10 +15,11 @@ LAYERS, EXPERTS, K = 6, 32, 4  # the demo store's
 TOKENS = 40
 
 
-def _skewed_trace(rows: int) -> RouteTrace:
-    """Each layer's experts drawn by a popularity of 1 / rank (a different order per layer), 4 distinct a row."""
-    rng = np.random.default_rng(5)
-    p = 1.0 / np.arange(1, EXPERTS + 1)
+def _skewed_trace(rows: int, skew: float = 1.0, seed: int = 5) -> RouteTrace:
+    """Each layer's experts drawn by a popularity of 1 / rank ** skew (a different order per layer), 4 distinct a
+    row."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, EXPERTS + 1) ** skew
     ids = np.stack([[rng.choice(EXPERTS, K, replace=False, p=p / p.sum()) for _ in range(rows)]
                     for _ in range(LAYERS)])
     perm = np.stack([rng.permutation(EXPERTS) for _ in range(LAYERS)])
@@ -44,8 +45,9 @@ def test_a_staged_run_hits_what_the_replay_of_its_trace_hits():
 
 
 def test_a_hot_run_hits_what_the_shared_replay_of_its_trace_hits():
-    """--executor hot: one bank of every layer's bundles, looked up layer after layer; lfu decays per layer step."""
-    trace = _skewed_trace(len(PROMPT) + TOKENS)
+    """--executor hot: one bank of every layer's bundles, looked up layer after layer; lfu decays per layer step and
+    keeps the last token's experts of every layer (uniform routing, where that changes the hits)."""
+    trace = _skewed_trace(len(PROMPT) + TOKENS, skew=0.0, seed=6)
     decode = trace.ids[:, len(PROMPT) - 1:len(PROMPT) + TOKENS - 1]
     for policy in ("lru", "lfu"):
         config = EngineConfig(routing="native", executor="hot", memory_budget_gib=0.012, evict=policy,
