@@ -78,7 +78,7 @@ static View4 view4(const mx::array& a) {
   return v;
 }
 
-// Time inside each kind of edge0 node (tools/step_breakdown.py): off unless set_profile(true); a node's
+// Time inside each kind of edge0 node: off unless set_profile(true); a node's
 // key is its name, and for products its output and input widths.
 static std::atomic<bool> profiling{false};
 static std::mutex profile_mu;
@@ -195,8 +195,8 @@ static uintptr_t packed_address(mx::array w, mx::array s, mx::array b, int gs) {
 static bool is_packed(mx::array w, mx::array s, mx::array b, int gs) { return packed_address(w, s, b, gs) != 0; }
 
 // A new slot bank's zero packed copy, made on a thread of its own from reserve_pack (while the prompt computes) and
-// taken by the bank's pack(zeros=True): faulting in its pages is then not its first use's (the prompt's last token,
-// docs/results/pipeline.md "Twenty-second sitting"). Freed with the object where never taken.
+// taken by the bank's pack(zeros=True): faulting in its pages is then not paid by its first use (the prompt's last
+// token). Freed with the object where never taken.
 struct PackReservation {
   std::shared_future<std::shared_ptr<Packed>> copy;
   struct Maker {
@@ -605,7 +605,7 @@ static mx::array glu_op(const mx::array& x, const mx::array& idx, const std::vec
 // walks it (a hash-map entry and a stack push on the graph-building thread, a buffer-set entry, a copy in the list of
 // each of the node's outputs): on the built-in model about 250 of a decode step's 300 inputs. The node's function
 // still sees its whole input list, in its order (all()).
-std::atomic<bool> holding{true};  // set_holding: off, every input listed for MLX (tools/held_ab.py's other arm)
+std::atomic<bool> holding{true};  // set_holding: off, every input listed for MLX (for A/B measurement)
 
 class Held {
  public:

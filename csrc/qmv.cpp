@@ -45,8 +45,8 @@ static int64_t spin_ns() {
 
 // How far ahead of the bytes a dot product reads its weights are asked for (_mm_prefetch): a row is D/2
 // bytes, so 2 KiB is 2 rows of D 2048. The hardware prefetcher stops at 4 KiB pages, and a decode step
-// streams every weight once from memory (`edge0 bench --kernels`, one AVX2 core: gathered D2048 H512 K4 13.8 ->
-// 16.9 G weights/s, dense 4096x1024 15.9 -> 20.0). A prefetch changes no arithmetic: outputs are the same.
+// streams every weight once from memory (`edge0 bench --kernels` measures the gain). A prefetch changes no
+// arithmetic: outputs are the same.
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // ---------------------------------------------------------------------------------------------
@@ -163,8 +163,7 @@ class Pool {
     for (;;) {
       // spin briefly: decode calls come back to back, and a sleeping worker costs a wake-up each. The spin
       // yields its core at every turn: under overlapped decode the graph-building thread runs between
-      // products, and a worker that held the core with pause loops took it from that thread (small, resident,
-      // two threads: edge0 bench 45-49 -> 61-65 tok/s; staged 40-43 -> 43-51)
+      // products, and a worker that held the core with pause loops took it from that thread.
       const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns());
       for (int i = 0; gen_.load(std::memory_order_acquire) == seen; i++) {
         if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) break;

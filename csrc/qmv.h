@@ -121,11 +121,9 @@ struct Packed {
 
 // Groups a packed row may have at most (per-call scratch of R x G x 16 floats).
 constexpr int64_t PACK_MAX_GROUPS = 512;
-// Rows (inputs D) the packed layout pays for (`python tools/node_cost.py --packed`, one thread, VNNI, two runs): up to
-// 512 for one activation row (4096 x 256 1.20-1.34x, 1024 x 512 1.11-1.16x; 1024 x 1024 1.01x), up to 1024 for
-// TILE_ROWS or more sharing the weight (8 rows: 4096 x 256 1.78x, 1024 x 1024 1.21-1.27x); longer rows already spend
-// little per output on its lane sums (a build that packed 2048 x 2048 found it no faster at 1 or 8 rows), so they
-// are not packed.
+// Rows (inputs D) the packed layout pays for, by measurement: up to 512 for one activation row, up to 1024 for
+// TILE_ROWS or more sharing the weight; longer rows already spend little per output on its lane sums, so they are
+// not packed.
 constexpr int64_t PACK_ONE_ROW_D = 512, PACK_MAX_D = 1024;
 
 // Whether N x D weights of these bits and group size have a packed layout (false where no VNNI path is built).
