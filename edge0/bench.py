@@ -31,6 +31,7 @@ from .bench_routes import add_routes_flag, check_routes, route_flags, routes_sec
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .config import READ_AHEAD, blas
 from .errors import Edge0Error
+from .flags import non_negative, positive, refuse_together, whole
 from .io.atomic import write_atomic
 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
@@ -225,12 +226,20 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | 
 
 
 def bench_cli(args) -> int:
+    if args.serve and args.kernels:
+        refuse_together("--serve", "--kernels", "each is a benchmark of its own; give one")
     if args.serve:
         from .bench_serve import bench_serve
 
         return bench_serve(args)
     if args.kernels:
         from .bench_kernels import bench_kernels
+
+        counts = [t for t in str(args.kernel_threads).split(",") if t]
+        if not counts or not all(t.isdigit() and int(t) >= 1 for t in counts):
+            raise Edge0Error(f"--kernel-threads {args.kernel_threads}: thread counts of at least 1, comma-separated")
+        positive("--kernel-seconds", args.kernel_seconds)
+        whole("--kernel-prefill-rows", args.kernel_prefill_rows, 0)
 
         bench_kernels(args)
         return 0
@@ -261,8 +270,6 @@ def check_args(args) -> tuple[list[str], list[str]]:
         if base not in ARMS or kernel not in ("", "mlx", "edge0") or (kernel and (base.startswith("mlx-lm")
                                                                                    or is_llama(base))):
             raise Edge0Error(f"--arms: unknown arm '{a}' (choose from {', '.join(ARMS)}; Edge0 arms take @mlx or @edge0)")
-        if not is_llama(base) and not (args.source if base.startswith("mlx-lm") else args.store):
-            raise Edge0Error(f"--arms {base}: needs --{'source' if base.startswith('mlx-lm') else 'store'}")
     for c in caches:
         if c not in ("cold", "warm"):
             raise Edge0Error(f"--cache: unknown state '{c}' (cold or warm)")
@@ -274,6 +281,15 @@ def check_args(args) -> tuple[list[str], list[str]]:
             raise Edge0Error(f"{flag} {value}: must be at least 1")
     if args.io_throttle is not None and not (0 < args.io_throttle < float("inf")):
         raise Edge0Error(f"--io-throttle {args.io_throttle}: must be a finite number more than 0 (omit it for no cap)")
+    whole("--threads", args.threads, 1)  # passed to every arm: said once here, not by each arm's process
+    non_negative("--memory-budget", args.memory_budget)
+    for flag, path in (("--store", args.store), ("--source", args.source)):
+        if path and not Path(path).is_dir():
+            raise Edge0Error(f"{flag} {path}: no such model directory")
+    for a in arms:  # after the paths: a store that is not there is the first thing to say
+        base = split_arm(a)[0]
+        if not is_llama(base) and not (args.source if base.startswith("mlx-lm") else args.store):
+            raise Edge0Error(f"--arms {base}: needs --{'source' if base.startswith('mlx-lm') else 'store'}")
     if not args.store:
         raise Edge0Error("--store: needed to record the replayed tokens")
     if args.replay and getattr(args, "replay_text", None):

@@ -123,6 +123,10 @@ class EngineConfig:
         _int("--max-batch", self.max_batch, 1, MAX_BATCH)
         _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
                why=" (omit the flag for no cap)")
+        for flag, given in (("--slots", self.slots is not None), ("--placement", self.placement != "auto")):
+            if given and self.executor in ("exact", "hot", "resident"):  # it would be dropped without a word
+                raise Edge0Error(f"{flag} and --executor {self.executor}: {flag} arranges staged slot banks; "
+                                 f"omit it, or use --executor staged")
         return self
 
 

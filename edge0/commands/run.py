@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import Edge0Error
 from ..flags import (add_engine_flags, add_log_flags, add_route_flags, add_sampling_flags, engine_config, not_utf8,
-                     route_files, sampling)
+                     refuse_together, route_files, sampling)
 from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
 
 
@@ -110,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     routes = route_files(args)  # --routes sets native routing where --routing is not given
     config, samp = engine_config(args), sampling(args)
+    if args.replay:  # its prompt is token ids: text or a template would be dropped without a word
+        for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file is not None),
+                            ("--chat", args.chat)):
+            if given:
+                refuse_together("--replay", flag, "the replay file holds the prompt (token ids); give one")
     args.prompt, prompt_what = read_prompt(args)
     replay = read_replay(args.replay) if args.replay else None
     if args.trace and (Path(args.trace).is_dir() or not _creatable(Path(args.trace).resolve().parent)):

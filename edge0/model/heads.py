@@ -167,8 +167,18 @@ class HeadSet:
             hs.module().load_weights(list(weights.items()), strict=True)
         except ValueError as e:
             raise Edge0Error(f"{path}: head weights do not match their metadata ({e})") from None
+        refuse_nonfinite(path, weights)
         mx.eval(hs.module().parameters())
         return hs
+
+
+def refuse_nonfinite(path, arrays: dict) -> None:
+    """Refuse a trained file (heads, adapter) holding NaN or inf: served, it turns every later token into noise."""
+    names = sorted(n for n, w in arrays.items() if mx.issubdtype(w.dtype, mx.floating))
+    finite = mx.stack([mx.all(mx.isfinite(arrays[n])) for n in names]) if names else mx.array([True])
+    if not mx.all(finite).item():  # SYNC: once, at load
+        bad = names[finite.tolist().index(False)]
+        raise Edge0Error(f"{path}: {bad} holds values that are not finite (NaN or inf); train it again")
 
 
 def _hidden_size(config: dict) -> int:

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from ..compute.qmm import lora_add, lora_linear
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
-from .heads import model_fingerprint
+from .heads import model_fingerprint, refuse_nonfinite
 
 FORMAT = "edge0-lora-1"
 RANK = 16
@@ -209,6 +209,9 @@ class Adapter:
             fingerprint, heads = meta["fingerprint"], meta["heads"]
         except (KeyError, ValueError) as e:
             raise Edge0Error(f"{path}: damaged adapter metadata ({e!r})") from None
+        if rank < 1 or not math.isfinite(alpha):
+            raise Edge0Error(f"{path}: damaged adapter metadata (rank {rank}, alpha {alpha})")
+        refuse_nonfinite(path, arrays)
         pairs: dict = {}
         for name, w in arrays.items():
             stem, _, ab = name.rpartition(".lora_")

@@ -45,6 +45,7 @@ from .arch import read_config
 WIDENED = ("gate_proj", "up_proj")  # the hidden axis is their rows
 NARROWED = ("down_proj",)  # the hidden axis is their (packed) columns
 DEFAULT_GIB = 1.0  # expert bytes of the default workload
+HEADS_STEPS = 300  # training windows of the heads
 ROUTE_RECALL = 0.4  # a head routes (predicted routing) where its held-out recall reaches this; below, it reads ahead
 NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.uint16, "F32": np.float32, "U8": np.uint8}
 PROMPT_TOKENS, REPLAY_TOKENS = 128, 256
@@ -227,19 +228,18 @@ def same_logits(base: Path, out: Path, replay: dict, steps: int = 4) -> float:
 
 
 def make_workload(out: str, *, base: str | None = None, width: int | None = None, gib: float = DEFAULT_GIB,
-                  heads_steps: int = 300, seed: int = 0, base_heads_file: str | None = None, force: bool = False,
+                  heads_steps: int = HEADS_STEPS, seed: int = 0, base_heads_file: str | None = None, force: bool = False,
                   progress: bool = True, route_recall: float = ROUTE_RECALL) -> dict:
     """Write the workload store OUT (see the module docstring); returns workload.json's content."""
     from .demo import DEMO_STORE
 
+    check_workload_flags(width=width, gib=gib, heads_steps=heads_steps, route_recall=route_recall, seed=seed)
     base_path, out_path = Path(base) if base else DEMO_STORE, Path(out)
     m = read_manifest(base_path)
     width = width or default_width(m, gib)
     check_width(m, width)
     refuse_inputs(out_path, {"--base": base_path})  # --base-heads may lie in OUT: it is copied before the swap
     check_dir_out(out_path, force, STORE_KIND)
-    if heads_steps < 1:
-        raise Edge0Error(f"--heads-steps {heads_steps}: must be at least 1")
     needed = m.bundle_bytes // hidden_of(m) * width * m.num_experts * len(m.layers) * 1.01 + (64 << 20)
     where = next(p for p in (out_path, *out_path.parents) if p.exists())
     if (free_bytes(where) or needed) < needed:
@@ -284,24 +284,44 @@ def add_workload_flags(p) -> None:
     p.add_argument("--base", metavar="STORE", default=None, help="trained store to widen (default: the built-in model)")
     p.add_argument("--expert-width", type=int, default=None, metavar="H",
                    help=f"the experts' hidden width (default: the smallest giving {DEFAULT_GIB:g} GiB of experts)")
-    p.add_argument("--expert-gib", type=float, default=DEFAULT_GIB, metavar="GIB",
+    p.add_argument("--expert-gib", type=float, default=None, metavar="GIB",
                    help=f"expert bytes to reach when --expert-width is not given (default {DEFAULT_GIB:g})")
-    p.add_argument("--heads-steps", type=int, default=300, help="training windows of the heads (default 300)")
+    p.add_argument("--heads-steps", type=int, default=None, help=f"training windows of the heads (default {HEADS_STEPS})")
     p.add_argument("--base-heads", metavar="FILE", default=None,
                    help="heads for every layer of the base already trained (an earlier OUT/workload/heads-k*-base"
                         ".safetensors): no training")
     p.add_argument("--route-recall", type=float, default=ROUTE_RECALL, metavar="R",
                    help=f"a head's prediction is the routing (--routing predicted) where its held-out recall is at "
                         f"least R (default {ROUTE_RECALL}); below, the head only reads ahead")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="the heads' training seed (default 0)")
     p.add_argument("--force", action="store_true", help="replace OUT if it is an earlier store (never other files)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def check_workload_flags(*, width, gib, heads_steps, route_recall, seed) -> None:
+    """make-workload's numeric flags, before anything is read (the width against the base once it is)."""
+    from ..flags import check_seed, fraction, positive, whole
+
+    whole("--expert-width", width, 1)
+    positive("--expert-gib", gib)
+    whole("--heads-steps", heads_steps, 1)
+    fraction("--route-recall", route_recall)
+    check_seed(seed)
+
+
 def workload_cli(args) -> int:
-    info = make_workload(args.out, base=args.base, width=args.expert_width, gib=args.expert_gib,
-                         heads_steps=args.heads_steps, seed=args.seed, base_heads_file=args.base_heads,
-                         force=args.force, progress=not args.quiet, route_recall=args.route_recall)
+    from ..flags import refuse_together
+
+    if args.expert_width is not None and args.expert_gib is not None:
+        refuse_together("--expert-width", "--expert-gib", "give one (the width sets the experts' bytes)")
+    for flag, value in (("--heads-steps", args.heads_steps), ("--seed", args.seed)):
+        if args.base_heads is not None and value is not None:
+            refuse_together("--base-heads", flag, "the heads given are not trained again")
+    info = make_workload(args.out, base=args.base, width=args.expert_width,
+                         gib=DEFAULT_GIB if args.expert_gib is None else args.expert_gib,
+                         heads_steps=HEADS_STEPS if args.heads_steps is None else args.heads_steps,
+                         seed=args.seed or 0, base_heads_file=args.base_heads, force=args.force,
+                         progress=not args.quiet, route_recall=args.route_recall)
     print(f"wrote {args.out}: {info['moe_layers']} MoE layers x {info['experts']} experts, width {info['expert_width']} "
           f"(base {info['base_width']}), {info['bundle_mib']:.2f} MiB bundles, {info['expert_gib']:.3f} GiB of experts; "
           f"heads on layers {info['consumers']} (routing at {info['routes']}), held-out recall "

@@ -80,6 +80,9 @@ def chat(args, *, stdin=None, out=None) -> int:
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     config, samp = serve_configs(args)
+    bad = not_utf8(args.system) if args.system is not None else None
+    if bad is not None:  # refused before the model loads; the tokenizer would raise on it at the first turn
+        raise Edge0Error(f"--system: not UTF-8 text (byte {bad})")
     engine = open_engine(config)
     try:
         samp.check_context(engine.context)  # as run's and serve's: a turn would cut it to the room left silently

@@ -42,6 +42,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from edge0.errors import Edge0Error
+from edge0.flags import check_seed
 from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import SPECIAL_TOKENS
 from edge0.train.base_ckpt import (_truncate_log, _write_atomic, check_run_dir, latest_checkpoint,  # noqa: F401
@@ -198,6 +199,7 @@ def train_base(out: str | os.PathLike, *, preset: str = "demo", steps: int | Non
     (train/loop.py); rank 0 writes the log, checkpoints and exports.
     """
     p = _preset(preset, steps)
+    check_seed(seed)
     out = Path(out)
     ckpt_dir = out / "ckpt"
     check_run_dir(out)

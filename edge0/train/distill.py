@@ -30,8 +30,8 @@ from mlx.utils import tree_flatten
 from ..config import blas
 from ..errors import Edge0Error
 from ..model.lora import FORMAT as LORA_FORMAT, Adapter, adapted
-from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
-                   save_checkpoint, schedule, write_outputs)
+from .loop import (World, blas_notice, card, check_out, finite_loss, heldout_windows, load_checkpoint,
+                   progress_bar, save_checkpoint, schedule, write_outputs)
 from .student import Student, load_student, mlx_kernel
 
 TOP = 32  # teacher tokens the KL is taken over, besides the tail bucket
@@ -181,7 +181,8 @@ def _fit(student: Student, tutor: nn.Module, hp: Hyper, stream: np.ndarray, held
         grads, _ = optim.clip_grad_norm(world.mean(grads), 1.0)
         opt.update(student.model, grads)
         mx.eval(student.model.trainable_parameters(), opt.state, loss)
-        state["losses"].append(world.sum(loss).item() / world.size)  # SYNC: once per step, for the log
+        loss = world.sum(loss).item() / world.size  # SYNC: once per step, for the log
+        state["losses"].append(finite_loss(loss, step + 1, "adapter"))
         state["step"] = step + 1
         if state["step"] % eval_every == 0 or state["step"] == hp.steps:
             state["curve"].append([state["step"], heldout_figures(student, tutor, held, world)])
@@ -225,15 +226,23 @@ def add_train_distill_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
 
 
-def train_distill_cli(args) -> int:
-    for flag, value, lo in (("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1), ("--new", args.new, 1),
-                            ("--top", args.top, 1), ("--eval-every", args.eval_every, 1),
+def check_flags(args) -> None:
+    """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
+    from ..flags import check_seed, positive, routed_k, whole
+
+    routed_k(args.k)
+    whole("--candidates", args.candidates, 1)
+    for flag, value, lo in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
+                            ("--new", args.new, 1), ("--top", args.top, 1), ("--eval-every", args.eval_every, 1),
                             ("--eval-windows", args.eval_windows, 1)):
-        if value < lo:
-            raise Edge0Error(f"{flag} {value}: must be at least {lo}")
+        whole(flag, value, lo)
     for flag, value in (("--lr", args.lr), ("--temp", args.temp)):
-        if not (math.isfinite(value) and value > 0):
-            raise Edge0Error(f"{flag} {value}: must be a positive number")
+        positive(flag, value)
+    check_seed(args.seed)
+
+
+def train_distill_cli(args) -> int:
+    check_flags(args)
     r = train_distill(args.model, args.out, init=args.init, teacher=args.teacher, data=args.data, heads=args.heads,
                       heldout=args.heldout, top_k=args.k, candidates=args.candidates, steps=args.steps, batch=args.batch,
                       prompt_len=args.prompt_len, new=args.new, top=args.top, lr=args.lr, temp=args.temp,

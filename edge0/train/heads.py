@@ -27,9 +27,11 @@ from mlx.utils import tree_flatten
 
 from ..config import blas
 from ..errors import Edge0Error
+from ..flags import check_seed, positive, routed_k, whole
 from ..model.heads import FORMAT as HEADS_FORMAT, HIDDEN, HeadSet, multi_hot
 from ..model.routes import recorded_routes
-from .loop import World, blas_notice, check_out, load_checkpoint, progress_bar, save_checkpoint, write_outputs
+from .loop import (World, blas_notice, check_out, finite_loss, load_checkpoint, progress_bar, save_checkpoint,
+                   write_outputs)
 from .student import mlx_kernel
 
 SEQ_LEN = 256
@@ -115,6 +117,7 @@ def train_heads(model_dir: str | os.PathLike, out: str | os.PathLike, *, data=No
     from ..model.load import load_store
 
     out = Path(out)
+    check_head_flags(top_k=top_k, hidden=hidden, lr=lr, seed=seed)
     report_path = check_out(out, resume, steps, fmt=HEADS_FORMAT, inputs={"--data": data, "--heldout": heldout},
                             ckpt=out.with_suffix(".ckpt"))
     world = World.init()
@@ -145,6 +148,7 @@ def _prepare(store, model_dir: Path, data, heldout, top_k, seq_len: int, eval_wi
     from .corpus import token_stream, train_stream
 
     m = store.manifest
+    routed_k(top_k, m.num_experts)
     k = top_k or m.top_k
     layers = [e.layer for e in m.layers]
     for i in layers:
@@ -183,7 +187,8 @@ def _fit_heads(run: HeadRun, heads: HeadSet, world: World, ckpt: Path, *, steps:
         loss, grads = loss_grad(module, d)
         opt.update(module, world.mean(grads))
         mx.eval(module.parameters(), opt.state, loss)
-        losses.append(world.sum(loss).item() / world.size)  # SYNC: once per step, for the log
+        loss = world.sum(loss).item() / world.size  # SYNC: once per step, for the log
+        losses.append(finite_loss(loss, step + 1, "heads"))
         bar.update(1)
         bar.set_postfix(kl=f"{losses[-1]:.4f}")
         if world.writer and ((step + 1) % 50 == 0 or step + 1 == steps):
@@ -210,6 +215,15 @@ def add_train_heads_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
+
+
+def check_head_flags(*, top_k, hidden: int, lr: float, seed: int) -> None:
+    """The flags of `train heads` (and make-workload's heads) checked before the store loads; K against the model's
+    experts once its manifest is read."""
+    routed_k(top_k)
+    whole("--hidden", hidden, 1)
+    positive("--lr", lr)
+    check_seed(seed)
 
 
 def train_heads_cli(args) -> int:

@@ -12,6 +12,7 @@ and only rank 0 (the writer) writes checkpoints, outputs and progress. A single 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -96,6 +97,13 @@ def check_out(out: Path, resume: bool, steps: int, *, fmt: str, inputs: dict, ck
         sides[cache] = (TEACHER_CACHE_NAMES, "the teacher's text cache")
     check_trained_out(out, report, resume, fmt, inputs, sides)
     return report
+
+
+def finite_loss(loss: float, step: int, what: str) -> float:
+    """The step's loss, or a refusal once it is not a number: the weights would be NaN, saved and then served."""
+    if not math.isfinite(loss):
+        raise Edge0Error(f"step {step} of the {what}: the loss is {loss}; lower --lr (--out is not written)")
+    return loss
 
 
 def save_checkpoint(ckpt: Path, arrays: dict, opt: optim.Optimizer, state: dict) -> None:

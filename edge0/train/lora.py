@@ -30,8 +30,8 @@ from mlx.utils import tree_flatten
 
 from ..config import blas
 from ..model.lora import ALPHA, FORMAT as LORA_FORMAT, RANK, Adapter
-from .loop import (World, blas_notice, card, check_out, heldout_windows, load_checkpoint, progress_bar,
-                   save_checkpoint, schedule, windows_of, write_outputs)
+from .loop import (World, blas_notice, card, check_out, finite_loss, heldout_windows, load_checkpoint,
+                   progress_bar, save_checkpoint, schedule, windows_of, write_outputs)
 from .distill import TOP, forward_kl, log_softmax
 from .student import Student, load_student, mlx_kernel, new_adapter
 
@@ -214,7 +214,8 @@ def _fit(student: Student, tutor, hp: Hyper, pool: np.ndarray, held: np.ndarray,
         grads, _ = optim.clip_grad_norm(world.mean(grads), 1.0)
         opt.update(student.model, grads)
         mx.eval(student.model.trainable_parameters(), opt.state, loss)
-        state["losses"].append(world.sum(loss).item() / world.size)  # SYNC: once per step, for the log
+        loss = world.sum(loss).item() / world.size  # SYNC: once per step, for the log
+        state["losses"].append(finite_loss(loss, step + 1, "adapter"))
         state["step"] = step + 1
         if state["step"] % eval_every == 0 or state["step"] == hp.steps:
             state["curve"].append([state["step"], heldout_ppl(student, held, world)])
@@ -272,16 +273,18 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_flags(args) -> None:
-    from ..errors import Edge0Error
+    """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
+    from ..flags import check_seed, positive, routed_k, whole
 
-    for flag, value, lo in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2), ("--rank", args.rank, 1),
-                            ("--samples", args.samples, 0), ("--top", args.top, 1),
+    routed_k(args.k)
+    whole("--candidates", args.candidates, 1)
+    for flag, value, lo in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2),
+                            ("--rank", args.rank, 1), ("--samples", args.samples, 0), ("--top", args.top, 1),
                             ("--eval-every", args.eval_every, 1), ("--eval-windows", args.eval_windows, 1)):
-        if value < lo:
-            raise Edge0Error(f"{flag} {value}: must be at least {lo}")
+        whole(flag, value, lo)
     for flag, value in (("--alpha", args.alpha), ("--lr", args.lr), ("--temp", args.temp)):
-        if not (math.isfinite(value) and value > 0):
-            raise Edge0Error(f"{flag} {value}: must be a positive number")
+        positive(flag, value)
+    check_seed(args.seed)
 
 
 def train_lora_cli(args) -> int:

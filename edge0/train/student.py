@@ -185,12 +185,14 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
                  candidates: int | None = None) -> Student:
     """The store dequantized, at K = top_k (default the heads'), routed by `heads_file` (default heads-k{K}): each
     head names `candidates` experts (default 2K, as served over resident experts), its layer's router chooses K."""
+    from ..flags import routed_k
     from ..io.manifest import read_manifest
     from ..model.arch import read_config
     from ..model.load import load_store
 
     store_dir = Path(store_dir)
     manifest, config = read_manifest(store_dir), read_config(store_dir)
+    routed_k(top_k, manifest.num_experts)
     k = top_k or manifest.top_k
     heads_file = Path(heads_file) if heads_file else default_heads_file(store_dir, k)
     if not heads_file.exists():
