@@ -96,3 +96,35 @@ def test_a_disk_asking_more_alignment_falls_back_to_the_bounce_buffer(monkeypatc
     assert direct.stats.bounced == 2
     direct.close()
     plain.close()
+
+
+def test_reads_longer_than_the_bounce_buffer_continue_where_the_last_chunk_stopped(monkeypatch):
+    """A whole layer (and a bundle) read through the bounce buffer in many chunks, from an offset past the file's
+    start, against the file's own bytes read with plain Python. Every other read here fits in one chunk; so does a
+    demo layer in DIRECT_CHUNK, made small here (whole 4 KiB pages, as the real one is) so that each read takes many."""
+    direct, _ = open_direct()
+    m = direct.manifest
+    entry = m.layers[1]
+    monkeypatch.setattr(reader_module, "DIRECT_CHUNK", 3 * 4096)
+    data = (DEMO / entry.file).read_bytes()
+
+    def want(expert: int) -> list[bytes]:  # the bundle's pieces, back to back from its offset in the file
+        at, out = entry.data_offset + expert * m.bundle_stride, []
+        for p in m.pieces:
+            out.append(data[at:at + p.nbytes])
+            at += p.nbytes
+        return out
+
+    def shifted() -> list[memoryview]:  # one byte past where the allocator put them: O_DIRECT cannot take them
+        return [memoryview(bytearray(p.nbytes + 1))[1:] for p in m.pieces]
+
+    layer = [shifted() for _ in range(m.num_experts)]
+    assert direct.read_layer_into(entry.layer, layer) == (m.num_experts - 1) * m.bundle_stride + m.bundle_bytes
+    assert m.bundle_stride * m.num_experts > 2 * reader_module.DIRECT_CHUNK and entry.data_offset > 0
+    assert [[bytes(b) for b in bufs] for bufs in layer] == [want(e) for e in range(m.num_experts)]
+    one = shifted()
+    assert m.bundle_bytes > 2 * reader_module.DIRECT_CHUNK
+    direct.read_into(entry.layer, m.num_experts - 1, one)  # the last bundle: far from the layer's first chunk
+    assert [bytes(b) for b in one] == want(m.num_experts - 1)
+    assert direct.stats.bounced == 2
+    direct.close()

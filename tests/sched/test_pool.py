@@ -97,3 +97,23 @@ def test_the_read_a_step_waits_for_is_promoted_and_reads_not_started_can_be_take
     assert reader.started == [10, 11, 13] and all(tasks[i].record is not None for i in (0, 1, 3))
     assert pool.stats.loads == 3 and pool.stats.demand_loads == 0  # all were planned reads
     pool.close()
+
+
+def test_a_demand_read_goes_before_planned_reads_queued_earlier():
+    """Every thread busy, planned reads queued, then a demand read: the first thread to come free takes the demand
+    read, a planned-read thread included (the pool's first rule; the order reads start in is the reference)."""
+    reader = GatedReader()
+    pool = ReadPool(reader, 4)  # 2 reserved for demand reads: 2 for planned reads
+    running = pool.submit([ReadTask(0, e, [], demand=False) for e in (10, 11)])
+    running += pool.submit([ReadTask(0, e, [], demand=True) for e in (30, 31)])
+    assert until(lambda: sorted(reader.started) == [10, 11, 30, 31])  # every thread busy
+    planned = pool.submit([ReadTask(0, e, [], demand=False) for e in (12, 13)])
+    demand = pool.submit([ReadTask(0, 32, [], demand=True)])
+    reader.gate(10).set()  # a planned-read thread comes free first
+    assert until(lambda: len(reader.started) == 5)
+    assert reader.started[4] == 32, reader.started
+    for e in (11, 12, 13, 30, 31, 32):
+        reader.gate(e).set()
+    pool.finish(running + planned + demand)
+    assert sorted(reader.started[5:]) == [12, 13]
+    pool.close()
