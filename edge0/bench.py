@@ -31,7 +31,7 @@ from .bench_routes import add_routes_flag, check_routes, route_flags, routes_sec
 from .bench_table import LLAMA_ARM, is_llama, summarize, table
 from .config import READ_AHEAD, blas
 from .errors import Edge0Error
-from .flags import non_negative, positive, refuse_together, whole
+from .flags import non_negative, whole
 from .io.atomic import write_atomic
 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
@@ -226,20 +226,15 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | 
 
 
 def bench_cli(args) -> int:
-    if args.serve and args.kernels:
-        refuse_together("--serve", "--kernels", "each is a benchmark of its own; give one")
-    if args.serve:
+    from .bench_modes import SERVE, KERNELS, check_mode
+
+    mode = check_mode(args, add_bench_flags)  # the flags another benchmark reads are refused
+    if mode == SERVE:
         from .bench_serve import bench_serve
 
         return bench_serve(args)
-    if args.kernels:
+    if mode == KERNELS:
         from .bench_kernels import bench_kernels
-
-        counts = [t for t in str(args.kernel_threads).split(",") if t]
-        if not counts or not all(t.isdigit() and int(t) >= 1 for t in counts):
-            raise Edge0Error(f"--kernel-threads {args.kernel_threads}: thread counts of at least 1, comma-separated")
-        positive("--kernel-seconds", args.kernel_seconds)
-        whole("--kernel-prefill-rows", args.kernel_prefill_rows, 0)
 
         bench_kernels(args)
         return 0

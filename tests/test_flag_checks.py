@@ -68,6 +68,12 @@ BAD = [  # (argv, what the one error line must contain)
     (["bench", "--kernels", "--kernel-threads", "1,0"], "--kernel-threads 1,0: thread counts of at least 1"),
     (["bench", "--kernels", "--kernel-seconds", "0"], "--kernel-seconds 0.0: must be more than 0"),
     (["bench", "--kernels", "--kernel-prefill-rows", "-1"], "--kernel-prefill-rows -1: must be at least 0"),
+    (["bench", "--clients", "4"], "--clients: only read by `edge0 bench --serve`"),
+    (["bench", "--kernel-seconds", "1"], "--kernel-seconds: only read by `edge0 bench --kernels`"),
+    (["bench", "--serve", "--store", STORE], "--store and --serve: the serve benchmark does not read --store"),
+    (["bench", "--serve", "--kernel-json"], "--kernel-json and --serve: the serve benchmark does not read"),
+    (["bench", "--kernels", "--arms", "exact"], "--arms and --kernels: the kernels benchmark does not read --arms"),
+    (["bench", "--kernels", "--rounds", "5"], "--rounds and --kernels"),
 ]
 
 
@@ -129,3 +135,11 @@ def test_training_stops_when_its_loss_is_no_longer_a_number(models, tmp_path):
         train_heads(models("qwen3_moe"), out, steps=3, hidden=16, lr=1e30, eval_windows=1, progress=False, seq_len=64,
                     data=text, heldout=text)
     assert not out.exists()
+
+
+def test_every_bench_flag_is_read_by_a_named_benchmark():
+    """A flag added to `edge0 bench` without saying which benchmark reads it would be dropped by the others."""
+    from edge0.bench import add_bench_flags
+    from edge0.bench_modes import USED_BY, _defaults
+
+    assert set(_defaults(add_bench_flags)) - set(USED_BY) == {"serve"}
