@@ -157,8 +157,10 @@ def dispatch(args: argparse.Namespace) -> int:
 
         return export_gguf_cli(args)
     if c == "make-model":
+        from .flags import check_seed
         from .model.make import make_model
 
+        check_seed(args.seed)
         print(f"wrote {make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)}",
               file=sys.stderr)
         return 0

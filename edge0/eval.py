@@ -214,13 +214,16 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
 
 
 def eval_cli(args: argparse.Namespace) -> int:
-    from edge0.flags import engine_config
+    from edge0.flags import add_engine_flags, engine_config, flags_given
     from edge0.model.demo import DEMO_STORE
 
     if args.max_tokens < 1 or args.seq_len < 1:
         raise Edge0Error("--max-tokens and --seq-len must be positive")
     model = Path(args.model) if args.model else DEMO_STORE
     config = engine_config(args) if (model / "edge0.json").exists() else None
+    given = flags_given(args, add_engine_flags, skip=("model", "dtype")) if config is None else []
+    if given:  # an mlx-lm checkpoint is scored as mlx-lm loads it: the store's flags would be dropped
+        raise Edge0Error(f"{given[0]}: used with an Edge0 store; --model {model} is not one (no edge0.json)")
     r = evaluate(model, args.data, teacher=args.teacher, max_tokens=args.max_tokens, seq_len=args.seq_len,
                  dtype=args.dtype, routing=args.routing_stats, config=config)
     if args.json:

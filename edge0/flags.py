@@ -179,6 +179,14 @@ def routed_k(k: int | None, experts: int | None = None) -> None:
         raise Edge0Error(f"--k {k}: must be between 1 and the model's {experts} experts")
 
 
+def flags_given(args: argparse.Namespace, add_flags, skip: tuple = ()) -> list[str]:
+    """The flags of `add_flags` (e.g. add_engine_flags) whose values in args are not their defaults, as typed."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_flags(p)
+    return [a.option_strings[0] for a in p._actions if a.option_strings and a.dest not in skip
+            and getattr(args, a.dest, a.default) != a.default]
+
+
 def refuse_together(first: str, second: str, why: str) -> None:
     """Refuse two flags given together where one would be ignored: one line naming both."""
     raise Edge0Error(f"{first} and {second}: {why}")

@@ -7,7 +7,7 @@ import pytest
 
 from edge0.cli import main
 from edge0.errors import Edge0Error
-from edge0.model.demo import DEMO_STORE
+from edge0.model.demo import DEMO_FP, DEMO_STORE
 
 STORE = str(DEMO_STORE)
 
@@ -33,6 +33,7 @@ BAD = [  # (argv, what the one error line must contain)
     (_train("lora", "--candidates", "0"), "--candidates 0: must be at least 1"),
     (_train("lora", "--alpha", "inf"), "--alpha inf: expected a finite number"),
     (_train("lora", "--seed", "-1"), "--seed -1: must be at least 0"),
+    (_train("lora", "--top", "8"), "--top and --loss ce: --top is the KL's teacher tokens"),
     (_train("distill", "--lr", "-1"), "--lr -1.0: must be more than 0"),
     (_train("distill", "--k", "0"), "--k 0: must be at least 1"),
     (_train("distill", "--k", "33"), "--k 33: must be between 1 and the model's 32 experts"),
@@ -50,6 +51,9 @@ BAD = [  # (argv, what the one error line must contain)
      "--expert-width and --expert-gib: give one"),
     (["make-workload", "OUT/never-written", "--base-heads", "h.safetensors", "--heads-steps", "5"],
      "--base-heads and --heads-steps: the heads given are not trained again"),
+    (["make-model", "--arch", "qwen3_moe", "--seed", "-1", "OUT/m"], "--seed -1: must be at least 0"),
+    (["eval", "--model", str(DEMO_FP), "--routing", "predicted"], "--routing: used with an Edge0 store; --model"),
+    (["eval", "--model", str(DEMO_FP), "--slots", "8"], "--slots: used with an Edge0 store"),
     (["run", "--replay", "r.json", "--prompt", "x"], "--replay and --prompt: the replay file holds the prompt"),
     (["run", "--replay", "r.json", "--prompt-file", "p.txt"], "--replay and --prompt-file: the replay file holds"),
     (["run", "--replay", "r.json", "--chat"], "--replay and --chat: the replay file holds the prompt"),

@@ -274,8 +274,10 @@ def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(args) -> None:
     """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
-    from ..flags import check_seed, positive, routed_k, whole
+    from ..flags import check_seed, positive, refuse_together, routed_k, whole
 
+    if args.loss == "ce" and args.top != Hyper().top:  # --top sizes the teacher's KL, which ce alone never takes
+        refuse_together("--top", "--loss ce", "--top is the KL's teacher tokens (--loss kd or ce+kd)")
     routed_k(args.k)
     whole("--candidates", args.candidates, 1)
     for flag, value, lo in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2),
