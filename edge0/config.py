@@ -123,10 +123,12 @@ class EngineConfig:
         _int("--max-batch", self.max_batch, 1, MAX_BATCH)
         _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
                why=" (omit the flag for no cap)")
-        for flag, given in (("--slots", self.slots is not None), ("--placement", self.placement != "auto")):
-            if given and self.executor in ("exact", "hot", "resident"):  # it would be dropped without a word
-                raise Edge0Error(f"{flag} and --executor {self.executor}: {flag} arranges staged slot banks; "
-                                 f"omit it, or use --executor staged")
+        for flag, given, banks in (("--slots", self.slots is not None, ("staged",)),
+                                   ("--placement", self.placement != "auto", ("staged",)),
+                                   ("--evict", self.evict != "lfu", ("staged", "hot"))):
+            if given and self.executor not in ("auto", *banks):  # it would be dropped without a word
+                raise Edge0Error(f"{flag} and --executor {self.executor}: {flag} arranges {' and '.join(banks)} slot "
+                                 f"banks; omit it, or use --executor {banks[0]}")
         return self
 
 

@@ -62,6 +62,7 @@ BAD = [  # (argv, what the one error line must contain)
     (["run", "--slots", "8", "--executor", "hot"], "--slots and --executor hot"),
     (["serve", "--slots", "8", "--executor", "resident"], "--slots and --executor resident"),
     (["run", "--placement", "even", "--executor", "resident"], "--placement and --executor resident"),
+    (["run", "--evict", "lru", "--executor", "exact"], "--evict and --executor exact: --evict arranges staged and hot"),
     (["chat", "--system", "ab\udcff"], "--system: not UTF-8 text (byte 2)"),  # argv's byte 0xff, as Python keeps it
     (["bench", "--store", "/nonexistent"], "--store /nonexistent: no such model directory"),
     (["bench", "--source", "/nonexistent", "--store", STORE], "--source /nonexistent: no such model directory"),
