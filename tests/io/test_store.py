@@ -186,7 +186,6 @@ def test_out_not_empty_is_not_overwritten(models, capsys, tmp_path):
     assert code == 0 and verify_store(out).problems == []
 
 
-
 def test_checkpoint_given_to_run_is_named(models, capsys):
     code, err = run_cli(capsys, "run", "--model", str(models("qwen3_moe", "mlx", "src")))
     assert code == 2 and "not an Edge0 store" in err and "edge0 convert" in err
