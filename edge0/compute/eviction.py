@@ -5,8 +5,7 @@
 
 Policies: `lfu` (the default) replaces the held expert used least often, each use weighted DECAY per step since
 (ties: the least recently used); `lru` the least recently used; `belady` (replay only: it reads the future) the one
-used again last, the optimum. On real OLMoE routing, held out from any tuning (tools/evict_study.py), lfu hits
-about 0.87x the optimum at 16 slots a layer and 0.93x at 32, lru 0.81x and 0.88x: a layer's experts
+used again last, the optimum. lfu is the default because on real routing (docs/BENCHMARKS.md) a layer's experts
 keep a popularity within a generation that a recency order forgets in a few steps.
 Shapes: T steps, K routed, S slots, E experts.
 """

@@ -8,7 +8,7 @@ once. `reserved` threads never take anything but demand reads, so a demand read 
 reads for the next step. A planned read a step comes to wait for (`wait`) while it is still queued is promoted
 to the front of the demand reads; `cancel` takes back planned reads that have not started. Threads block in
 the kernel for most of a read, so more threads than cores is normal; the
-default was sized by measurement (docs/results/pipeline.md).
+default was sized by measurement (docs/lab/pipeline.md).
 
 Workers only read bytes into the buffers a task names, commit its slots (`bank.commit`: numpy widening
 of the slot's bf16 pieces, under MLX's kernels) and fill in the task's outcome (`record` or `error`, then

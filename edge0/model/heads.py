@@ -102,9 +102,8 @@ class HeadSet:
 
     def served(self) -> "HeadSet":
         """The heads as served: their weight matrices (fc1, fc2, delta) in bfloat16, their biases float32. A head's
-        weights are read at every decode step, more bytes than the step's int4 weights; half of them go (on the
-        built-in model the held-out perplexity and agreement stayed the same to 3 digits, docs/results/
-        cpu-kernels.md). The products still run in float32 on the widened values (exact), on every kernel."""
+        weights are read at every decode step, more bytes than the step's int4 weights; half of them go, at no
+        measurable cost in quality (docs/lab/cpu-kernels.md). The products still run in float32 on the widened values (exact), on every kernel."""
         for head in self.heads.values():
             for lin in (head.fc1, head.fc2, head.delta):
                 lin.weight = lin.weight.astype(mx.bfloat16)

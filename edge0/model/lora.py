@@ -266,9 +266,8 @@ class Adapter:
     @staticmethod
     def served_dtype(compute: mx.Dtype) -> mx.Dtype:
         """The dtype of lora_a and lora_b as served: bfloat16 under float32 compute (half the bytes a decode step
-        reads for them; the products widen them exactly, so they compute in float32 on the rounded values: on the
-        built-in model the held-out perplexity moved 50.72 -> 50.68, agreement 0.832 -> 0.833, docs/results/
-        cpu-kernels.md), the compute dtype otherwise. Training keeps them float32."""
+        reads for them; the products widen them exactly, so they compute in float32 on the rounded values, at no
+        measurable cost in quality: docs/lab/cpu-kernels.md), the compute dtype otherwise. Training keeps them float32."""
         return mx.bfloat16 if compute == mx.float32 else compute
 
     def kinds(self) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""`edge0 make-workload OUT`: a store where reads matter, for measuring the pipeline (docs/results/pipeline.md).
+"""`edge0 make-workload OUT`: a store where reads matter, for measuring the pipeline (docs/lab/pipeline.md).
 
-    edge0 make-workload /tmp/wide                         # 1 GiB of experts, 5.4 MiB bundles (~10 min here)
+    edge0 make-workload /tmp/wide                         # 1 GiB of experts, 5.4 MiB bundles (minutes)
     edge0 make-workload /tmp/wide1 --expert-width 2432 --base-heads /tmp/wide/workload/heads-k4-base.safetensors
     edge0 run --model /tmp/wide --replay /tmp/wide/workload/replay.json --ignore-eos --io direct --cold --json
 
@@ -15,7 +15,7 @@ width. Heads for every MoE layer (the first one's owned by the last, a token ear
 base, where a training step takes a fraction of a second, and bound to the wide store, whose routing is
 the base's. A head routes under --routing predicted only where its held-out recall reaches
 --route-recall (default 0.4); below, it only reads ahead: the first layers' heads are weak (their inputs
-move fastest), and routing by them costs far more quality than their reads (docs/results/pipeline.md). With
+move fastest), and routing by them costs far more quality than their reads (docs/lab/pipeline.md). With
 --slots of at least 16, those layers hold every expert instead (--placement auto, pipeline/runtime.py).
 
 OUT is a complete store (edge0 verify checks it) plus OUT/workload/: replay.json (a held-out prompt and its

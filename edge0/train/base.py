@@ -82,8 +82,8 @@ class Preset:
 
 
 PRESETS = {
-    # 6 layers x 32 experts (K 4, H 128), D 256: 22M parameters, 5M active; ~1k tok/s on one core with
-    # OpenBLAS, so 850 steps x 4096 tokens (3.5M tokens, 1.4 epochs) take about an hour.
+    # 6 layers x 32 experts (K 4, H 128), D 256: 22M parameters, 5M active; 850 steps x 4096 tokens
+    # (3.5M tokens, 1.4 epochs) train in about an hour on two cores with OpenBLAS.
     "demo": Preset(layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, moe_hidden=128,
                    vocab=4096, seq_len=256, batch=16, steps=850, lr=2e-3, warmup=50, weight_decay=0.1,
                    aux_coef=0.01, eval_every=100, eval_tokens=16384, ckpt_every=50),
