@@ -1,0 +1,43 @@
+"""The package's front door: `edge0` exports the public API, its docstring's example runs, and importing it
+stays cheap (MLX loads on first use of a name that needs it)."""
+
+import subprocess
+import sys
+import textwrap
+
+import edge0
+
+
+def docstring_example() -> str:
+    lines = edge0.__doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("from edge0 import"))
+    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_the_docstring_example_runs_on_the_demo_model(capsys):
+    code = docstring_example()
+    assert "max_tokens=32" in code
+    scope = {}
+    exec(code.replace("max_tokens=32", "max_tokens=4"), scope)
+    figures, out = scope["figures"], capsys.readouterr().out
+    assert 1 <= figures.completion_tokens <= 4 and figures.prompt_tokens > 0
+    assert out == f"{figures.text}\n{figures.line()}\n"
+
+
+def test_the_public_names_are_the_modules_own():
+    from edge0.config import EngineConfig
+    from edge0.engine import open_engine
+    from edge0.generation import Figures, GenRequest
+
+    assert (edge0.open_engine, edge0.EngineConfig, edge0.GenRequest, edge0.Figures) == \
+        (open_engine, EngineConfig, GenRequest, Figures)
+    assert set(edge0.__all__) <= set(dir(edge0)) and isinstance(edge0.__version__, str)
+
+
+def test_import_edge0_does_not_load_mlx():
+    code = ("import sys, edge0; assert 'mlx' not in sys.modules, 'import edge0 loaded mlx'\n"
+            "edge0.GenRequest; assert 'mlx.core' in sys.modules\n"
+            "try:\n    edge0.nothing\nexcept AttributeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "module 'edge0' has no attribute 'nothing'\n"
