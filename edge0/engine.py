@@ -27,7 +27,7 @@ from .compute import kernels
 from .compute.executors import evict_by
 from .compute.kernel import Kernel
 from .config import EngineConfig
-from .errors import Edge0Error
+from .errors import ContextExceeded, Edge0Error
 from .generation import Figures, GenRequest, generate
 from .log import log
 from .model.arch import text_config, vocab_size
@@ -264,10 +264,6 @@ class Engine:
 
     def request(self, prompt: list[int], **fields) -> GenRequest:
         return GenRequest(prompt=list(prompt), **fields)
-
-
-class ContextExceeded(Edge0Error):
-    """The prompt plus max_tokens does not fit the model's context."""
 
 
 def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:

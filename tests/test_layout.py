@@ -2,6 +2,7 @@
 small files and functions."""
 
 import ast
+import builtins
 from pathlib import Path
 
 import edge0
@@ -91,3 +92,24 @@ def test_files_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     big.append(f"{name}.{node.name}: {length} lines")
     assert big == []
+
+
+def _base_names(node: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+
+def test_exception_classes_live_in_errors():
+    errors = ROOT / "errors.py"
+    known = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    known |= {n.name for n in ast.walk(ast.parse(errors.read_text())) if isinstance(n, ast.ClassDef)}
+    stray = []
+    for name, path in modules().items():
+        if path == errors:
+            continue
+        classes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+        mine = set(known)
+        for _ in classes:  # a class built on a stray one is stray too, whatever its order in the file
+            mine |= {c.name for c in classes if _base_names(c) & mine}
+        stray += [f"{name}.{c.name}" for c in classes
+                  if _base_names(c) & mine or any(b.endswith(("Error", "Exception")) for b in _base_names(c))]
+    assert stray == []

@@ -16,6 +16,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from ..errors import BankBusy
 from ..io.reader import DIRECT_ALIGN
 from .kernel import current
 
@@ -76,10 +77,6 @@ def scales_as_stored(compute_dtype) -> bool:
     """Whether bf16 scales and biases stay bf16 under a float32 compute dtype: the edge0 kernel, building the graphs
     now, widens them where it uses them (half the bytes to hold and to stream); MLX's kernels get float32 copies."""
     return compute_dtype is not None and compute_dtype == mx.float32 and current().edge0
-
-
-class BankBusy(RuntimeError):
-    """A write was attempted into a bank that a built-but-unevaluated graph may still read."""
 
 
 class Fence:

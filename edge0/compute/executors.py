@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..errors import BankBusy
 from ..io.pool import ReadTask
-from .banks import Bank, BankBusy, Fence
+from .banks import Bank, Fence
 from .eviction import DECAY, POLICIES, Frequency, victim_order
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
 from .kernels import host_eval, queue

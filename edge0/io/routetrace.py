@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import Edge0Error
+from ..errors import Edge0Error, NotATrace
 from ..log import log
 from .atomic import atomic_path, write_atomic
 
@@ -65,7 +65,7 @@ def read_trace(path: str | Path, what: str | None = None) -> RouteTrace:
         else:
             trace = _from_text(data)
         return _checked(trace, what)
-    except _Bad as e:
+    except NotATrace as e:
         raise Edge0Error(f"{what}: not a routing trace ({e}); expected {LAYOUTS}") from None
 
 
@@ -108,15 +108,11 @@ def check_fits(trace: RouteTrace, what: str, *, layers: int, experts: int, top_k
                          f"(the prompt's tokens and max tokens - 1)")
 
 
-class _Bad(Exception):
-    """What is wrong with a file that is not a trace (read_trace names the file)."""
-
-
 def _from_text(data: bytes) -> RouteTrace:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Bad(f"not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+        raise NotATrace(f"not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
@@ -125,28 +121,28 @@ def _from_text(data: bytes) -> RouteTrace:
         return _from_doc(doc)
     if isinstance(doc, dict) and {"layer", "token", "experts"} & set(doc):  # JSON lines of one line
         return _from_lines(text)
-    raise _Bad("JSON without an expert_trace")
+    raise NotATrace("JSON without an expert_trace")
 
 
 def _from_doc(doc: dict) -> RouteTrace:
     """The expert_trace layout (Edge0's JSON is it with more fields)."""
     if doc.get("format", FORMAT) != FORMAT or doc.get("version", VERSION) != VERSION:
-        raise _Bad(f"format {doc.get('format')!r} version {doc.get('version')!r}; Edge0 reads {FORMAT} {VERSION}")
+        raise NotATrace(f"format {doc.get('format')!r} version {doc.get('version')!r}; Edge0 reads {FORMAT} {VERSION}")
     per_layer, weights = doc["expert_trace"], doc.get("weights")
     if not isinstance(per_layer, dict) or not per_layer:
-        raise _Bad("expert_trace is not an object of layers")
+        raise NotATrace("expert_trace is not an object of layers")
     names = sorted(per_layer, key=lambda n: _number(n, "expert_trace's layer"))
     ids = _stacked([_rows(per_layer[n], f"expert_trace[{n!r}]", np.int64) for n in names], names)
     w = None
     if weights is not None:
         if not isinstance(weights, dict) or sorted(weights, key=str) != sorted(names, key=str):
-            raise _Bad("weights does not name the layers expert_trace does")
+            raise NotATrace("weights does not name the layers expert_trace does")
         w = _stacked([_rows(weights[n], f"weights[{n!r}]", np.float64) for n in names], names)
         if w.shape != ids.shape:
-            raise _Bad(f"weights of shape {w.shape}, not the ids' {ids.shape}")
+            raise NotATrace(f"weights of shape {w.shape}, not the ids' {ids.shape}")
     k = doc.get("top_k")
     if k is not None and k != ids.shape[2]:
-        raise _Bad(f"top_k {k!r} but rows of {ids.shape[2]} experts")
+        raise NotATrace(f"top_k {k!r} but rows of {ids.shape[2]} experts")
     return RouteTrace(ids, w, [_number(n, "layer") for n in names], _opt_int(doc, "num_experts"),
                       _opt_int(doc, "prompt_tokens"), _opt_ids(doc.get("tokens")))
 
@@ -160,31 +156,31 @@ def _from_lines(text: str) -> RouteTrace:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _Bad(f"line {n} is not JSON ({e.msg})") from None
+            raise NotATrace(f"line {n} is not JSON ({e.msg})") from None
         if not isinstance(rec, dict) or not {"layer", "token", "experts"} <= set(rec):
-            raise _Bad(f"line {n} is not an object with layer, token and experts")
+            raise NotATrace(f"line {n} is not an object with layer, token and experts")
         layer, token = _number(rec["layer"], f"line {n}'s layer"), _number(rec["token"], f"line {n}'s token")
         if token in rows.setdefault(layer, {}):
-            raise _Bad(f"line {n} routes layer {layer} token {token} a second time")
+            raise NotATrace(f"line {n} routes layer {layer} token {token} a second time")
         rows[layer][token] = (rec["experts"], rec.get("weights"))
     if not rows:
-        raise _Bad("no routing in it")
+        raise NotATrace("no routing in it")
     layers = sorted(rows)
     for layer in layers:
         missing = sorted(set(range(max(rows[layer]) + 1)) - set(rows[layer]))
         if missing:
-            raise _Bad(f"layer {layer} lacks token {missing[0]}")
+            raise NotATrace(f"layer {layer} lacks token {missing[0]}")
     ids = _stacked([_rows([rows[la][t][0] for t in range(len(rows[la]))], f"layer {la}", np.int64)
                     for la in layers], layers)
     weighed = {rows[la][t][1] is not None for la in layers for t in rows[la]}
     if weighed == {True, False}:
-        raise _Bad("weights on some lines only")
+        raise NotATrace("weights on some lines only")
     w = None
     if weighed == {True}:
         w = _stacked([_rows([rows[la][t][1] for t in range(len(rows[la]))], f"layer {la}'s weights", np.float64)
                       for la in layers], layers)
         if w.shape != ids.shape:
-            raise _Bad(f"weights of shape {w.shape}, not the ids' {ids.shape}")
+            raise NotATrace(f"weights of shape {w.shape}, not the ids' {ids.shape}")
     return RouteTrace(ids, w, layers)
 
 
@@ -193,20 +189,21 @@ def _from_npz(data: bytes) -> RouteTrace:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-        raise _Bad(f"an unreadable NPZ ({e})") from None
+        raise NotATrace(f"an unreadable NPZ ({e})") from None
     if not {"ids", "layers", "meta"} <= set(arrays):
-        raise _Bad(f"an NPZ without ids, layers and meta (it holds {', '.join(sorted(arrays)) or 'nothing'})")
+        raise NotATrace(f"an NPZ without ids, layers and meta (it holds {', '.join(sorted(arrays)) or 'nothing'})")
     try:
         meta = json.loads(str(arrays["meta"]))
     except json.JSONDecodeError:
-        raise _Bad("meta is not JSON") from None
+        raise NotATrace("meta is not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise _Bad(f"meta does not say format {FORMAT} version {VERSION}")
+        raise NotATrace(f"meta does not say format {FORMAT} version {VERSION}")
     ids, w, layers = arrays["ids"], arrays.get("weights"), arrays["layers"]
     if ids.ndim != 3 or ids.dtype.kind not in "iu" or layers.shape != (ids.shape[0],):
-        raise _Bad(f"ids of shape {ids.shape} ({ids.dtype}) with {layers.shape} layers; expected (L, T, K) integers")
+        raise NotATrace(f"ids of shape {ids.shape} ({ids.dtype}) with {layers.shape} layers; "
+                        "expected (L, T, K) integers")
     if w is not None and (w.shape != ids.shape or w.dtype.kind != "f"):
-        raise _Bad(f"weights of shape {w.shape} ({w.dtype}), not the ids' {ids.shape} floats")
+        raise NotATrace(f"weights of shape {w.shape} ({w.dtype}), not the ids' {ids.shape} floats")
     tokens = arrays.get("tokens")
     return RouteTrace(ids.astype(np.int64), w, [int(n) for n in layers], _opt_int(meta, "num_experts"),
                       _opt_int(meta, "prompt_tokens"), None if tokens is None else [int(t) for t in tokens])
@@ -221,22 +218,22 @@ def _checked(t: RouteTrace, what: str) -> RouteTrace:
         t.ids = t.ids[:, :keep]
         t.weights = None if t.weights is None else t.weights[:, :keep]
     if t.ids.shape[1] == 0 or t.ids.shape[2] == 0:
-        raise _Bad("no token routed")
+        raise NotATrace("no token routed")
     if (t.ids < 0).any():
         layer, token, _ = np.argwhere(t.ids < 0)[0]
-        raise _Bad(f"layer {t.layers[layer]} token {token} has a negative id before the trailing padding")
+        raise NotATrace(f"layer {t.layers[layer]} token {token} has a negative id before the trailing padding")
     if t.num_experts is not None and t.ids.max() >= t.num_experts:
-        raise _Bad(f"an id of {t.ids.max()} with num_experts {t.num_experts}")
+        raise NotATrace(f"an id of {t.ids.max()} with num_experts {t.num_experts}")
     srt = np.sort(t.ids, axis=2)
     if (srt[..., 1:] == srt[..., :-1]).any():
         layer, token, _ = np.argwhere(srt[..., 1:] == srt[..., :-1])[0]
-        raise _Bad(f"layer {t.layers[layer]} token {token} names an expert twice")
+        raise NotATrace(f"layer {t.layers[layer]} token {token} names an expert twice")
     if t.weights is not None and not np.isfinite(t.weights).all():
-        raise _Bad("a weight that is not a finite number")
+        raise NotATrace("a weight that is not a finite number")
     if t.prompt_tokens is not None and not 0 <= t.prompt_tokens <= t.ids.shape[1]:
-        raise _Bad(f"prompt_tokens {t.prompt_tokens} outside its {t.ids.shape[1]} tokens")
+        raise NotATrace(f"prompt_tokens {t.prompt_tokens} outside its {t.ids.shape[1]} tokens")
     if len(set(t.layers)) != len(t.layers):
-        raise _Bad("a layer named twice")
+        raise NotATrace("a layer named twice")
     t.ids = t.ids.astype(np.int32)
     t.weights = None if t.weights is None else t.weights.astype(np.float32)
     return t
@@ -245,14 +242,14 @@ def _checked(t: RouteTrace, what: str) -> RouteTrace:
 def _rows(rows, what: str, dtype) -> np.ndarray:
     """(T, K) of a list of equal-length lists of numbers (ints where dtype is an integer type)."""
     if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
-        raise _Bad(f"{what} is not a list of rows")
+        raise NotATrace(f"{what} is not a list of rows")
     lengths = {len(r) for r in rows}
     if len(lengths) > 1:
-        raise _Bad(f"{what} has rows of {min(lengths)} and of {max(lengths)} entries")
+        raise NotATrace(f"{what} has rows of {min(lengths)} and of {max(lengths)} entries")
     ints = np.issubdtype(dtype, np.integer)
     ok = (lambda v: type(v) is int) if ints else (lambda v: type(v) in (int, float))
     if not all(ok(v) for r in rows for v in r):
-        raise _Bad(f"{what} holds an entry that is not {'an integer' if ints else 'a number'}")
+        raise NotATrace(f"{what} holds an entry that is not {'an integer' if ints else 'a number'}")
     return np.array(rows, dtype=dtype).reshape(len(rows), lengths.pop() if lengths else 0)
 
 
@@ -261,7 +258,8 @@ def _stacked(per_layer: list[np.ndarray], names: list) -> np.ndarray:
     first = per_layer[0].shape
     for n, a in zip(names, per_layer):
         if a.shape != first:
-            raise _Bad(f"layer {names[0]} has {first[0]} tokens of {first[1]}, layer {n} {a.shape[0]} of {a.shape[1]}")
+            raise NotATrace(f"layer {names[0]} has {first[0]} tokens of {first[1]}, "
+                            f"layer {n} {a.shape[0]} of {a.shape[1]}")
     return np.stack(per_layer)
 
 
@@ -271,17 +269,17 @@ def _number(v, what: str) -> int:
         return v
     if isinstance(v, str) and v.isdigit():
         return int(v)
-    raise _Bad(f"{what} {v!r} is not a number")
+    raise NotATrace(f"{what} {v!r} is not a number")
 
 
 def _opt_int(doc: dict, key: str) -> int | None:
     v = doc.get(key)
     if v is not None and (type(v) is not int or v < 0):
-        raise _Bad(f"{key} {v!r} is not a non-negative integer")
+        raise NotATrace(f"{key} {v!r} is not a non-negative integer")
     return v
 
 
 def _opt_ids(v) -> list[int] | None:
     if v is not None and (not isinstance(v, list) or not all(type(t) is int and t >= 0 for t in v)):
-        raise _Bad("tokens is not a list of token ids")
+        raise NotATrace("tokens is not a list of token ids")
     return v

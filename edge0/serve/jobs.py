@@ -13,26 +13,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..engine import Engine
+from ..errors import ApiError
 from ..generation import Figures, GenRequest
 from ..log import log, log_failure
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
-    retry_after: seconds for the Retry-After header (503s)."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, type: str | None = None, *,
-                 param: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_response(status: int, message: str, code: str | None = None, type: str | None = None, *,

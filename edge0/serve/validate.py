@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..engine import ContextExceeded
-from ..errors import Edge0Error
+from ..errors import ContextExceeded, Edge0Error
 from ..flags import not_utf8
 from ..generation import GenRequest
 from .jobs import ApiError

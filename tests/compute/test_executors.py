@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from edge0.compute import kernels
-from edge0.compute.banks import Bank, BankBusy, Fence
+from edge0.compute.banks import Bank, Fence
 from edge0.compute.executors import SlotCache, SlotStats, fill_slots
 from edge0.compute.experts import switch_glu
+from edge0.errors import BankBusy
 from edge0.io.reader import BundleReader
 from edge0.model.load import load_store
 
