@@ -113,3 +113,44 @@ def test_exception_classes_live_in_errors():
         stray += [f"{name}.{c.name}" for c in classes
                   if _base_names(c) & mine or any(b.endswith(("Error", "Exception")) for b in _base_names(c))]
     assert stray == []
+
+
+# Where a command prints its own output: a whole module (None) or a module's command and report functions.
+# Everything else logs through edge0.log (diagnostics, progress notes, warnings).
+COMMAND_PRINTS = {
+    "edge0.cli": None, "edge0.run": None, "edge0.commands": None, "edge0.commands.run": None,
+    "edge0.bench": None, "edge0.bench_kernels": None, "edge0.bench_serve": None, "edge0.llama_arm": None,
+    "edge0.log": None,  # the log's own sink
+    "edge0.eval": {"eval_cli", "main"},
+    "edge0.export.gguf": {"export_gguf_cli"},
+    "edge0.io.verify": {"verify_cli"},
+    "edge0.model.workload": {"workload_cli"},
+    "edge0.sched.summarize": {"trace_cli", "print_summary", "print_windows"},
+    "edge0.serve.chat": {"chat", "command", "turn"},  # the chat command's conversation
+    "edge0.train.base": {"train_base_cli", "main"},
+    "edge0.train.distill": {"train_distill_cli"},
+    "edge0.train.heads": {"train_heads_cli"},
+    "edge0.train.lora": {"train_lora_cli"},
+    "edge0.train.merge": {"main"},
+}
+
+
+def _prints(tree: ast.AST, function: str = "") -> list[tuple[str, int]]:
+    """(enclosing function, line) of each use of `print`, a call or a value passed on (emit=print)."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Name) and node.id == "print":
+            found.append((function, node.lineno))
+        inner = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+        found += _prints(node, inner)
+    return found
+
+
+def test_library_code_logs_and_only_commands_print():
+    stray = []
+    for name, path in modules().items():
+        allowed = COMMAND_PRINTS.get(name, set())
+        if allowed is not None:
+            stray += [f"{name}.{fn or '<module>'}:{line}" for fn, line in _prints(ast.parse(path.read_text()))
+                      if fn not in allowed]
+    assert stray == []

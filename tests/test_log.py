@@ -26,3 +26,26 @@ def test_json_lines_carry_the_same_fields(capsys):
     finally:
         configure()
     assert '"event": "generation failed"' in capsys.readouterr().err
+
+
+def test_library_notes_go_through_the_log(models, tmp_path, monkeypatch, capsys):
+    """verify's problems and the training BLAS notice are log events: JSON lines once the log is configured so."""
+    import json
+    import shutil
+
+    from edge0.io.verify import verify_cli
+    from edge0.train import loop
+
+    store = tmp_path / "store"
+    shutil.copytree(models("qwen3_moe"), store)
+    (store / "config.json").write_text((store / "config.json").read_text() + " ")  # its checksum no longer holds
+    monkeypatch.setattr(loop, "blas", lambda: "reference BLAS (MLX's Linux CPU wheel)")
+    configure(json=True)
+    try:
+        assert verify_cli(str(store)) == 1
+        loop.blas_notice(loop.World(0, 1), True)
+    finally:
+        configure()
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert [e["level"] for e in events] == ["error", "info"]
+    assert str(store / "config.json") in events[0]["event"] and "reference BLAS" in events[1]["event"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Edge0Error
+from ..log import log
 from .layerfile import check_header
 from .manifest import (MANIFEST, LayerEntry, Manifest, file_entry, manifest_checksum, read_json, read_manifest,
                        store_file)
@@ -229,9 +230,9 @@ def verify_cli(store: str, config_check=None) -> int:
               disable=None) as bar:
         report = verify_store(root, config_check=config_check, progress=bar)
     for w in report.warnings:
-        print(f"edge0: warning: {w}", file=sys.stderr)
+        log.warning(w)
     for p in report.problems:
-        print(f"edge0: error: {p}", file=sys.stderr)
+        log.error(p)
     if report.problems:
         return 1
     layers = len(manifest.layers)

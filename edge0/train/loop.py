@@ -28,6 +28,7 @@ from ..errors import Edge0Error
 from ..io.atomic import atomic_path, write_atomic
 from ..io.manifest import MANIFEST, record_files
 from ..io.outputs import check_trained_out
+from ..log import log
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,9 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian's libopenblas0
 def blas_notice(world: World, enabled: bool) -> None:
     """One line on stderr (the writer, with progress shown) when training would run on the reference BLAS."""
     if enabled and world.writer and blas().startswith("reference"):
-        print(f"edge0: MLX's CPU wheel multiplies float matrices with the reference BLAS; training steps run about "
-              f"4.5x faster with OpenBLAS preloaded: apt-get install libopenblas0-pthread, then put "
-              f"LD_PRELOAD={OPENBLAS} OPENBLAS_NUM_THREADS=1 before the command", file=sys.stderr)
+        log.info(f"MLX's CPU wheel multiplies float matrices with the reference BLAS; training steps run about "
+                 f"4.5x faster with OpenBLAS preloaded: apt-get install libopenblas0-pthread, then put "
+                 f"LD_PRELOAD={OPENBLAS} OPENBLAS_NUM_THREADS=1 before the command")
 
 
 def progress_bar(world: World, total: int, initial: int, desc: str, enabled: bool):
