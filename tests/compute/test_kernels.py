@@ -2,7 +2,6 @@
 ops against MLX's bits, and the packed weight layout. Extension tests skip when it is not built.
 Shapes: T tokens, K routed, E experts, D inputs, N outputs."""
 
-import gc
 import os
 import subprocess
 import sys

@@ -3,7 +3,6 @@ the small files' checksums and each layer file's size and header; a file the man
 not another mode; a store reads only inside itself; bytes that are not UTF-8, and a manifest that disagrees with
 config.json, are one clear line."""
 
-import json
 import os
 import shutil
 import zlib
