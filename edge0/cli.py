@@ -56,8 +56,12 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _trace_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["summarize"])
+    p.add_argument("action", choices=["summarize", "synth"], help="synth: write a SYNTHETIC routing trace to FILE "
+                   "(no model's routing: statistics fitted to the OLMoE traces; docs/USAGE.md \"Routing traces\")")
     p.add_argument("file", metavar="FILE")
+    for flag in ("--layers", "--experts", "--top-k", "--tokens"):
+        p.add_argument(flag, type=int, help="synth: the trace's MoE layers, experts a layer, K, rows (each required)")
+    p.add_argument("--seed", type=int, help="synth: the generator's seed (default 0)")
     p.add_argument("--plot", metavar="PNG", help="draw a few steps' timeline and the load-cost fit (.png, .svg or .pdf)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--windows", type=int, metavar="N", help="also the step times, stalls and reads of every N "

@@ -270,6 +270,14 @@ def check_plot(out: str, trace: str) -> None:
 
 
 def trace_cli(args) -> int:
+    if args.action == "synth":
+        from ..io.routesynth import synth_cli
+
+        print(synth_cli(args))
+        return 0
+    given = [f for f in ("layers", "experts", "top_k", "tokens", "seed") if getattr(args, f, None) is not None]
+    if given:
+        raise Edge0Error(f"--{given[0].replace('_', '-')}: only `edge0 trace synth` reads it")
     if args.action != "summarize":
         raise Edge0Error(f"`edge0 trace {args.action}`: unknown action (summarize)")
     if args.windows is not None and args.windows < 1:
