@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import Edge0Error
+from .io.pool import IO_WORKERS  # io/ imports nothing above it, so its pool's default is defined there
 
 ROUTINGS = ("native", "prefetch", "predicted")
 PREDICTORS = ("repeat", "next-router", "heads")
@@ -19,10 +20,9 @@ EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
 IO_MODES = ("pread", "mmap", "direct")
 READ_AHEAD = ("measured", "always", "never")
 PLACEMENTS = ("auto", "even")
-EVICTIONS = ("lfu", "lru")  # compute/eviction.py POLICIES
+EVICTIONS = ("lfu", "lru")  # the first is the default
 DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "mlx", "edge0")
-IO_WORKERS = 8  # I/O pool threads (every read): they block in the kernel, so more than cores (docs/lab/pipeline.md)
 MAX_IO_WORKERS = 64
 MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise

@@ -154,3 +154,21 @@ def test_library_code_logs_and_only_commands_print():
             stray += [f"{name}.{fn or '<module>'}:{line}" for fn, line in _prints(ast.parse(path.read_text()))
                       if fn not in allowed]
     assert stray == []
+
+
+# Equal tuples that are two facts, not one list written twice.
+SAME_BY_CHANCE = {
+    ("gate_proj", "up_proj", "down_proj"): "export/ reads stores with numpy alone, without compute/'s MLX",
+    (32, 64, 128): "the group sizes mx.quantize takes (model/convert) and those the edge0 kernel runs (compute/qmm)",
+}
+
+
+def test_each_choice_list_is_defined_once():
+    where: dict[tuple, list[str]] = {}
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and len(node.value.elts) > 1
+                    and all(isinstance(e, ast.Constant) for e in node.value.elts)):
+                where.setdefault(ast.literal_eval(node.value), []).extend(
+                    f"{name}.{t.id}" for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+    assert {v: m for v, m in where.items() if len(m) > 1 and v not in SAME_BY_CHANCE} == {}

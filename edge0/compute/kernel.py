@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..config import KERNELS
 from ..errors import Edge0Error
 from . import kernels
-
-KERNELS = ("auto", "mlx", "edge0")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..config import EXECUTORS
 from ..errors import Edge0Error
 from ..io.cgroup import memory_room
 from .banks import Bank, Fence
@@ -15,7 +16,6 @@ from .eviction import DECAY
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
 from .experts import ExactExperts, ResidentExperts
 
-EXECUTORS = ("exact", "staged", "hot", "resident")
 DEFAULT_HOT_GIB = 1.0  # hot LRU size when no --memory-budget is given
 PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of bundles larger than this: each fill
 # repacks its slot (on the thread that read it: the graph-building one for a bundle this small in the page cache),
@@ -118,8 +118,8 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     held (staged): layers that hold every expert, loaded now (ResidentExperts), the other layers' banks sharing
     what `slots` per layer would take (streamed_slots).
     """
-    if executor != "auto" and executor not in EXECUTORS:
-        raise Edge0Error(f"--executor {executor}: choose auto, {', '.join(EXECUTORS)}")
+    if executor not in EXECUTORS:
+        raise Edge0Error(f"--executor {executor}: choose {', '.join(EXECUTORS)}")
     m = reader.manifest
     fence = Fence()
     budget = None if memory_budget_gib is None else int(memory_budget_gib * 2**30)

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config
 from tqdm import tqdm
 
+from ..compute.expert_math import GLU_PROJS as PROJS, MLP_PROJS
 from ..errors import Edge0Error
 from ..io.atomic import atomic_dir, free_bytes, no_space
 from ..io.layerfile import LayerFileWriter, bundle_layout
@@ -34,8 +35,6 @@ from .load import RESIDENT, cast_floats
 from .routers import ROUTERS
 
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint8: "U8"}
-PROJS = ("gate_proj", "up_proj", "down_proj")
-MLP_PROJS = ("fc1", "fc2")
 KINDS = ("weight", "scales", "biases", "bias")
 _SKIP = re.compile(rf"(^model.*\.safetensors$|^model\.safetensors\.index\.json$|^config\.json$|^edge0\.json$|^\."
                    rf"|^{re.escape(MADE_MODEL_KIND.sign)}$)")
