@@ -1,7 +1,7 @@
 """The `edge0` command: one console script, one subcommand per job (`edge0 --help`).
 
-Each subcommand's flags and code live in its own module; this file only assembles the parser and
-dispatches, importing a command's module when that command runs (start-up stays fast).
+Each subcommand's flags and code live in its own module; this file's one table (COMMANDS) names them, and a
+command's module is imported only when that command is parsed or runs (start-up stays fast).
 """
 
 from __future__ import annotations
@@ -36,25 +36,6 @@ def _make_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT")
 
 
-def _workload_flags(p: argparse.ArgumentParser) -> None:
-    from .model.workload import add_workload_flags
-
-    add_workload_flags(p)
-
-
-def _train_flags(p: argparse.ArgumentParser) -> None:
-    from .train.base import add_train_base_flags
-    from .train.heads import add_train_heads_flags
-    from .train.distill import add_train_distill_flags
-    from .train.lora import add_train_lora_flags
-
-    train = p.add_subparsers(dest="phase", required=True, metavar="PHASE")
-    add_train_base_flags(train.add_parser("base", help="train a small MoE LM from scratch on the stdlib's source"))
-    add_train_heads_flags(train.add_parser("heads", help="distil prerouter heads on a store (Phase 1)"))
-    add_train_lora_flags(train.add_parser("lora", help="train the recovery adapter on the student path (Phase 2)"))
-    add_train_distill_flags(train.add_parser("distill", help="distil the adapter on-policy from the teacher (Phase 3)"))
-
-
 def _trace_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["summarize", "synth"], help="synth: write a SYNTHETIC routing trace to FILE "
                    "(no model's routing: statistics fitted to the OLMoE traces; docs/USAGE.md \"Routing traces\")")
@@ -68,6 +49,16 @@ def _trace_flags(p: argparse.ArgumentParser) -> None:
                    "decode steps (a run's trend; the stretches --read-ahead measured compares)")
 
 
+def _lazy(module: str, name: str):
+    """`name` of edge0's `module`, imported when it is called (start-up and --help stay fast)."""
+    def call(arg):
+        from importlib import import_module
+
+        return getattr(import_module(f"edge0.{module}"), name)(arg)
+
+    return call
+
+
 def _bench_flags(p: argparse.ArgumentParser) -> None:
     from .bench import add_bench_flags
     from .bench_kernels import add_bench_kernels_flags
@@ -77,120 +68,14 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     add_bench_kernels_flags(p)
 
 
-def _export_gguf_flags(p):
-    from .export.gguf import add_export_gguf_flags
+def _make_model(args) -> int:
+    from .flags import check_seed
+    from .model.make import make_model
 
-    add_export_gguf_flags(p)
-
-
-def _run_flags(p):
-    from .commands.run import add_run_flags
-
-    add_run_flags(p)
-
-
-def _eval_flags(p):
-    from .eval import add_eval_flags
-
-    add_eval_flags(p)
-
-
-def _serve_flags(p):
-    from .serve import add_serve_flags
-
-    add_serve_flags(p)
-
-
-def _chat_flags(p):
-    from .serve import add_chat_flags
-
-    add_chat_flags(p)
-
-
-# name -> (help, description, flags); the order is `edge0 --help`'s
-COMMANDS = {
-    "run": ("generate text, streaming tokens to stdout", "Generate text with an Edge0 store.", _run_flags),
-    "convert": ("mlx-lm 4-bit or Hugging Face MoE checkpoint -> Edge0 store",
-                "Turn an mlx-lm (4-bit) or Hugging Face (bf16/fp16/fp32) MoE checkpoint into an Edge0 store.",
-                _convert_flags),
-    "export-gguf": ("store -> GGUF file for llama.cpp (q4_1: the same 4-bit weights)",
-                    "Write a store as a GGUF file that llama.cpp runs, tensor by tensor.", _export_gguf_flags),
-    "verify": ("check every file of a store against its manifest", "Check a store's files, checksums and manifest.",
-               lambda p: p.add_argument("store", metavar="STORE", nargs="?", default=None,
-                                        help="the store (default: the built-in model's)")),
-    "make-model": ("write a random-weight MoE checkpoint of a real architecture",
-                   "Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.", _make_model_flags),
-    "make-workload": ("a store where reads matter: a trained model's experts widened, heads on every layer",
-                      "Widen a trained store's experts (zero neurons: same outputs, larger reads) and train prerouter "
-                      "heads for every MoE layer: the pipeline's benchmark workload.", _workload_flags),
-    "train": ("train: base (the demo model), heads (Phase 1), lora (Phase 2), distill (Phase 3)",
-              "Training phases: the base model, prerouter heads, the recovery adapter and its on-policy distillation.",
-              _train_flags),
-    "eval": ("quality of the served path: perplexity, top-1 agreement and KL vs a teacher",
-             "Evaluate a store as served (or an mlx-lm checkpoint) on held-out text.", _eval_flags),
-    "trace": ("read a timeline trace: breakdown, load-cost fit, plot",
-              "Summarize a trace written by `edge0 run --trace PATH`.", _trace_flags),
-    "bench": ("throughput experiments (each arm in its own process)", "Throughput experiments.", _bench_flags),
-    "serve": ("OpenAI-compatible HTTP server (chat and text completions, SSE)",
-              "Serve a store over an OpenAI-compatible HTTP API.", _serve_flags),
-    "chat": ("interactive terminal chat", "Chat with a store.", _chat_flags),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edge0", description="Serve MoE models larger than memory, experts streamed from SSD.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_, description, flags) in COMMANDS.items():
-        flags(sub.add_parser(name, help=help_, description=description))
-    return parser
-
-
-def dispatch(args: argparse.Namespace) -> int:
-    """Run the parsed command."""
-    c = args.command
-    if c == "run":
-        from .commands.run import run
-
-        return run(args)
-    if c == "convert":
-        return _convert(args)
-    if c == "verify":
-        return verify(args.store)
-    if c == "export-gguf":
-        from .export.gguf import export_gguf_cli
-
-        return export_gguf_cli(args)
-    if c == "make-model":
-        from .flags import check_seed
-        from .model.make import make_model
-
-        check_seed(args.seed)
-        print(f"wrote {make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)}",
-              file=sys.stderr)
-        return 0
-    if c == "make-workload":
-        from .model.workload import workload_cli
-
-        return workload_cli(args)
-    if c == "train":
-        return _train(args)
-    if c == "eval":
-        from .eval import eval_cli
-
-        return eval_cli(args)
-    if c == "trace":
-        from .sched.summarize import trace_cli
-
-        return trace_cli(args)
-    if c == "bench":
-        from .bench import bench_cli
-
-        return bench_cli(args)
-    if c in ("serve", "chat"):
-        from .serve import chat_cli, serve_cli
-
-        return (serve_cli if c == "serve" else chat_cli)(args)
-    raise Edge0Error(f"`edge0 {c}`: unknown command")
+    check_seed(args.seed)
+    print(f"wrote {make_model(args.arch, args.preset, args.out, fmt=args.format, seed=args.seed, force=args.force)}",
+          file=sys.stderr)
+    return 0
 
 
 def _convert(args) -> int:
@@ -209,24 +94,78 @@ def verify(store: str | None) -> int:
     return verify_cli(store or str(DEMO_STORE), config_problems)
 
 
-def _train(args) -> int:
-    if args.phase == "base":
-        from .train.base import train_base_cli
+def _verify_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE", nargs="?", default=None, help="the store (default: the built-in model's)")
 
-        return train_base_cli(args)
-    if args.phase == "heads":
-        from .train.heads import train_heads_cli
 
-        return train_heads_cli(args)
-    if args.phase == "lora":
-        from .train.lora import train_lora_cli
+# `edge0 train PHASE`: phase -> (help, flags, main)
+PHASES = {
+    "base": ("train a small MoE LM from scratch on the stdlib's source",
+             _lazy("train.base", "add_train_base_flags"), _lazy("train.base", "train_base_cli")),
+    "heads": ("distil prerouter heads on a store (Phase 1)",
+              _lazy("train.heads", "add_train_heads_flags"), _lazy("train.heads", "train_heads_cli")),
+    "lora": ("train the recovery adapter on the student path (Phase 2)",
+             _lazy("train.lora", "add_train_lora_flags"), _lazy("train.lora", "train_lora_cli")),
+    "distill": ("distil the adapter on-policy from the teacher (Phase 3)",
+                _lazy("train.distill", "add_train_distill_flags"), _lazy("train.distill", "train_distill_cli")),
+}
 
-        return train_lora_cli(args)
-    if args.phase == "distill":
-        from .train.distill import train_distill_cli
 
-        return train_distill_cli(args)
-    raise Edge0Error(f"`edge0 train {args.phase}`: unknown phase")
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    train = p.add_subparsers(dest="phase", required=True, metavar="PHASE")
+    for name, (help_, flags, _) in PHASES.items():
+        flags(train.add_parser(name, help=help_))
+
+
+# The one table of subcommands: name -> (help, description, flags, main); the order is `edge0 --help`'s
+COMMANDS = {
+    "run": ("generate text, streaming tokens to stdout", "Generate text with an Edge0 store.",
+            _lazy("commands.run", "add_run_flags"), _lazy("commands.run", "run")),
+    "convert": ("mlx-lm 4-bit or Hugging Face MoE checkpoint -> Edge0 store",
+                "Turn an mlx-lm (4-bit) or Hugging Face (bf16/fp16/fp32) MoE checkpoint into an Edge0 store.",
+                _convert_flags, _convert),
+    "export-gguf": ("store -> GGUF file for llama.cpp (q4_1: the same 4-bit weights)",
+                    "Write a store as a GGUF file that llama.cpp runs, tensor by tensor.",
+                    _lazy("export.gguf", "add_export_gguf_flags"), _lazy("export.gguf", "export_gguf_cli")),
+    "verify": ("check every file of a store against its manifest", "Check a store's files, checksums and manifest.",
+               _verify_flags, lambda args: verify(args.store)),
+    "make-model": ("write a random-weight MoE checkpoint of a real architecture",
+                   "Write a random-weight checkpoint (mlx-lm or Hugging Face layout) with a tokenizer.",
+                   _make_model_flags, _make_model),
+    "make-workload": ("a store where reads matter: a trained model's experts widened, heads on every layer",
+                      "Widen a trained store's experts (zero neurons: same outputs, larger reads) and train prerouter "
+                      "heads for every MoE layer: the pipeline's benchmark workload.",
+                      _lazy("model.workload", "add_workload_flags"), _lazy("model.workload", "workload_cli")),
+    "train": ("train: base (the demo model), heads (Phase 1), lora (Phase 2), distill (Phase 3)",
+              "Training phases: the base model, prerouter heads, the recovery adapter and its on-policy distillation.",
+              _train_flags, lambda args: PHASES[args.phase][2](args)),
+    "eval": ("quality of the served path: perplexity, top-1 agreement and KL vs a teacher",
+             "Evaluate a store as served (or an mlx-lm checkpoint) on held-out text.",
+             _lazy("eval", "add_eval_flags"), _lazy("eval", "eval_cli")),
+    "trace": ("read a timeline trace: breakdown, load-cost fit, plot",
+              "Summarize a trace written by `edge0 run --trace PATH`.", _trace_flags, _lazy("sched.summarize", "trace_cli")),
+    "bench": ("throughput experiments (each arm in its own process)", "Throughput experiments.",
+              _bench_flags, _lazy("bench", "bench_cli")),
+    "serve": ("OpenAI-compatible HTTP server (chat and text completions, SSE)",
+              "Serve a store over an OpenAI-compatible HTTP API.",
+              _lazy("serve", "add_serve_flags"), _lazy("serve", "serve_cli")),
+    "chat": ("interactive terminal chat", "Chat with a store.", _lazy("serve", "add_chat_flags"), _lazy("serve", "chat_cli")),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge0", description="Serve MoE models larger than memory, experts streamed from SSD.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, description, flags, _) in COMMANDS.items():
+        flags(sub.add_parser(name, help=help_, description=description))
+    return parser
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the parsed command."""
+    if args.command not in COMMANDS:
+        raise Edge0Error(f"`edge0 {args.command}`: unknown command")
+    return COMMANDS[args.command][3](args)
 
 
 def main(argv: list[str] | None = None) -> int:
