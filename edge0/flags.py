@@ -134,6 +134,11 @@ def sampling(args: argparse.Namespace) -> Sampling:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty).check()
 
 
+def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, Sampling]:
+    """(EngineConfig, Sampling) of serve's or chat's flags, checked."""
+    return engine_config(args), sampling(args)
+
+
 def not_utf8(text: str) -> int | None:
     """The byte offset of the first undecodable byte of text a user gave (an argument, a line of standard input, a file
     decoded with surrogateescape: Python keeps such bytes as lone surrogates; a JSON string's lone \\ud800 is one too;

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, engine_config, sampling
+from ..flags import add_engine_flags, add_log_flags, add_sampling_flags, serve_configs
 from ..log import log
 
 
@@ -16,11 +16,6 @@ def _add_shared_flags(p: argparse.ArgumentParser, *, seed_help: str) -> None:
     add_engine_flags(p)
     add_sampling_flags(p, max_tokens=512, seed=None, seed_help=seed_help)
     add_log_flags(p)
-
-
-def serve_configs(args: argparse.Namespace):
-    """(EngineConfig, Sampling) of serve's or chat's flags, checked."""
-    return engine_config(args), sampling(args)
 
 
 DEFAULT_MAX_BATCH = 4  # concurrent requests decoded together by default (llama.cpp's server has 4 slots)

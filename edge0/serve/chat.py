@@ -15,7 +15,7 @@ import threading
 
 from ..engine import Engine, open_engine
 from ..errors import Edge0Error
-from ..flags import not_utf8
+from ..flags import not_utf8, serve_configs
 from ..generation import Figures, GenRequest
 
 HELP = "/stats  figures of the last answer (and toggle them after every answer)\n" \
@@ -75,8 +75,6 @@ class Conversation:
 
 
 def chat(args, *, stdin=None, out=None) -> int:
-    from . import serve_configs
-
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     config, samp = serve_configs(args)
