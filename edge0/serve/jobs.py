@@ -19,6 +19,9 @@ from ..log import log, log_failure
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
+# MLX keeps freed buffers for reuse up to its memory limit: a long-running server's pool would grow to its busiest
+# moment's transients and stay there. On the CPU, Edge0's device, malloc already reuses freed memory.
+SERVE_MLX_CACHE_BYTES = 0
 
 
 def error_response(status: int, message: str, code: str | None = None, type: str | None = None, *,
@@ -139,8 +142,13 @@ class JobQueue:
         self.task: asyncio.Task | None = None
         self.unhealthy: str | None = None  # why the engine is not fit to generate (after an error), else None
         self.closing = False  # the server stops: nothing new is taken
+        self.mlx_cache_limit: int | None = None  # the process's MLX cache limit before start, restored by close
 
     def start(self) -> None:
+        import mlx.core as mx
+
+        self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
+        mx.clear_cache()  # what loading the engine left there
         max_batch = getattr(getattr(self.engine, "config", None), "max_batch", 1)
         if max_batch > 1:
             from .batched import serve_batched
@@ -269,3 +277,7 @@ class JobQueue:
             await asyncio.gather(self.task, return_exceptions=True)
         while not self.waiting.empty():
             self.waiting.get_nowait().events.put_nowait(("error", shutting_down()))
+        if self.mlx_cache_limit is not None:
+            import mlx.core as mx
+
+            mx.set_cache_limit(self.mlx_cache_limit)
