@@ -20,7 +20,7 @@ from ..log import log, log_failure
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
 # MLX keeps freed buffers for reuse up to its memory limit: a long-running server's pool would grow to its busiest
-# moment's transients and stay there. On the CPU, Edge0's device, malloc already reuses freed memory.
+# moment's transients and stay there. On the CPU malloc already reuses freed memory, so the server keeps none.
 SERVE_MLX_CACHE_BYTES = 0
 
 
@@ -147,8 +147,9 @@ class JobQueue:
     def start(self) -> None:
         import mlx.core as mx
 
-        self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
-        mx.clear_cache()  # what loading the engine left there
+        if mx.default_device().type == mx.DeviceType.cpu:  # a GPU's allocations cost more: keep MLX's pool there
+            self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
+            mx.clear_cache()  # what loading the engine left there
         max_batch = getattr(getattr(self.engine, "config", None), "max_batch", 1)
         if max_batch > 1:
             from .batched import serve_batched
