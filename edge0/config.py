@@ -131,6 +131,11 @@ class EngineConfig:
                                  f"banks; omit it, or use --executor {banks[0]}")
         return self
 
+    def banks_asked(self) -> bool:
+        """A flag that arranges slot banks was given: under --executor auto they stream (staged) instead of being
+        dropped where every expert would fit in memory."""
+        return self.slots is not None or self.placement != "auto" or self.evict != "lfu"
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -281,7 +281,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         for f in path.rglob("*.safetensors"):
             evict(f)
     with kernel.active():
-        executor = "staged" if c.executor == "auto" and c.slots is not None else c.executor  # --slots: staged banks
+        executor = "staged" if c.executor == "auto" and c.banks_asked() else c.executor
         store = load_store(path, dtype=c.dtype, verify=c.verify, executor=executor, slots=slots,
                            memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
                            build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None,
@@ -352,11 +352,11 @@ def _candidates(c: EngineConfig, manifest, resident: bool) -> int:
 
 
 def _resident(c: EngineConfig, manifest, cdtype) -> bool:
-    """Predicted routing over every expert in memory: --executor resident, or auto (no --slots) where they fit
+    """Predicted routing over every expert in memory: --executor resident, or auto (no bank flag) where they fit
     (compute/runtime.py auto_executor): nothing to read during decode, so nothing to schedule."""
     from .compute.runtime import auto_executor
 
-    if c.executor != "auto" or c.slots is not None:
+    if c.executor != "auto" or c.banks_asked():
         return c.executor == "resident"
     budget = None if c.memory_budget_gib is None else int(c.memory_budget_gib * 2**30)
     return auto_executor(manifest, cdtype, budget) == "resident"
