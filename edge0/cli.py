@@ -61,7 +61,7 @@ def _lazy(module: str, name: str):
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
     from .bench import add_bench_flags
-    from .bench_kernels import add_bench_kernels_flags
+    from .bench.kernels import add_bench_kernels_flags
 
     add_bench_flags(p)
     p.add_argument("--kernels", action="store_true", help="the kernel micro-benchmark instead of model arms")

@@ -309,7 +309,7 @@ def test_a_batched_step_advances_the_positions_once_for_every_layer():
     (each layer's cache selects its own rows). The answers stay each sequence's alone (the tests above)."""
     import mlx.core as mx
 
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
 
     with open_engine(EngineConfig(kernel="edge0", max_batch=4, prompt_cache_gib=0)) as engine:
         layers = len(engine.store.model.layers)

@@ -134,7 +134,7 @@ def test_bench_llama_arm_replays_the_same_tokens(models, tmp_path):
 
 
 def _cgroups_or_skip():
-    from edge0.bench_cap import MemoryCap
+    from edge0.bench.cap import MemoryCap
     from edge0.errors import Edge0Error
 
     try:
@@ -220,7 +220,7 @@ def test_bench_memory_cap_refused_in_one_line(models, tmp_path, capsys, monkeypa
     argv = ["bench", "--store", str(models("qwen3_moe")), "--arms", "staged", "--out", str(tmp_path / "out")]
     assert main(argv + ["--memory-cap", "-1"]) == 2
     assert "--memory-cap -1: must be GiB more than 0, or none" in capsys.readouterr().err
-    import edge0.bench_cap as bench_cap
+    import edge0.bench.cap as bench_cap
 
     monkeypatch.setattr(bench_cap, "own_memory_cgroup", lambda: (tmp_path / "no-such-cgroup", False))
     assert main(argv + ["--memory-cap", "8"]) == 2
@@ -268,7 +268,7 @@ def test_bench_refuses_a_short_replay_text_before_writing(models, tmp_path, caps
 def test_a_memory_cap_leaves_auto_less_room(tmp_path):
     """Inside a capped cgroup (v1 or v2, as bench --memory-cap makes them) the room --executor auto sizes its
     choice by is at most the cap, whatever the machine has free."""
-    from edge0.bench_cap import MemoryCap
+    from edge0.bench.cap import MemoryCap
 
     _cgroups_or_skip()
     probe = ("from edge0.io.cgroup import memory_room; from edge0.compute.runtime import available_memory; "
@@ -281,7 +281,7 @@ def test_a_memory_cap_leaves_auto_less_room(tmp_path):
 
 def test_the_adapter_pairs_differ_only_by_the_adapter():
     """Each arm without the adapter is its partner's flags plus --lora none (what the adapter costs is their ratio)."""
-    from edge0.bench_arms import ARMS, arm_flags
+    from edge0.bench.arms import ARMS, arm_flags
 
     for arm in ("predicted", "predicted:resident"):
         assert f"{arm}:no-lora" in ARMS
@@ -308,7 +308,7 @@ def test_the_pipeline_limit_takes_the_resident_floor_only_at_the_arms_threads():
     """An arm's limit is max(the resident arm's step, its reads) where the resident arm ran on its threads; without
     --threads each arm runs on its engine's default (on 2 cores the resident arm on 2, streamed arms on 1), and a floor
     of other threads gives no limit."""
-    from edge0.bench_table import summarize
+    from edge0.bench.table import summarize
 
     def run(tok_s, threads, loads=0.0):
         return {"decode_tok_s": tok_s, "dtype": "float32", "kernel": "edge0", "threads": threads,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("openai")
 
-from edge0 import bench_serve  # noqa: E402
+from edge0.bench import serve as bench_serve  # noqa: E402
 from edge0.engine import demo_store  # noqa: E402
 
 CLIENTS, REQUESTS, TOKENS = 2, 2, 4

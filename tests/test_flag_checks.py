@@ -145,7 +145,7 @@ def test_training_stops_when_its_loss_is_no_longer_a_number(models, tmp_path):
 def test_every_bench_flag_is_read_by_a_named_benchmark():
     """A flag added to `edge0 bench` without saying which benchmark reads it would be dropped by the others."""
     from edge0.bench import add_bench_flags
-    from edge0.bench_modes import USED_BY, _defaults
+    from edge0.bench.modes import USED_BY, _defaults
 
     assert set(_defaults(add_bench_flags)) - set(USED_BY) == {"serve"}
 

@@ -119,7 +119,7 @@ def test_exception_classes_live_in_errors():
 # Everything else logs through edge0.log (diagnostics, progress notes, warnings).
 COMMAND_PRINTS = {
     "edge0.cli": None, "edge0.run": None, "edge0.commands": None, "edge0.commands.run": None,
-    "edge0.bench": None, "edge0.bench_kernels": None, "edge0.bench_serve": None, "edge0.llama_arm": None,
+    "edge0.bench": None, "edge0.bench.kernels": None, "edge0.bench.serve": None, "edge0.bench.llama": None,
     "edge0.log": None,  # the log's own sink
     "edge0.eval": {"eval_cli", "main"},
     "edge0.export.gguf": {"export_gguf_cli"},

@@ -32,7 +32,7 @@ def graph_nodes(engine, batch) -> int:
     """Nodes of the graph of one more step of the batch (built, not evaluated, then dropped)."""
     import mlx.core as mx
 
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
 
     inputs = mx.array([[s.next_input] for s in batch.seqs], dtype=mx.uint32)
     state, routing = [c.state for c in batch.cache], engine.store.runtime.snapshot()

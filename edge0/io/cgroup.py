@@ -1,7 +1,7 @@
 """This process's memory cgroup: where it is (cgroup v1 or v2) and how much room its limit leaves.
 
 A cgroup's limit counts the page cache its processes bring in, so a process under a cap has less room than
-the machine's free memory says; `edge0 bench --memory-cap` makes such caps (bench_cap.py), and
+the machine's free memory says; `edge0 bench --memory-cap` makes such caps (bench/cap.py), and
 `--executor auto` sizes its choice by the room left (compute/runtime.py).
 """
 

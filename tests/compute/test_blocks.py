@@ -107,7 +107,7 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
     """The default step's graph: per layer one Edge0AttentionBlock (both cache writes, the attention, its output
     projection with the adapter's branches, served in bfloat16, the add-norm) and one Edge0MoeBlock (router, top-k,
     experts, the adapter's branch beside the block, add-norm); no other node of a layer."""
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
     from edge0.model.lora import adapted
@@ -132,7 +132,7 @@ def test_the_layer_blocks_hold_their_weights_and_list_for_mlx_only_what_it_must_
     weights, the adapter's) themselves: MLX sees, of the arrays with no node, only the cache's two buffers (which it
     must see to pass them on to the node's outputs); with holding off every weight is listed, as before. The step's
     log-probabilities are the same bits either way, and the cache's buffers are passed on, never copied."""
-    from edge0.bench_kernels import listed_inputs
+    from edge0.bench.kernels import listed_inputs
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
 
@@ -219,7 +219,7 @@ def test_moe_block_over_a_slot_bank_reads_each_expert_where_the_table_puts_it():
 def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
     """step_log_softmax: the LM head's product and the log-softmax of the step's one position in one node, with the
     bits of the product, the slice and log_softmax run apart, for one sequence and a batch; (V,) the first row."""
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
 

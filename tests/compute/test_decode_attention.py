@@ -10,7 +10,7 @@ from mlx_lm.models import qwen3_moe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from edge0.bench_kernels import node_counts
+from edge0.bench.kernels import node_counts
 from edge0.compute import dense, kernels
 from edge0.compute.qmm import use_kernel_products
 from tests.compute.kernel_refs import every_isa  # noqa: F401 (a fixture: each code path the build runs)

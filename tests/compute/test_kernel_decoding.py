@@ -122,7 +122,7 @@ def test_greedy_decoding_agrees_with_mlx(models, arch, isa):
 def test_edge0_decode_graph_has_fewer_nodes(models):
     """`edge0 bench --kernels --kernel-graph STORE`: the fused ops leave a fraction of MLX's graph, and the nodes that
     keep their weights list a fraction of its inputs."""
-    from edge0.bench_kernels import graph_nodes
+    from edge0.bench.kernels import graph_nodes
 
     (mlx_nodes, mlx_inputs), (edge0_nodes, edge0_inputs) = (graph_nodes(str(models("qwen3_moe")), k)
                                                             for k in ("mlx", "edge0"))
@@ -140,7 +140,7 @@ def test_decoder_stack_fuses_each_residual_add_with_the_next_norm(models):
     from mlx_lm.models import qwen3_moe
     from mlx_lm.models.cache import make_prompt_cache
 
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
     from edge0.compute.dense import KernelQwen3MoeModel
     from edge0.model.load import load_store
 
@@ -171,7 +171,7 @@ def test_decoder_stack_fuses_each_residual_add_with_the_next_norm(models):
 def test_bench_kernels_times_attention_on_the_kernel_it_names():
     """`edge0 bench --kernels`' attention rows: the time per call of the active kernel's attention (edge0's is
     one Edge0Attention node per call; MLX's never reaches the extension)."""
-    from edge0.bench_kernels import _attention_us
+    from edge0.bench.kernels import _attention_us
 
     for kernel, nodes in (("edge0", True), ("mlx", False)):
         use_kernel(kernel)
@@ -186,7 +186,7 @@ def test_bench_kernels_times_attention_on_the_kernel_it_names():
 @needs_ext
 def test_bench_kernels_times_the_embedding_on_the_kernel_it_names():
     """`edge0 bench --kernels`' embedding rows: a lookup under edge0 is one Edge0Embed node, under MLX none."""
-    from edge0.bench_kernels import _embedding_us
+    from edge0.bench.kernels import _embedding_us
 
     for kernel, nodes in (("edge0", True), ("mlx", False)):
         use_kernel(kernel)

@@ -19,7 +19,7 @@ from tests.helpers import use_kernel
 def test_add_norm_runs_its_residuals_node_with_the_same_bits(producer):
     """Edge0AddRMSNorm whose r is a product node not yet evaluated computes r inside it (one node where there were
     two), with the bits of r evaluated first and added apart."""
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
 
     use_kernel("edge0")
     d, h, e, k, t = 256, 128, 6, 3, 5
@@ -54,7 +54,7 @@ def test_add_norm_runs_its_residuals_node_with_the_same_bits(producer):
 def test_routed_glu_and_its_combine_are_one_node_with_the_bits_of_two(t):
     """combine() of a GLU node not yet evaluated builds one node that sums the rows as it computes them, with the
     bits of the GLU node and Edge0Combine run apart (the apart case: the GLU's output evaluated first)."""
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
     from edge0.compute.routing import combine
 
     use_kernel("edge0")
@@ -271,7 +271,7 @@ def test_residual_add_and_norm_are_one_node_with_the_bits_of_two(shape):
     w = mx.random.normal(shape[-1:], key=next(key))
     mx.eval(x, r, w)
     h, n = EXT.add_rms_norm(x, r, w, 1e-6)
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
 
     assert node_counts(n) == {"Edge0AddRMSNorm": 1}
     assert mx.array_equal(h, x + r) and mx.array_equal(n, EXT.rms_norm(x + r, w, 1e-6))

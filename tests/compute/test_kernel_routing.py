@@ -232,7 +232,7 @@ def test_routing_runs_the_router_and_head_nodes_it_decides_from(prev):
     """Edge0SoftmaxTopK whose logits are the router's product, not yet evaluated, runs that product inside it; a head
     whose router input is such a product runs it too, and a SoftmaxTopK deciding from that head runs the head: one
     node each way (Edge0QMV+SoftmaxTopK, Edge0QMV+Head+SoftmaxTopK), the bits of the nodes evaluated apart."""
-    from edge0.bench_kernels import node_counts
+    from edge0.bench.kernels import node_counts
 
     rng = np.random.default_rng(7)
     head = random_head(rng)

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .bench_routes import route_flags
-from .errors import Edge0Error
+from .routes import route_flags
+from ..errors import Edge0Error
 
 
 def make_replay(args, out: Path) -> Path:
@@ -59,7 +59,7 @@ def text_replay(text: str, store: Path, prompt_tokens: int, max_tokens: int) -> 
 
 def given_replay(path: str) -> dict:
     """--replay FILE: {"prompt": [ids], "tokens": [ids]} (tokens may be absent), checked."""
-    from .io.manifest import read_json
+    from ..io.manifest import read_json
 
     if not Path(path).is_file():
         raise Edge0Error(f"--replay {path}: no such file")

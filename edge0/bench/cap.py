@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import Edge0Error
-from .io.atomic import signals_deferred, signals_raise
-from .io.cgroup import memory_cgroup
-from .io.cgroup import read_text as _read
+from ..errors import Edge0Error
+from ..io.atomic import signals_deferred, signals_raise
+from ..io.cgroup import memory_cgroup
+from ..io.cgroup import read_text as _read
 
 GIB = 2**30
 INSTEAD = ("or run each arm under a cap you can set, e.g. `systemd-run --user --scope -p MemoryMax=8G edge0 run "

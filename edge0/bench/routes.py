@@ -12,9 +12,9 @@ expert resident, the arm's reads at that bandwidth).
 
 from __future__ import annotations
 
-from .bench_arms import split_arm
-from .bench_table import is_llama
-from .errors import Edge0Error
+from .arms import split_arm
+from .table import is_llama
+from ..errors import Edge0Error
 
 UNFORCED = ("mlx-lm", "predicted")  # arms whose routing a trace cannot force: mlx-lm's own, or the heads'
 
@@ -30,7 +30,7 @@ def check_routes(args, arms: list[str], m, given: dict | None):
     1 rows), before anything runs; None without --routes. given: the --replay file's contents, if any."""
     if not getattr(args, "routes", None):
         return None
-    from .io.routetrace import check_fits, read_trace
+    from ..io.routetrace import check_fits, read_trace
 
     what = f"--routes {args.routes}"
     for a in arms:
@@ -61,7 +61,7 @@ def routes_section(trace, summary: dict, runs: dict, meta: dict, m) -> list[str]
 def trace_rates(trace, summary: dict, runs: dict, meta: dict) -> None:
     """Per arm with slot banks, the trace's LRU and optimal hit rates for its memory over the rows its banks serve
     (with whole-layer prefill: the prompt's last and each decode step's; else every row), into its summary."""
-    from .compute.eviction import trace_hit_rates
+    from ..compute.eviction import trace_hit_rates
 
     p, n = meta["prompt_tokens"], meta["max_tokens"]
     for key, s in summary.items():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import Edge0Error
-from .flags import positive, refuse_together, whole
+from ..errors import Edge0Error
+from ..flags import positive, refuse_together, whole
 
 ARMS, SERVE, KERNELS = "arms", "serve", "kernels"
-SHARED = {ARMS, SERVE}  # the flags bench_serve.py shares with the model arms
+SHARED = {ARMS, SERVE}  # the flags serve.py shares with the model arms
 USED_BY = {  # flag's dest -> the benchmarks that read it
     **{d: {SERVE} for d in ("clients", "requests", "max_batch", "model")},
     **{d: {ARMS} for d in ("arms", "cache", "gguf", "io", "llama_python", "lora", "memory_cap", "replay", "replay_text",
@@ -23,7 +23,7 @@ USED_BY = {  # flag's dest -> the benchmarks that read it
 
 
 def _defaults(add_bench_flags) -> dict:
-    from .bench_kernels import add_bench_kernels_flags
+    from .kernels import add_bench_kernels_flags
 
     p = argparse.ArgumentParser(add_help=False)
     add_bench_flags(p)
@@ -33,7 +33,7 @@ def _defaults(add_bench_flags) -> dict:
 
 def check_mode(args, add_bench_flags) -> str:
     """The benchmark the flags ask for, every flag it does not read refused (one whose value is not the default of
-    its definition: bench.py's add_bench_flags, bench_kernels.py's); --kernels' own flags checked."""
+    its definition: bench/__init__.py's add_bench_flags, kernels.py's); --kernels' own flags checked."""
     if args.serve and args.kernels:
         refuse_together("--serve", "--kernels", "each is a benchmark of its own; give one")
     mode = SERVE if args.serve else KERNELS if args.kernels else ARMS

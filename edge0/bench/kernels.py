@@ -2,7 +2,7 @@
 shapes (8 products per mx.eval, as a decode step has several per sync) and a prefill batch, against
 this machine's memory read bandwidth measured in the same run.
 
-    edge0 bench --kernels            (or: python -m edge0.bench_kernels)
+    edge0 bench --kernels            (or: python -m edge0.bench.kernels)
 
 Each kernel gets its scales and biases as the engine hands them over: float32 to MLX's (widened at load),
 bfloat16 as stored to edge0's. At MLX's 4-bit affine format a weight then costs 0.5 + 8/gs bytes (0.625 at
@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from .compute import kernels, qmm
-from .compute.kernel import Kernel
+from ..compute import kernels, qmm
+from ..compute.kernel import Kernel
 
 GROUP = 64
 BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # edge0's: bf16 scales and biases (MLX's float32 ones: 0.5 + 2 * 4 / GROUP)
@@ -129,7 +129,7 @@ ATTENTION = [  # (B, Hq, Hkv, L, S): a decode step alone at a long context, a ba
 
 def _attention_us(b, hq, hkv, l, s, seconds) -> float:
     """Microseconds per attention call (head dim 64, float32) under the active kernel."""
-    from .compute import dense
+    from ..compute import dense
 
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
@@ -242,7 +242,7 @@ def graph_nodes(store_path: str, kernel: str) -> tuple[dict[str, int], int]:
     list for MLX in all."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .model.load import load_store
+    from ..model.load import load_store
 
     with Kernel.choose(kernel).active():
         store = load_store(store_path, executor="resident")

@@ -32,8 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .errors import Edge0Error
-from .io.atomic import write_atomic
+from ..errors import Edge0Error
+from ..io.atomic import write_atomic
 
 START_TIMEOUT_S = 600.0  # loading a large store
 REQUEST_TIMEOUT_S = 3600.0
@@ -65,10 +65,10 @@ def check_args(args) -> Path:
     if args.max_batch is not None and args.max_batch < 1:
         raise Edge0Error(f"--max-batch {args.max_batch}: must be at least 1")
     if args.model is None:
-        from .engine import demo_store
+        from ..engine import demo_store
 
         return demo_store()
-    from .io.manifest import read_manifest
+    from ..io.manifest import read_manifest
 
     read_manifest(Path(args.model))  # a missing or broken store is said now, before a server starts
     return Path(args.model)
@@ -266,7 +266,7 @@ def arms_to_run(args) -> tuple[dict[str, int | None], str | None]:
 
 
 def results_dir(root: str, inputs: dict) -> Path:
-    from .io.outputs import refuse_inputs
+    from ..io.outputs import refuse_inputs
 
     refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
     out = Path(root) / f"bench-serve-{datetime.datetime.now():%Y%m%d-%H%M%S}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "staged:lru", "hot", "hot:lru", "resident", "native",
         "prefetch:repeat", "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",

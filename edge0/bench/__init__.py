@@ -10,7 +10,7 @@ Cache `cold` evicts the checkpoint's files before each run; `warm` reads them on
 the interpreter --llama-python names (a separate venv: tools/llama_cpp_setup.py builds it; Edge0 never
 depends on llama_cpp). Its n_threads is --threads, the edge0 kernels' thread count in the other arms.
 
-`--memory-cap GIB` runs every arm inside a memory cgroup limited to GIB, page cache included (bench_cap.py):
+`--memory-cap GIB` runs every arm inside a memory cgroup limited to GIB, page cache included (bench/cap.py):
 a checkpoint larger than the cap behaves as on a smaller machine, and an arm killed for memory is a row of
 the table. `--replay FILE` replays given prompt ids and decode tokens (recorded by the exact path if absent).
 """
@@ -24,15 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .bench_arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
-from .bench_cap import GIB, ArmRun, MemoryCap, launch
-from .bench_replay import given_replay, make_replay, text_replay
-from .bench_routes import add_routes_flag, check_routes, route_flags, routes_section
-from .bench_table import LLAMA_ARM, is_llama, summarize, table
-from .config import READ_AHEAD, blas
-from .errors import Edge0Error
-from .flags import non_negative, whole
-from .io.atomic import write_atomic
+from .arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
+from .cap import GIB, ArmRun, MemoryCap, launch
+from .replay import given_replay, make_replay, text_replay
+from .routes import add_routes_flag, check_routes, route_flags, routes_section
+from .table import LLAMA_ARM, is_llama, summarize, table
+from ..config import READ_AHEAD, blas
+from ..errors import Edge0Error
+from ..flags import non_negative, whole
+from ..io.atomic import write_atomic
 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
@@ -82,8 +82,8 @@ def add_bench_flags(p) -> None:
     add_routes_flag(p)
     p.add_argument("--out", default="results", help="directory for results (default ./results)")
     p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
-                                                        "(bench_serve.py: --clients, batched against FIFO)")
-    from .bench_serve import add_bench_serve_flags
+                                                        "(bench/serve.py: --clients, batched against FIFO)")
+    from .serve import add_bench_serve_flags
 
     add_bench_serve_flags(p)
 
@@ -93,7 +93,7 @@ def _files(path: Path) -> list[Path]:
 
 
 def _evict_tree(path: Path) -> None:
-    from .io.pagecache import evict
+    from ..io.pagecache import evict
 
     for f in _files(path):
         evict(f)
@@ -109,7 +109,7 @@ def _warm_tree(path: Path) -> None:
 def threads(args) -> int:
     """The llama.cpp arm's threads: --threads, else the edge0 kernels' default where every expert is resident (the
     Edge0 arms without --threads take their engine's default, which each reports)."""
-    from .compute.kernels import default_threads
+    from ..compute.kernels import default_threads
 
     return args.threads or default_threads(resident=True)
 
@@ -137,8 +137,8 @@ def check_llama_arm(args) -> str:
     return proc.stdout.strip()
 
 
-# The llama.cpp arm is a script of its own (llama_arm.py), run by the interpreter --llama-python names.
-LLAMA_ARM_SCRIPT = Path(__file__).with_name("llama_arm.py")
+# The llama.cpp arm is a script of its own (bench/llama.py), run by the interpreter --llama-python names.
+LLAMA_ARM_SCRIPT = Path(__file__).with_name("llama.py")
 
 
 def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
@@ -203,8 +203,8 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | 
     import random
     import time
 
-    from .io.pool import ReadTask
-    from .io.reader import BundleReader
+    from ..io.pool import ReadTask
+    from ..io.reader import BundleReader
 
     reader = BundleReader(store, probe=False, throttle_mbps=throttle, io=io or "pread")
     m = reader.manifest
@@ -226,15 +226,15 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | 
 
 
 def bench_cli(args) -> int:
-    from .bench_modes import SERVE, KERNELS, check_mode
+    from .modes import SERVE, KERNELS, check_mode
 
     mode = check_mode(args, add_bench_flags)  # the flags another benchmark reads are refused
     if mode == SERVE:
-        from .bench_serve import bench_serve
+        from .serve import bench_serve
 
         return bench_serve(args)
     if mode == KERNELS:
-        from .bench_kernels import bench_kernels
+        from .kernels import bench_kernels
 
         bench_kernels(args)
         return 0
@@ -243,7 +243,7 @@ def bench_cli(args) -> int:
 
 def check_args(args) -> tuple[list[str], list[str]]:
     """(arms, cache states) of the flags, checked before anything runs."""
-    from .model.demo import DEMO_FP, DEMO_STORE
+    from ..model.demo import DEMO_FP, DEMO_STORE
 
     if not args.store and not args.source:  # the built-in model, as `edge0 run` and `edge0 eval` default to
         args.store = str(DEMO_STORE)
@@ -300,7 +300,7 @@ def check_args(args) -> tuple[list[str], list[str]]:
 
 
 def results_dir(root: str, inputs: dict) -> Path:
-    from .io.outputs import refuse_inputs
+    from ..io.outputs import refuse_inputs
 
     refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
     out = Path(root) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
@@ -317,7 +317,7 @@ def results_dir(root: str, inputs: dict) -> Path:
 def bench(args) -> int:
     arms, caches = check_args(args)
     llama_version = check_llama_arm(args) if any(map(is_llama, arms)) else None
-    from .io.manifest import read_manifest
+    from ..io.manifest import read_manifest
 
     m = read_manifest(Path(args.store))  # a missing or broken store is said now, before anything is written
     if getattr(args, "slots", None) is not None:
@@ -368,9 +368,9 @@ def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.sample_utils import make_sampler
 
-    from .model.load import cast_floats, compute_dtype
-    from .engine import memory_figures
-    from .pipeline.steps import StepTimes, generate_steps
+    from ..model.load import cast_floats, compute_dtype
+    from ..engine import memory_figures
+    from ..pipeline.steps import StepTimes, generate_steps
 
     model, tok = load(path)
     cast_floats(model, compute_dtype(dtype))
@@ -387,7 +387,3 @@ def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
                       "prefill_tok_s": times.prefill_tok_s, **memory_figures(), "bytes_read": 0, "cold_fraction": 0.0,
                       "hit_rate": 0.0, "resident_expert_bytes": 0}))
 
-
-if __name__ == "__main__":
-    _, arm, path, replay_file, dtype = sys.argv
-    mlx_lm_arm(path, replay_file, dtype)

@@ -1,4 +1,4 @@
-"""The llama.cpp arm of `edge0 bench`, run as `LLAMA_PYTHON llama_arm.py GGUF REPLAY THREADS [mmap|no-mmap]` in an
+"""The llama.cpp arm of `edge0 bench`, run as `LLAMA_PYTHON llama.py GGUF REPLAY THREADS [mmap|no-mmap]` in an
 interpreter that has llama_cpp (a separate venv: tools/llama_cpp_setup.py builds it); it imports only
 llama_cpp and numpy, never Edge0. Prefill evaluates the prompt ids in one batch until the last
 position's logits; decode evaluates the forced tokens one at a time, as Edge0's decode loop times them.
