@@ -299,11 +299,12 @@ def check_args(args) -> tuple[list[str], list[str]]:
     return arms, caches
 
 
-def results_dir(root: str, inputs: dict) -> Path:
+def results_dir(root: str, inputs: dict, kind: str = "bench") -> Path:
+    """A new directory under --out for one bench's results (KIND-YYYYmmdd-HHMMSS), never inside an input."""
     from ..io.outputs import refuse_inputs
 
     refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
-    out = Path(root) / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out = Path(root) / f"{kind}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     try:
         out.mkdir(parents=True, exist_ok=False)
     except FileExistsError:  # two benches in one second: do not mix their files

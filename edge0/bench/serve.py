@@ -265,24 +265,11 @@ def arms_to_run(args) -> tuple[dict[str, int | None], str | None]:
     return {"batched": batch, "fifo": 1}, None
 
 
-def results_dir(root: str, inputs: dict) -> Path:
-    from ..io.outputs import refuse_inputs
-
-    refuse_inputs(root, inputs, "--out", replaces=False)  # the results go in a new directory: never into an input
-    out = Path(root) / f"bench-serve-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    try:
-        out.mkdir(parents=True, exist_ok=False)
-    except FileExistsError:  # two benches in one second: do not mix their files
-        out = out.with_name(f"{out.name}-{os.getpid()}")
-        out.mkdir(parents=True)
-    except OSError as e:
-        raise Edge0Error(f"--out {root}: cannot be written ({e.strerror})") from None
-    return out
-
-
 def bench_serve(args) -> int:
     store = check_args(args)
-    out = results_dir(args.out, {"--model": store})
+    from . import results_dir
+
+    out = results_dir(args.out, {"--model": store}, "bench-serve")
     arms, note = arms_to_run(args)
     if note:
         print(f"note: {note}", file=sys.stderr)
