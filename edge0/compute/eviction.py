@@ -42,10 +42,18 @@ def victim_order(score: np.ndarray, held: np.ndarray, used: np.ndarray, recent: 
     """Each slot's place in the order of replacement when `score` scores each key (slots holding keys `held`, -1:
     empty): empty first, then the lowest scored, ties the least recently used (lower `used` goes first), then in
     slot order; slots marked `recent` last of all (by recency)."""
+    perm = victim_perm(score, held, used, recent)
+    order = np.empty_like(perm)
+    order[perm] = np.arange(len(perm))  # the inverse permutation: no second sort
+    return order
+
+
+def victim_perm(score: np.ndarray, held: np.ndarray, used: np.ndarray, recent: np.ndarray | None = None) -> np.ndarray:
+    """The slots in victim_order's order of replacement (first replaced first)."""
     key_score = np.where(held >= 0, score[np.maximum(held, 0)], -np.inf)
     if recent is not None:
         key_score = np.where(recent & (held >= 0), np.inf, key_score)
-    return np.lexsort((used, key_score)).argsort(kind="stable")
+    return np.lexsort((used, key_score))
 
 
 def replay(steps, slots: int, policy: str = "lfu", num_keys: int | None = None, decay: float = DECAY,

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BankBusy
 from ..io.pool import ReadTask
 from .banks import Bank, Fence
-from .eviction import DECAY, POLICIES, Frequency, victim_order
+from .eviction import DECAY, POLICIES, Frequency, victim_order, victim_perm
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
 from .kernels import host_eval, queue
 
@@ -66,10 +66,9 @@ class SlotCache:
         recently used)."""
         if rank is not None and len(rank) != len(self.slot_of):  # keys of several layers (a shared bank)
             rank = None
-        recent = None
+        recent = False  # lfu's window: the slots used in the last `window` lookups go last (made only on a miss)
         if rank is None and self.freq is not None:
-            rank = self.freq.counts
-            recent = self.clock - self.used < self.window if self.window else None
+            rank, recent = self.freq.counts, bool(self.window)
         if self.bank.slots <= SMALL_BANK:
             return self._assign_small(keys, count, rank, recent)
         slots = self.slot_of[keys]  # (U,)
@@ -82,9 +81,12 @@ class SlotCache:
             free = np.flatnonzero(free)
             if len(free) < n_miss:
                 return None
-            order = self.used[free] if rank is None else victim_order(rank, self.bank.holds[free], self.used[free],
-                                                                      None if recent is None else recent[free])
-            victims = free[np.argsort(order, kind="stable")][:n_miss]
+            if rank is None:
+                victims = free[np.argsort(self.used[free], kind="stable")][:n_miss]
+            else:
+                used = self.used[free]
+                victims = free[victim_perm(rank, self.bank.holds[free], used,
+                                           self.clock - used < self.window if recent else None)][:n_miss]
             old = self.bank.holds[victims]
             self.slot_of[old[old >= 0]] = -1
             self.slot_of[keys[miss]] = victims
@@ -95,7 +97,7 @@ class SlotCache:
         return slots, fills
 
     def _assign_small(self, keys: np.ndarray, count: bool, rank: np.ndarray | None,
-                      recent: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+                      recent: bool = False) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
         """assign for a bank of a few slots (a staged layer's 2K): the same choice (the writable slots first in
         the order of replacement, ties in slot order) on Python lists, where each of the array version's ~25 numpy
         calls on a handful of elements costs more than the arithmetic."""
@@ -114,7 +116,8 @@ class SlotCache:
             if rank is None:
                 used = self.used.tolist()
             else:
-                used = victim_order(rank, holds, self.used, recent).tolist()
+                used = victim_order(rank, holds, self.used,
+                                    self.clock - self.used < self.window if recent else None).tolist()
             free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
             for i, slot in zip(misses, free):
                 old = int(holds[slot])
