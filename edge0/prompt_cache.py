@@ -72,11 +72,16 @@ class PromptCache:
         if self.max_bytes <= 0 or not tokens:
             return
         key = tuple(tokens)
+        cache = _owned(cache)
+        size = _nbytes(cache)  # from the shapes: nothing is evaluated for an entry that cannot fit
+        if size > self.max_bytes:
+            return  # it would evict every other entry, then itself
+        mx.async_eval(list(_arrays(cache)))  # no wait: a batch may have the next step in flight
         # the same tokens, or a prefix of them: the new entry serves every prompt those served
         for other in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k]:
             del self.entries[other], self.sizes[other]
-        self.entries[key] = _owned(cache)
-        self.sizes[key] = _nbytes(self.entries[key])
+        self.entries[key] = cache
+        self.sizes[key] = size
         total = self.nbytes
         while self.entries and total > self.max_bytes:
             total -= self.sizes.pop(self.entries.popitem(last=False)[0])
@@ -111,11 +116,10 @@ def _arrays(value):
 
 
 def _owned(cache: list) -> list:
-    """cache with its attention KV cut to the positions it holds and every array copied into a buffer of its own
-    (no view into a batch's or a longer allocation), evaluated so that no graph keeps its inputs alive."""
+    """cache with its attention KV cut to the positions it holds and every array a copy of its own (no view into a
+    batch's or a longer allocation, once evaluated), not yet evaluated."""
     for c in cache:
         _own(c)
-    mx.eval(list(_arrays(cache)))
     return cache
 
 

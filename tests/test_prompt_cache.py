@@ -55,6 +55,8 @@ def test_bounded_in_bytes_least_recent_first():
     assert [k[0] for k in pc.entries] == [2, 3] and pc.nbytes == 20 * PER_TOKEN
     pc.put([2] + list(range(10, 19)) + [7, 7], kv(12))  # extends entry 2: replaces it
     assert [k[0] for k in pc.entries] == [3, 2] and pc.nbytes == 22 * PER_TOKEN
+    pc.put([2] + list(range(10, 19)) + [7, 7] + [8] * 18, kv(30))  # more than the whole budget: not kept
+    assert [k[0] for k in pc.entries] == [3, 2] and pc.nbytes == 22 * PER_TOKEN  # and the others stay
 
 
 def test_an_entry_holds_in_memory_what_it_counts(fresh_allocator):
