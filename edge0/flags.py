@@ -210,15 +210,17 @@ def route_files(args: argparse.Namespace):
     """Before the model loads: --record-routes names a new file in a writable directory; --routes' trace (a
     RouteTrace of io/routetrace.py), read and checked; --routes runs native routing unless --routing prefetch
     (predicted routing would read other experts)."""
-    import os
+    import tempfile
     from pathlib import Path
 
     if args.record_routes is not None:
         path = Path(args.record_routes)
         if path.exists() or path.is_symlink():
             raise Edge0Error(f"--record-routes {path}: exists; name a new file (no file is written over)")
-        if not path.parent.resolve().is_dir() or not os.access(path.parent.resolve(), os.W_OK):
-            raise Edge0Error(f"--record-routes {path}: its directory does not exist or is not writable")
+        try:  # a real file made and dropped: os.access says yes to root on a read-only mount
+            tempfile.TemporaryFile(dir=path.parent.resolve()).close()
+        except OSError as e:
+            raise Edge0Error(f"--record-routes {path}: its directory cannot take a file ({e.strerror})") from None
     if args.routes is None:
         return None
     if args.routing == "predicted":

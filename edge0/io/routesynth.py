@@ -17,6 +17,7 @@ from ..errors import Edge0Error
 from .routetrace import RouteTrace
 
 KEPT = 0.41  # of a layer's K experts, the share routed again at the next token
+SYNTH_MAX = {"layers": 1024, "experts": 4096, "top_k": 64, "tokens": 100_000}  # real models sit far inside
 TOP_QUARTER = 0.60  # of a layer's routings in a generation, the share its most used quarter of experts takes
 
 
@@ -86,8 +87,10 @@ def synth_cli(args) -> str:
         raise Edge0Error("--json: `edge0 trace synth` does not read it (summarize does)")
     shape = {f: getattr(args, f) for f in ("layers", "experts", "top_k", "tokens")}
     for f, v in shape.items():
-        if v is None or v < 1:
-            raise Edge0Error(f"--{f.replace('_', '-')}: `edge0 trace synth` needs it, at least 1 (got {v})")
+        if v is None or not 1 <= v <= SYNTH_MAX[f]:
+            raise Edge0Error(f"--{f.replace('_', '-')}: `edge0 trace synth` needs it, from 1 to {SYNTH_MAX[f]} (got {v})")
+    if shape["experts"] < 4:
+        raise Edge0Error(f"--experts {shape['experts']}: at least 4 (the popularity is fitted over a quarter of them)")
     if args.seed is not None and args.seed < 0:
         raise Edge0Error(f"--seed {args.seed}: must be 0 or more")
     out = Path(args.file)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .atomic import atomic_path, write_atomic
 
 FORMAT = "edge0-routes"  # the "format" field of Edge0's own traces
 VERSION = 1
+MAX_ID = 2**31 - 1  # ids are kept as int32
 LAYOUTS = ('Edge0\'s JSON or NPZ, {"expert_trace": {"<layer>": [[ids] per token]}}, or JSON lines '
            '{"layer", "token", "experts"}')
 
@@ -54,7 +56,8 @@ def read_trace(path: str | Path, what: str | None = None) -> RouteTrace:
     path = Path(path)
     what = what or str(path)
     if not path.is_file():
-        raise Edge0Error(f"{what}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+        why = 'a directory, not a file' if path.is_dir() else 'not a regular file' if path.exists() else 'no such file'
+        raise Edge0Error(f"{what}: {why}")
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -117,6 +120,8 @@ def _from_text(data: bytes) -> RouteTrace:
         doc = json.loads(text)
     except json.JSONDecodeError:
         return _from_lines(text)
+    except RecursionError:
+        raise NotATrace("JSON nested too deep") from None
     if isinstance(doc, dict) and "expert_trace" in doc:
         return _from_doc(doc)
     if isinstance(doc, dict) and {"layer", "token", "experts"} & set(doc):  # JSON lines of one line
@@ -167,9 +172,8 @@ def _from_lines(text: str) -> RouteTrace:
         raise NotATrace("no routing in it")
     layers = sorted(rows)
     for layer in layers:
-        missing = sorted(set(range(max(rows[layer]) + 1)) - set(rows[layer]))
-        if missing:
-            raise NotATrace(f"layer {layer} lacks token {missing[0]}")
+        if max(rows[layer]) >= len(rows[layer]):  # tokens 0..n-1 each once: the first gap (bounded by the lines)
+            raise NotATrace(f"layer {layer} lacks token {min(set(range(len(rows[layer]))) - set(rows[layer]))}")
     ids = _stacked([_rows([rows[la][t][0] for t in range(len(rows[la]))], f"layer {la}", np.int64)
                     for la in layers], layers)
     weighed = {rows[la][t][1] is not None for la in layers for t in rows[la]}
@@ -188,7 +192,7 @@ def _from_npz(data: bytes) -> RouteTrace:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error, MemoryError) as e:
         raise NotATrace(f"an unreadable NPZ ({e})") from None
     if not {"ids", "layers", "meta"} <= set(arrays):
         raise NotATrace(f"an NPZ without ids, layers and meta (it holds {', '.join(sorted(arrays)) or 'nothing'})")
@@ -199,12 +203,17 @@ def _from_npz(data: bytes) -> RouteTrace:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise NotATrace(f"meta does not say format {FORMAT} version {VERSION}")
     ids, w, layers = arrays["ids"], arrays.get("weights"), arrays["layers"]
-    if ids.ndim != 3 or ids.dtype.kind not in "iu" or layers.shape != (ids.shape[0],):
+    if (ids.ndim != 3 or ids.dtype.kind not in "iu" or layers.shape != (ids.shape[0],) or layers.dtype.kind not in "iu"
+            or (layers < 0).any()):
         raise NotATrace(f"ids of shape {ids.shape} ({ids.dtype}) with {layers.shape} layers; "
                         "expected (L, T, K) integers")
     if w is not None and (w.shape != ids.shape or w.dtype.kind != "f"):
         raise NotATrace(f"weights of shape {w.shape} ({w.dtype}), not the ids' {ids.shape} floats")
+    if ids.size and ids.max() > MAX_ID:
+        raise NotATrace(f"an id of {ids.max()}, too large for an expert")
     tokens = arrays.get("tokens")
+    if tokens is not None and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
+        raise NotATrace(f"tokens of shape {tokens.shape} ({tokens.dtype}), not a list of integers")
     return RouteTrace(ids.astype(np.int64), w, [int(n) for n in layers], _opt_int(meta, "num_experts"),
                       _opt_int(meta, "prompt_tokens"), None if tokens is None else [int(t) for t in tokens])
 
@@ -222,6 +231,8 @@ def _checked(t: RouteTrace, what: str) -> RouteTrace:
     if (t.ids < 0).any():
         layer, token, _ = np.argwhere(t.ids < 0)[0]
         raise NotATrace(f"layer {t.layers[layer]} token {token} has a negative id before the trailing padding")
+    if t.ids.max() > MAX_ID:
+        raise NotATrace(f"an id of {t.ids.max()}, too large for an expert")
     if t.num_experts is not None and t.ids.max() >= t.num_experts:
         raise NotATrace(f"an id of {t.ids.max()} with num_experts {t.num_experts}")
     srt = np.sort(t.ids, axis=2)
@@ -247,9 +258,10 @@ def _rows(rows, what: str, dtype) -> np.ndarray:
     if len(lengths) > 1:
         raise NotATrace(f"{what} has rows of {min(lengths)} and of {max(lengths)} entries")
     ints = np.issubdtype(dtype, np.integer)
-    ok = (lambda v: type(v) is int) if ints else (lambda v: type(v) in (int, float))
+    ok = (lambda v: type(v) is int and abs(v) <= MAX_ID) if ints else (lambda v: type(v) in (int, float) and
+                                                                       abs(v) < 1e300)
     if not all(ok(v) for r in rows for v in r):
-        raise NotATrace(f"{what} holds an entry that is not {'an integer' if ints else 'a number'}")
+        raise NotATrace(f"{what} holds an entry that is not {'an expert id' if ints else 'a finite number'}")
     return np.array(rows, dtype=dtype).reshape(len(rows), lengths.pop() if lengths else 0)
 
 

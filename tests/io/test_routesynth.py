@@ -54,5 +54,11 @@ def test_trace_synth_writes_a_new_trace_and_refuses_what_it_does_not_read(tmp_pa
     assert "exists" in capsys.readouterr().err and out.read_bytes() == before
     assert main(["trace", "synth", str(tmp_path / "b.npz"), "--layers", "3", "--experts", "16", "--tokens", "9"]) == 2
     assert "--top-k" in capsys.readouterr().err and not (tmp_path / "b.npz").exists()
+    for flag, value, words in (("--tokens", "10**30", "from 1 to 100000"), ("--experts", "10000000000", "from 1 to 4096"),
+                               ("--experts", "3", "at least 4"), ("--layers", "100000000", "from 1 to 1024")):
+        shape = {"--layers": "3", "--experts": "16", "--top-k": "2", "--tokens": "9", flag: str(eval(value))}
+        assert main(["trace", "synth", str(tmp_path / "c.npz"), *[x for kv in shape.items() for x in kv]]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
     assert main(["trace", "summarize", str(out), "--tokens", "9"]) == 2
     assert "--tokens: only `edge0 trace synth`" in capsys.readouterr().err

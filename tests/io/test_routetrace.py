@@ -82,7 +82,7 @@ BAD = {
     "ragged rows": ("x.json", _trace(expert_trace={"0": [[1, 2], [3]], "1": [[0, 5], [6, 7]]}), "rows of 1 and of 2"),
     "layers of other lengths": ("x.json", _trace(expert_trace={"0": [[1, 2]], "1": [[0, 5], [6, 7]]}),
                                 "layer 0 has 1 tokens of 2, layer 1 2 of 2"),
-    "not ids": ("x.json", _trace(expert_trace={"0": [[1, "a"], [3, 4]], "1": [[0, 5], [6, 7]]}), "not an integer"),
+    "not ids": ("x.json", _trace(expert_trace={"0": [[1, "a"], [3, 4]], "1": [[0, 5], [6, 7]]}), "not an expert id"),
     "bad layer name": ("x.json", _trace(expert_trace={"x": [[1, 2]]}), "layer 'x' is not a number"),
     "padding inside": ("x.json", _trace(expert_trace={"0": [[-1, 2], [3, 4]], "1": [[0, 5], [6, 7]]}),
                        "layer 0 token 0 has a negative id before the trailing padding"),
@@ -97,7 +97,48 @@ BAD = {
     "lines without experts": ("x.jsonl", '{"layer": 0, "token": 0, "ids": [1]}\n', "line 1 is not an object"),
     "lines missing a token": ("x.jsonl", '{"layer": 0, "token": 1, "experts": [1, 2]}\n', "layer 0 lacks token 0"),
     "torn NPZ": ("x.npz", b"PK\x03\x04torn", "unreadable NPZ"),
+    "an id past int32": ("x.json", _trace(num_experts=None, expert_trace={"0": [[2**32 + 1, 2], [3, 4]],
+                                                                           "1": [[0, 5], [6, 7]]}), "not an expert id"),
+    "an id past int64": ("x.json", _trace(expert_trace={"0": [[10**30, 2], [3, 4]], "1": [[0, 5], [6, 7]]}),
+                         "not an expert id"),
+    "a weight past float": ("x.json", _trace(weights={"0": [[10**400, 0.5], [0.5, 0.5]], "1": [[0.5, 0.5]] * 2}),
+                            "not a finite number"),
+    "nested too deep": ("x.json", "[" * 100000 + "]" * 100000, "JSON nested too deep"),
+    "lines of a far token": ("x.jsonl", '{"layer": 0, "token": 100000000000, "experts": [1]}\n',
+                             "layer 0 lacks token 0"),
 }
+
+
+def _npz(path: Path, **arrays) -> bytes:
+    meta = json.dumps({"format": "edge0-routes", "version": 1})
+    np.savez_compressed(path, meta=np.array(meta), **arrays)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("arrays, words", [
+    (dict(ids=np.full((1, 2, 2), 2**40, np.int64), layers=np.array([0])), "an id of 1099511627776, too large"),
+    (dict(ids=np.ones((1, 2, 2), np.int64), layers=np.array(["a"])), "expected (L, T, K) integers"),
+    (dict(ids=np.ones((1, 2, 2), np.int64), layers=np.array([-1])), "expected (L, T, K) integers"),
+    (dict(ids=np.ones((1, 2, 2), np.int64), layers=np.array([0]), tokens=np.zeros((2, 2), np.int64)),
+     "tokens of shape (2, 2)")])
+def test_an_npz_of_the_wrong_kinds_is_refused_by_name(tmp_path, arrays, words):
+    path = tmp_path / "x.npz"
+    _npz(path, **arrays)
+    with pytest.raises(Edge0Error, match=re.escape(f"{path}: not a routing trace (")) as e:
+        read_trace(path)
+    assert words in str(e.value), str(e.value)
+
+
+def test_a_corrupt_compressed_npz_and_a_device_are_refused_by_name(tmp_path):
+    path = tmp_path / "x.npz"
+    data = bytearray(_npz(path, ids=np.arange(4000, dtype=np.int64).reshape(10, 100, 4) % 64, layers=np.arange(10)))
+    at = data.index(b"ids.npy") + 200  # inside its deflated bytes
+    data[at:at + 30] = bytes(b ^ 0x5A for b in data[at:at + 30])
+    path.write_bytes(bytes(data))
+    with pytest.raises(Edge0Error, match="unreadable NPZ"):
+        read_trace(path)
+    with pytest.raises(Edge0Error, match="/dev/zero: not a regular file"):
+        read_trace("/dev/zero")
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -180,3 +180,10 @@ def test_resident_experts_on_the_edge0_kernel_take_the_forced_routing():
         got = traced.recorded(prompt_tokens=len(PROMPT))
     rows = len(PROMPT) + len(tokens) - 1
     assert got.ids.shape == (LAYERS, rows, K) and (got.ids == trace.ids[:, :rows]).all()
+
+
+def test_a_record_file_its_directory_cannot_take_is_refused_before_the_run():
+    """/proc takes no new file, even from root (whom os.access would let through): refused before generating."""
+    assert _refused("--record-routes", "/proc/edge0-routes.json") == (
+        "edge0: error: --record-routes /proc/edge0-routes.json: its directory cannot take a file (No such file or "
+        "directory)")
