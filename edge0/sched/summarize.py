@@ -32,6 +32,8 @@ def load_trace(path: str | Path) -> dict:
         raise Edge0Error(f"{path}: no such trace file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Edge0Error(f"{path}: not a trace (invalid JSON: {e})") from None
+    except RecursionError:
+        raise Edge0Error(f"{path}: not a trace (JSON nested too deep)") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise Edge0Error(f"{path}: not a Chrome trace-event file (no traceEvents list)")
     if data.get("otherData", {}).get("format") != FORMAT:

@@ -91,6 +91,9 @@ def test_bad_trace_files(tmp_path, capsys):
     assert "not an Edge0 trace" in capsys.readouterr().err
     assert main(["trace", "summarize", str(tmp_path / "none.json")]) == 2
     assert "no such trace file" in capsys.readouterr().err
+    bad.write_text("[" * 100000 + "]" * 100000)
+    assert main(["trace", "summarize", str(bad)]) == 2
+    assert "JSON nested too deep" in capsys.readouterr().err
     assert main(["trace", "summarize", str(bad), "--windows", "0"]) == 2
     assert "--windows 0: must be at least 1" in capsys.readouterr().err
     from edge0.sched.trace import FORMAT
