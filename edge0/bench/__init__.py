@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
 from .cap import GIB, ArmRun, MemoryCap, launch
+from .harness import schedule
 from .replay import given_replay, make_replay, text_replay
 from .routes import add_routes_flag, check_routes, route_flags, routes_section
 from .table import LLAMA_ARM, is_llama, summarize, table
@@ -333,16 +334,13 @@ def bench(args) -> int:
     played = json.loads(replay.read_text())
     args.max_tokens, args.prompt_tokens = len(played["tokens"]), len(played["prompt"])
     runs: dict[str, list[dict]] = {}
-    for r in range(args.rounds):
-        order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
-        for cache in caches:
-            for arm in order:
-                res = run_arm(arm, args, cache, replay, cap)
-                runs.setdefault(f"{arm}/{cache}", []).append(res)
-                print(f"round {r + 1} {arm:10s} {cache}: " + (f"killed: {res['killed']}" if "killed" in res else
-                      f"{res['decode_tok_s']:.2f} tok/s decode, {res['prefill_tok_s']:.1f} tok/s prefill, peak MLX "
-                      f"{res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB") +
-                      (f", cgroup peak {res['peak_cgroup_gib']:.2f} GiB" if res["peak_cgroup_gib"] else ""), file=sys.stderr)
+    for r, cache, arm in schedule(arms, args.rounds, caches):  # the arms' order rotated round by round
+        res = run_arm(arm, args, cache, replay, cap)
+        runs.setdefault(f"{arm}/{cache}", []).append(res)
+        print(f"round {r + 1} {arm:10s} {cache}: " + (f"killed: {res['killed']}" if "killed" in res else
+              f"{res['decode_tok_s']:.2f} tok/s decode, {res['prefill_tok_s']:.1f} tok/s prefill, peak MLX "
+              f"{res['peak_mlx_gib']:.3f} GiB, RSS {res['peak_rss_gib']:.3f} GiB") +
+              (f", cgroup peak {res['peak_cgroup_gib']:.2f} GiB" if res["peak_cgroup_gib"] else ""), file=sys.stderr)
     cost = read_cost(Path(args.store), args.io_throttle, io=args.io)
     summary = summarize(runs, cost)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(), "blas": blas(),

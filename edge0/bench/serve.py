@@ -32,6 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .harness import medians, schedule
 from ..errors import Edge0Error
 from ..io.atomic import write_atomic
 
@@ -279,15 +280,13 @@ def bench_serve(args) -> int:
              "load": [every[1 + IDLE_SAMPLES + i * r:1 + IDLE_SAMPLES + (i + 1) * r] for i in range(n)]}
     runs: dict[str, list[dict]] = {}
     names = list(arms)
-    for k in range(args.rounds):
-        for arm in names[k % len(names):] + names[:k % len(names)]:  # alternate the order over rounds
-            res = run_arm(args, store, arms[arm], texts, out / f"serve-{arm}-{k + 1}.log")
-            runs.setdefault(arm, []).append(res)
-            print(f"round {k + 1} {arm:8s}: {res['tok_s']:.2f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
-                  f"{res['tpot_p50_ms']:.1f} ms/token, {res['bytes_per_token'] / 2**20:.2f} MiB read/token",
-                  file=sys.stderr)
-    summary = {arm: {f: statistics.median(x[f] for x in rs if x[f] is not None) if any(x[f] is not None for x in rs)
-                     else None for f in FIGURES} | {"max_batch": arms[arm]} for arm, rs in runs.items()}
+    for k, _, arm in schedule(names, args.rounds):  # the arms' order rotated round by round
+        res = run_arm(args, store, arms[arm], texts, out / f"serve-{arm}-{k + 1}.log")
+        runs.setdefault(arm, []).append(res)
+        print(f"round {k + 1} {arm:8s}: {res['tok_s']:.2f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
+              f"{res['tpot_p50_ms']:.1f} ms/token, {res['bytes_per_token'] / 2**20:.2f} MiB read/token",
+              file=sys.stderr)
+    summary = {arm: s | {"max_batch": arms[arm]} for arm, s in medians(runs, FIGURES).items()}
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "model": str(store), "clients": n, "requests_per_client": r,
             "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "note": note,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
+from .harness import median
 
 LLAMA_ARM = "llama.cpp"
 
@@ -22,7 +22,7 @@ def summarize(runs: dict[str, list[dict]], cost: dict) -> dict:
     summary = {}
     for key, rs in runs.items():
         done = [x for x in rs if "killed" not in x] or rs
-        s = {f: statistics.median(x.get(f, 0.0) or 0.0 for x in done) for f in FIGURES}
+        s = {f: median(done, f, missing=0.0) for f in FIGURES}
         s.update(dtype=done[0]["dtype"], kernel=done[0].get("kernel", "mlx"), threads=done[0].get("threads"),
                  runs=len(rs), killed=sum("killed" in x for x in rs),
                  killed_why=next((x["killed"] for x in rs if "killed" in x), None))
