@@ -152,7 +152,6 @@ def set_num_threads(n: int, prompt: int | None = None) -> None:
 # core now and then: the stream then shares its core, and waits for a worker that thread has preempted. There the
 # stream keeps one core to itself, the workers run on the others, and so does a thread while it builds graphs
 # (graph_thread); elsewhere every thread runs anywhere.
-_placing = True  # set_placement(False): no thread is placed, every thread runs anywhere
 _off_stream: tuple[int, ...] | None = None  # the cores off the stream's, where it keeps one
 
 
@@ -161,19 +160,11 @@ def _place(decode: int) -> None:
     change: none at all where nothing is ever placed)."""
     global _off_stream
     cores = allowed_cores()
-    keep = _placing and decode + 1 > len(cores) >= 2
+    keep = decode + 1 > len(cores) >= 2
     off = cores[:-1] if keep else None
     if off != _off_stream:
         _ext.place_threads([cores[-1]] if keep else [], list(off or ()))  # (empty: any core)
         _off_stream = off
-
-
-def set_placement(on: bool) -> None:
-    """Whether the stream keeps a core where a step's threads outnumber the cores (default on)."""
-    global _placing
-    _placing = bool(on)
-    if load() is not None:
-        _place(_ext.num_threads())
 
 
 @contextmanager

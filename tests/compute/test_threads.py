@@ -18,7 +18,6 @@ CORES = allowed_cores()
 @pytest.fixture
 def threads():
     yield
-    kernels.set_placement(True)
     kernels.set_num_threads(kernels.default_threads(), kernels.default_prompt_threads())
 
 
@@ -30,7 +29,7 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
 
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
-    from edge0.pipeline import steps
+    from edge0.decode import loop as steps
 
     n = len(CORES)  # n decode threads + the graph-building thread: one more thread than cores
     kernels.set_num_threads(n)
@@ -44,11 +43,6 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
             seen.append(os.sched_getaffinity(0))
     assert seen == [set(CORES[:-1])] * 3
     assert os.sched_getaffinity(0) == before
-
-    kernels.set_placement(False)  # off: anywhere, the graph-building thread too
-    assert EXT.thread_cpus() == (list(CORES), list(CORES))
-    with kernels.graph_thread():
-        assert os.sched_getaffinity(0) == before
 
 
 def test_threads_no_more_than_the_cores_run_anywhere(threads):
@@ -86,7 +80,7 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
     a generation does, and leaves the worker thread's cores as they were."""
     import asyncio
 
-    from edge0.batching import BatchDecoder
+    from edge0.decode.batch import BatchDecoder
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
     from edge0.serve.batched import _cycle
