@@ -1,7 +1,7 @@
 """What single edge0 nodes cost, for docs/lab/cpu-kernels.md (issue #19): the figures behind a decode step's
 node count, the heads' weight dtype and the adapter's cost.
 
-    python tools/node_cost.py [--rounds 300] [--packed]
+    python tools/lab/node_cost.py [--rounds 300] [--packed]
 
 Four measurements (five with --packed), each the median over --rounds evaluations (mx.eval of a batch of nodes built beforehand):
   * chain: N RMS-norm nodes of one 256-wide row, each on the last; microseconds a node at N = 10, 40, 100 (what a

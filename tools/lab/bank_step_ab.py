@@ -2,7 +2,7 @@
 with a table of each candidate's slot) against the same step built call by call, in one process, for
 docs/lab/pipeline.md (issue #18).
 
-    python tools/bank_step_ab.py [--store S] [--slots N] [--io pread|direct] [--rounds 9] [--replay FILE]
+    python tools/lab/bank_step_ab.py [--store S] [--slots N] [--io pread|direct] [--rounds 9] [--replay FILE]
         [--prompt-tokens 256] [--max-tokens 129]
 
 Predicted routing on the staged executor. Each round generates once with the one-node step and once without it (the

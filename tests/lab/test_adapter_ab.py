@@ -1,4 +1,4 @@
-"""tools/adapter_ab.py alternates the served adapter, a float32 one and none in one process, and leaves the served one."""
+"""tools/lab/adapter_ab.py alternates the served adapter, a float32 one and none in one process, and leaves the served one."""
 
 import importlib.util
 import re
@@ -10,7 +10,9 @@ import pytest
 
 from edge0.compute import kernels
 
-spec = importlib.util.spec_from_file_location("adapter_ab", Path(__file__).parents[1] / "tools" / "adapter_ab.py")
+pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab
+LAB = Path(__file__).parents[2] / "tools" / "lab"
+spec = importlib.util.spec_from_file_location("adapter_ab", LAB / "adapter_ab.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 

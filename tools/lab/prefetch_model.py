@@ -1,6 +1,6 @@
 """What reading ahead by guesses can gain on a store's replay: a model of its banks and disk, not a measurement.
 
-    python tools/prefetch_model.py --store S --replay R [--heads F] [--slots 20,26] [--compute-ms 8.1]
+    python tools/lab/prefetch_model.py --store S --replay R [--heads F] [--slots 20,26] [--compute-ms 8.1]
         [--read-ms 4.3] [--layers 2,3,4,5] [--confident 0.1,0.2] [--pregate 4,8] [--recall 0.5,0.7,0.9,1.0]
 
 The store's own routing of the replay (prompt and forced tokens in one forward, resident experts) and its heads'
@@ -16,7 +16,7 @@ names N experts read as soon as that layer has routed, after its reads on demand
 beside the head's top K); and guesses of a given recall (each true expert named with that probability, else a wrong
 one), which says what recall reading ahead by guesses needs on this disk. Printed: each policy's mean step, its ratio to native,
 and bundles read a step (on demand, ahead). Calibrate --compute-ms (the resident arm's step) and --read-ms (one
-bundle at the pool's rate) from `edge0 bench` on the same store.
+bundle at the pool's rate) from `edge0 bench` on the same store. Its figures are in docs/lab/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What building a decode step's graph costs on the graph-building thread, for docs/lab/cpu-kernels.md (issue #19).
 
-    python tools/step_build.py --replay R [--store S] [--routing native] [--lora none] [--rounds 7]
+    python tools/lab/step_build.py --replay R [--store S] [--routing native] [--lora none] [--rounds 7]
 
 Two figures, each run on the built-in model (or --store) with the engine's defaults and the given flags:
   * build: the same decode step's graph built 300 times and never evaluated, the KV cache's offsets put back after

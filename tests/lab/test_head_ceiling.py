@@ -1,4 +1,4 @@
-"""tools/head_ceiling.py trains heads from other owners and features: untrained, the served owner's head is the
+"""tools/lab/head_ceiling.py trains heads from other owners and features: untrained, the served owner's head is the
 next-router predictor and the consumer's own is repeat (the project's recall figures on the same window), the next
 token's embedding beats what a head knows a step ahead, and bad input gets one line."""
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edge0.model.demo import DEMO_STORE
 from edge0.model.heads import HeadSet
@@ -15,7 +16,9 @@ from edge0.train.corpus import token_stream
 from edge0.train.heads import _windows, recall, window_targets
 from edge0.train.student import mlx_kernel
 
-spec = importlib.util.spec_from_file_location("head_ceiling", Path(__file__).parents[1] / "tools" / "head_ceiling.py")
+pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab
+LAB = Path(__file__).parents[2] / "tools" / "lab"
+spec = importlib.util.spec_from_file_location("head_ceiling", LAB / "head_ceiling.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 

@@ -1,4 +1,4 @@
-"""tools/bank_step_ab.py pairs the one-node bank step against the step built call by call in one process, with the
+"""tools/lab/bank_step_ab.py pairs the one-node bank step against the step built call by call in one process, with the
 same tokens, and leaves the one-node step in place."""
 
 import importlib.util
@@ -11,7 +11,9 @@ import pytest
 from edge0.compute import kernels
 from edge0.pipeline.prefetch import PrefetchExperts
 
-spec = importlib.util.spec_from_file_location("bank_step_ab", Path(__file__).parents[1] / "tools" / "bank_step_ab.py")
+pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab
+LAB = Path(__file__).parents[2] / "tools" / "lab"
+spec = importlib.util.spec_from_file_location("bank_step_ab", LAB / "bank_step_ab.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 

@@ -1,7 +1,7 @@
 """How well the next token's routing can be predicted: heads trained from other owners and on other features, and one
 given the next token itself (a ceiling no served head reaches: that token is what the step computes).
 
-    python tools/head_ceiling.py --store S [--windows 400] [--steps 1200] [--heldout-windows 8] [--consumers 2,3,4]
+    python tools/lab/head_ceiling.py --store S [--windows 400] [--steps 1200] [--heldout-windows 8] [--consumers 2,3,4]
         [--variants previous,self,last,history,next-token] [--k K]
 
 Every variant is the served head (edge0/model/heads.py Head: the consumer's router on the owner's MoE input, plus a
@@ -15,7 +15,7 @@ forward passes of the stdlib train split's first windows, recorded once. Variant
   history     previous, with the owner's routed sets at t-2 and t-3 as well
   next-token  previous, with the embedding of the token at t+1 (what no head knows a step ahead: the ceiling)
 Printed: held-out recall@K (the stdlib held-out split's first windows) per consumer and variant, untrained and trained.
-A research tool, not a measurement of the served path.
+A research tool, not a measurement of the served path; its figures are in docs/lab/pipeline.md.
 """
 
 from __future__ import annotations

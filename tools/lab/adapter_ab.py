@@ -2,7 +2,7 @@
 with the adapter as served (bfloat16), the adapter in float32, and no adapter, the three alternating round by round,
 for docs/lab/cpu-kernels.md.
 
-    python tools/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
+    python tools/lab/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
         [--executor staged] [--slots N]
 
 Each round runs every arm once on the same prompt (--prompt-tokens ids of Python's json/decoder.py) and the same

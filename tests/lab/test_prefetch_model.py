@@ -1,4 +1,4 @@
-"""tools/prefetch_model.py plays a store's replay over its banks and a modelled disk: native reads on demand, perfect
+"""tools/lab/prefetch_model.py plays a store's replay over its banks and a modelled disk: native reads on demand, perfect
 guesses leave nothing to read on demand and beat it, same-token pre-gating reads most misses a layer early, and bad
 input gets one line."""
 
@@ -14,7 +14,9 @@ from edge0.model.demo import DEMO_STORE
 
 from tests.pipeline.test_identity import real_text
 
-spec = importlib.util.spec_from_file_location("prefetch_model", Path(__file__).parents[1] / "tools" / "prefetch_model.py")
+pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab
+LAB = Path(__file__).parents[2] / "tools" / "lab"
+spec = importlib.util.spec_from_file_location("prefetch_model", LAB / "prefetch_model.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 

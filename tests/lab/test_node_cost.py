@@ -1,4 +1,4 @@
-"""tools/node_cost.py runs against the extension as it is and prints each of its figures."""
+"""tools/lab/node_cost.py runs against the extension as it is and prints each of its figures."""
 
 import importlib.util
 import re
@@ -9,7 +9,9 @@ import pytest
 
 from edge0.compute import kernels
 
-spec = importlib.util.spec_from_file_location("node_cost", Path(__file__).parents[1] / "tools" / "node_cost.py")
+pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab
+LAB = Path(__file__).parents[2] / "tools" / "lab"
+spec = importlib.util.spec_from_file_location("node_cost", LAB / "node_cost.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 
