@@ -11,12 +11,12 @@ run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 
 def main() -> int:
     from edge0.commands.run import read_replay
+    from edge0.bench.harness import median, run_rounds
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
     from edge0.errors import Edge0Error
@@ -35,12 +35,15 @@ def main() -> int:
             raise Edge0Error(f"--replay {a.replay}: needs at least 2 forced tokens")
         with open_engine(EngineConfig(model=a.store or str(demo_store()), routing=a.routing,
                                       prompt_cache_gib=0)) as engine:
-            rates = [engine.generate(engine.request(replay["prompt"], max_tokens=len(forced), forced=forced,
-                                                    ignore_eos=True)).decode_tok_s for _ in range(a.repeat)]
+            def generation(arm, r):
+                req = engine.request(replay["prompt"], max_tokens=len(forced), forced=forced, ignore_eos=True)
+                return {"decode_tok_s": engine.generate(req).decode_tok_s}
+
+            rows = run_rounds(["decode"], a.repeat, generation)
     except Edge0Error as e:
         sys.exit(f"decode_loop: error: {e}")
-    print(f"{a.repeat} generations, {a.repeat * (len(forced) - 1)} decode steps, median {statistics.median(rates):.1f} "
-          f"decode tok/s")
+    rate = median(rows, "decode_tok_s")
+    print(f"{a.repeat} generations, {a.repeat * (len(forced) - 1)} decode steps, median {rate:.1f} decode tok/s")
     return 0
 
 

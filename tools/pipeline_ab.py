@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-FIGURES = ("decode_tok_s", "stall_ms_per_token", "sched_ms_per_token", "sched_cpu_ms_per_token", "pull_ms_per_token",
-           "recall")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the edge0 package beside this script
 
+from edge0.bench.harness import group, median, paired, schedule, write_rows  # noqa: E402
 
 def warm(store: Path) -> None:
     for f in store.rglob("*.safetensors"):
@@ -61,11 +60,14 @@ def main() -> None:
     p.add_argument("arms", nargs="+")
     a = p.parse_args()
     a.store, a.replay = str(Path(a.store).resolve()), str(Path(a.replay).resolve())  # runs start in /
-    arms = [x.split("|", 2) for x in a.arms]
-    bad = next((x for x, arm in zip(a.arms, arms) if len(arm) != 3), None)
+    parts = [x.split("|", 2) for x in a.arms]
+    bad = next((x for x, arm in zip(a.arms, parts) if len(arm) != 3), None)
     if bad is not None:
         p.error(f"arm {bad!r}: expected LABEL|CODE|FLAGS (CODE: a directory holding edge0/, or -)")
-    for _, code, _ in arms:
+    arms = {label: (code, flags) for label, code, flags in parts}
+    if len(arms) < len(parts):
+        p.error("arms: each LABEL once")
+    for code, _ in arms.values():
         if code != "-" and not (Path(code) / "edge0").is_dir():
             p.error(f"arm code {code!r}: no edge0/ package there")
     if not Path(a.store, "edge0.json").is_file():
@@ -74,41 +76,36 @@ def main() -> None:
         json.loads(Path(a.replay).read_text())["tokens"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"--replay {a.replay}: not a replay file ({e})")
-    runs: dict[tuple, list] = {}
-    with open(a.out, "a") as log:
-        for r in range(a.rounds):
-            order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate arm order across rounds
-            for io in a.io.split(","):
-                for label, code, flags in order:
-                    d = run(Path(a.store), a.replay, code, flags.split(), io)
-                    d.update(arm=label, io=io, round=r, store=a.store)
-                    log.write(json.dumps({k: v for k, v in d.items() if k != "text"}) + "\n")
-                    log.flush()
-                    runs.setdefault((label, io), []).append(d)
-                    print(f"round {r} {label:28s} {io:6s} {d[a.figure]:7.2f} tok/s", file=sys.stderr, flush=True)
-    first = arms[0][0]
-    what = a.figure.replace("_tok_s", "")
-    print(f"| arm | io | {what} tok/s | runs | x {first} (paired) | stall ms/tok | sched ms/tok (cpu) | loads/step "
-          "| recall |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (label, io), ds in runs.items():
-        def med(k):
-            return statistics.median((d.get(k) or 0.0) for d in ds)
-        steps = max(len(ds[0]["tokens"]) - 1, 1)
-        ratio, faster = paired(ds, runs[(first, io)], a.figure)
-        print(f"| {label} | {io} | {med(a.figure):.2f} | {', '.join('%.2f' % d[a.figure] for d in ds)} | "
-              f"{ratio:.3f}x ({faster}/{len(ds)} faster) | "
-              f"{med('stall_ms_per_token'):.1f} | {med('sched_ms_per_token'):.1f} ({med('sched_cpu_ms_per_token'):.1f}) | "
-              f"{med('loads') / steps:.1f} | {med('recall'):.2f} |")
+    ios, rows = a.io.split(","), []
+    for r, io, label in schedule(list(arms), a.rounds, ios):  # the arms' order rotated round by round
+        code, flags = arms[label]
+        d = run(Path(a.store), a.replay, code, flags.split(), io)
+        d.update(arm=label, io=io, round=r, store=a.store)
+        write_rows(a.out, [{k: v for k, v in d.items() if k != "text"}], append=True)
+        rows.append(d)
+        print(f"round {r} {label:28s} {io:6s} {d[a.figure]:7.2f} tok/s", file=sys.stderr, flush=True)
+    print("\n".join(table(rows, list(arms)[0], ios, a.figure)))
 
 
-def paired(runs: list[dict], base: list[dict], figure: str = "decode_tok_s") -> tuple[float, int]:
-    """An arm against the first arm round by round: the median of its figure (tok/s) over the first arm's in the same
-    round, and in how many rounds it was faster. Arms of a round run back to back, so a host that speeds up or slows
-    down between rounds (another tenant) moves both: the ratio keeps what the medians of the arms apart can lose."""
-    by_round = {d["round"]: d[figure] for d in base}
-    ratios = [d[figure] / by_round[d["round"]] for d in runs if by_round.get(d["round"])]
-    return (statistics.median(ratios) if ratios else float("nan")), sum(r > 1 for r in ratios)
+def table(rows: list[dict], first: str, ios: list[str], figure: str) -> list[str]:
+    """The markdown table: per arm and --io mode the medians, and the figure paired with the first arm's (the
+    median over rounds of their ratio in the same round: robust to a host whose speed drifts between rounds)."""
+    what = figure.replace("_tok_s", "")
+    lines = [f"| arm | io | {what} tok/s | runs | x {first} (paired) | stall ms/tok | sched ms/tok (cpu) | loads/step "
+             "| recall |", "|---|---|---|---|---|---|---|---|---|"]
+    for io in ios:
+        by = group([d for d in rows if d["io"] == io])
+        ratios = paired(by, figure, first)
+        for label, ds in by.items():
+            def med(k):
+                return median(ds, k, missing=0.0)
+            steps = max(len(ds[0]["tokens"]) - 1, 1)
+            p = ratios[label]
+            lines.append(f"| {label} | {io} | {med(figure):.2f} | {', '.join('%.2f' % d[figure] for d in ds)} | "
+                         f"{p.median:.3f}x ({p.faster}/{len(ds)} faster) | {med('stall_ms_per_token'):.1f} | "
+                         f"{med('sched_ms_per_token'):.1f} ({med('sched_cpu_ms_per_token'):.1f}) | "
+                         f"{med('loads') / steps:.1f} | {med('recall'):.2f} |")
+    return lines
 
 
 if __name__ == "__main__":
