@@ -29,7 +29,7 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
 
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
-    from edge0.decode import loop as steps
+    from edge0.pipeline import steps
 
     n = len(CORES)  # n decode threads + the graph-building thread: one more thread than cores
     kernels.set_num_threads(n)
@@ -80,7 +80,7 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
     a generation does, and leaves the worker thread's cores as they were."""
     import asyncio
 
-    from edge0.decode.batch import BatchDecoder
+    from edge0.batching import BatchDecoder
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
     from edge0.serve.batched import _cycle
