@@ -82,7 +82,7 @@ def model_fingerprint(manifest, config: dict) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({k: config.get(k) for k in sorted(config) if k != "quantization"}, sort_keys=True,
                         default=str).encode())
-    for entry in manifest.layers:
+    for entry in (getattr(manifest, "whole", None) or manifest).layers:  # a pipeline rank's: its store's (dist)
         h.update("".join(entry.checksums).encode())
     return h.hexdigest()[:16]
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +31,8 @@ from .consistency import config_problems
 from .routers import ROUTERS
 
 RESIDENT = "resident.safetensors"
+# A pipeline rank's share of the model (edge0/dist): the decoder layers it holds, and its hook on the runtime.
+_PART: ContextVar = ContextVar("edge0_part", default=None)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -112,6 +118,8 @@ def _attach(model: nn.Module, runtime, arch, manifest: Manifest, config: dict, r
         check_predictor(blocks, runtime, arch)
     else:
         for i, layer in enumerate(model.layers):
+            if layer is None:  # another rank's layer (edge0/dist)
+                continue
             if i in runtime.executors:
                 if not is_moe_block(layer.mlp):
                     raise Edge0Error(f"{where}: layer {i} holds experts but the model's layer {i} is dense")
@@ -172,6 +180,9 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     problems = config_problems(manifest, config, where=root / MANIFEST, model=model)
     if problems:  # before any executor sizes itself by the manifest
         raise Edge0Error(problems[0])
+    part = _PART.get()
+    if part is not None:
+        manifest, weights = _keep_layers(model, manifest, weights, part.layers)
     reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
     runtime = None
     try:
@@ -179,6 +190,8 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
             runtime = build(reader, cdtype)
         else:
             runtime = build_runtime(reader, executor, cdtype, memory_budget_gib=memory_budget, slots=slots)
+        if part is not None:
+            part.adopt(runtime)
         _attach(model, runtime, arch, manifest, config, root)
         try:
             model.load_weights(list(weights.items()), strict=True)
@@ -196,3 +209,47 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
         reader.close()
         raise
     return Store(root, model, tokenizer, config, manifest, reader, cdtype, runtime)
+
+
+@dataclass
+class PartManifest(Manifest):
+    """A manifest of some of a store's MoE layers (a pipeline rank's); `whole` is the store's."""
+
+    whole: Manifest | None = None
+
+
+@contextmanager
+def only_layers(part):
+    """Within the block, load_store loads decoder layers `part.layers` only (their resident weights and experts) and
+    calls part.adopt(runtime) once the runtime is built (edge0/dist: one pipeline rank's share)."""
+    token = _PART.set(part)
+    try:
+        yield
+    finally:
+        _PART.reset(token)
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _keep_layers(model: nn.Module, manifest: Manifest, weights: dict, keep: range) -> tuple[Manifest, dict]:
+    """Drop the decoder layers outside `keep` from the model (None in their place: the others keep their numbers),
+    their weights and their manifest entries."""
+    inner = decoder(model)
+    inner.layers = [layer if i in keep else None for i, layer in enumerate(inner.layers)][:keep.stop]
+    kept = {k: v for k, v in weights.items()
+            if (m := _LAYER_KEY.search(k)) is None or int(m.group(1)) in keep}
+    fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(Manifest)}
+    fields["layers"] = [e for e in manifest.layers if e.layer in keep]
+    return PartManifest(**fields, whole=manifest), kept
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers (mlx-lm's `model.model`, or the language model's)."""
+    for path in ("model", "language_model.model"):
+        inner = model
+        for name in path.split("."):
+            inner = getattr(inner, name, None) if inner is not None else None
+        if inner is not None and isinstance(getattr(inner, "layers", None), list):
+            return inner
+    raise Edge0Error(f"{type(model).__module__}: no decoder layer list to split across ranks")

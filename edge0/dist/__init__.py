@@ -1,0 +1,64 @@
+"""One model across several processes or machines on MLX's distributed layer (`mlx.launch`).
+
+    edge0 launch -n 2 -- run --prompt "def fib(n):"          # two local ranks, ring backend over 127.0.0.1
+    mlx.launch --hostfile hosts.json --backend ring -- edge0 run --model STORE ...
+
+Pipeline parallel (dist/pipeline.py): the decoder layers split into contiguous ranges, one per rank; each rank loads
+only its layers' resident weights and streams only its layers' experts (its own banks, scheduler and I/O pool).
+Every rank runs the same decode loop on the same logits; rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+
+from ..errors import Edge0Error
+
+
+def world():
+    """MLX's distributed group when started by mlx.launch (size > 1), else None."""
+    if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def even_split(layers: int, ranks: int) -> list[range]:
+    """Contiguous ranges of `layers` decoder layers, one per rank, sizes differing by at most one (the first ranks
+    take the extra layers)."""
+    if ranks > layers:
+        raise Edge0Error(f"{ranks} ranks for a model of {layers} layers: at most one rank per layer")
+    base, extra = divmod(layers, ranks)
+    out, at = [], 0
+    for r in range(ranks):
+        n = base + (r < extra)
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
+def same_seed(group) -> None:
+    """Every rank's random state from one seed drawn on rank 0: sampling at temperature draws alike everywhere."""
+    seed = int.from_bytes(os.urandom(4), "little") >> 1 if group.rank() == 0 else 0
+    seed = mx.distributed.all_sum(mx.array(seed, dtype=mx.int64), group=group, stream=mx.cpu).item()
+    mx.random.seed(seed)
+
+
+def open_engine(config, *, trace=None, quiet_others: bool = True):
+    """engine.open_engine, or under mlx.launch this rank's share of the pipeline (same interface: the engine
+    generates on every rank). quiet_others: ranks other than 0 write nothing to stdout."""
+    from ..engine import open_engine as open_one
+    from ..sched.trace import NULL
+
+    trace = NULL if trace is None else trace
+    group = world()
+    if group is None:
+        return open_one(config, trace=trace)
+    from .rank import open_rank
+
+    if quiet_others and group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return open_rank(config, group, trace=trace)

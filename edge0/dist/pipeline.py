@@ -1,0 +1,178 @@
+"""Pipeline parallel: each rank runs a contiguous range of decoder layers; the hidden state goes rank to rank.
+
+Rank 0 embeds the tokens; each rank runs its layers and sends the hidden state (and the features of a prerouter
+head whose consumer is the next rank's first MoE layer, dist/boundary.py) to the next; the last rank's output
+goes to every rank with one all_gather, so every rank computes the same logits and runs the same decode loop.
+Shapes: B rows, T tokens, D hidden.
+
+The model is mlx-lm's own, its embedding and final norm wrapped (Entry, Exit): the decode loop needs no change.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import Edge0Error
+from ..model.load import decoder
+
+
+class Wire:
+    """What a rank sends its successor each forward: the hidden state, then each crossing head's features; all as
+    one message of bytes (one send, one latency on the link), split again on the other side."""
+
+    def __init__(self, hidden: int, dtype: mx.Dtype, top_k: int, heads: int):
+        self.hidden, self.dtype, self.top_k, self.heads = hidden, dtype, top_k, heads
+
+    def parts(self, b: int, t: int) -> list[tuple[tuple, mx.Dtype]]:
+        """(shape, dtype) of each part of a message for B rows of T tokens: h, then (x, inds, prev) per head on
+        a decode step (T = 1: heads predict one token ahead)."""
+        out = [((b, t, self.hidden), self.dtype)]
+        if t == 1:
+            for _ in range(self.heads):
+                out += [((b, 1, self.hidden), self.dtype), ((b, 1, self.top_k), mx.uint32),
+                        ((b, 1, self.top_k), mx.uint32)]
+        return out
+
+    def nbytes(self, b: int, t: int) -> int:
+        return sum(_count(shape) * dtype.size for shape, dtype in self.parts(b, t))
+
+    def pack(self, arrays: list[mx.array]) -> mx.array:
+        return mx.concatenate([a.reshape(-1).view(mx.uint8) for a in arrays]) if len(arrays) > 1 else \
+            arrays[0].reshape(-1).view(mx.uint8)
+
+    def unpack(self, raw: mx.array, b: int, t: int) -> list[mx.array]:
+        out, at = [], 0
+        for shape, dtype in self.parts(b, t):
+            n = _count(shape) * dtype.size
+            out.append(raw[at:at + n].view(dtype).reshape(shape))
+            at += n
+        return out
+
+
+def _count(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class Entry(nn.Module):
+    """The embedding on rank 0; on the other ranks, the hidden state received from the rank before."""
+
+    def __init__(self, embed: nn.Module, stage: "Stage"):
+        super().__init__()
+        self.embed = embed
+        self._stage = stage
+
+    def as_linear(self, x: mx.array) -> mx.array:  # tied output embedding: every rank holds it
+        return self.embed.as_linear(x)
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        st = self._stage
+        st.begin(inputs.shape)
+        if st.rank == 0:
+            return self.embed(inputs)
+        b, t = inputs.shape
+        raw = mx.distributed.recv((st.wire_in.nbytes(b, t),), mx.uint8, st.rank - 1, group=st.group)
+        h, *features = st.wire_in.unpack(raw, b, t)
+        st.received(features)
+        st.bytes_received += raw.size
+        return h
+
+
+class Exit(nn.Module):
+    """The final norm, after the hidden state went on to the next rank and the last rank's came back to all."""
+
+    def __init__(self, norm: nn.Module, stage: "Stage"):
+        super().__init__()
+        self.norm = norm
+        self._stage = stage
+
+    def __call__(self, h: mx.array) -> mx.array:
+        st = self._stage
+        b, t = h.shape[0], h.shape[1]
+        if st.rank < st.size - 1:
+            msg = st.wire_out.pack([h, *st.outgoing(b, t)])
+            st.count(msg.size)
+            sent = mx.distributed.send(msg, st.rank + 1, group=st.group)
+            h = mx.depends(h, sent)  # the all_gather after the send: never the other way round (a deadlock)
+        whole = mx.distributed.all_gather(h, group=st.group)  # (size*B, T, D): every rank's, the last rank's wanted
+        st.count(h.size * h.dtype.size * (st.size - 1), messages=1)
+        out = whole[(st.size - 1) * b: st.size * b]
+        cache = st.cache
+        if cache and hasattr(cache[-1], "keys") and cache[-1].keys is not None:
+            cache[-1].keys = mx.depends(cache[-1].keys, out)  # a prompt chunk evaluates only the cache: the
+            # messages must be in its graph, on every rank
+        return self.norm(out)
+
+
+class Stage:
+    """One rank's place in the pipeline: its group, its layers, its wires and the crossing heads' hooks."""
+
+    def __init__(self, group, layers: range, hidden: int, dtype: mx.Dtype, top_k: int, boundary=None):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.layers = layers
+        self.boundary = boundary  # dist/boundary.py Boundary, or None (no head crosses)
+        heads_in = len(boundary.incoming) if boundary is not None else 0
+        heads_out = len(boundary.outgoing) if boundary is not None else 0
+        self.wire_in = Wire(hidden, dtype, top_k, heads_in)
+        self.wire_out = Wire(hidden, dtype, top_k, heads_out)
+        self.cache = None
+        self.bytes_sent = 0  # bytes this rank put on the links (its sends, its all_gather share)
+        self.bytes_received = 0  # bytes of hidden states it received from the rank before (its all_gather's not counted)
+        self.messages = 0  # messages it sent (a send, an all_gather)
+
+    def count(self, nbytes: int, messages: int = 1) -> None:
+        self.bytes_sent += int(nbytes)
+        self.messages += messages
+
+    def begin(self, shape) -> None:
+        if self.boundary is not None:
+            self.boundary.begin()
+
+    def received(self, features: list) -> None:
+        if self.boundary is not None and features:
+            self.boundary.received(features)
+
+    def outgoing(self, b: int, t: int) -> list:
+        if self.boundary is None or t != 1 or not self.boundary.outgoing:
+            return []
+        return self.boundary.sent(b)
+
+
+class PipelineModel(nn.Module):
+    """mlx-lm's model on one rank: its layers only, the hidden state passed on (model(tokens, cache) -> logits on
+    every rank, as one process's)."""
+
+    def __init__(self, model: nn.Module, stage: Stage):
+        super().__init__()
+        self.model = model
+        self._stage = stage
+        inner = decoder(model)
+        embed_name = "embed_tokens" if "embed_tokens" in inner else "word_embeddings"
+        if embed_name not in inner or "norm" not in inner:
+            raise Edge0Error(f"{type(model).__module__}: edge0's pipeline needs an embedding and a final norm by their "
+                             "mlx-lm names (embed_tokens or word_embeddings, norm)")
+        inner.layers = [layer for layer in inner.layers[stage.layers.start:stage.layers.stop]]
+        inner[embed_name] = Entry(inner[embed_name], stage)
+        inner["norm"] = Exit(inner["norm"], stage)
+
+    @property
+    def layers(self):
+        return decoder(self.model).layers
+
+    def make_cache(self):
+        if hasattr(self.model, "make_cache"):
+            whole = self.model.make_cache()
+            return whole[self._stage.layers.start:self._stage.layers.stop]
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        self._stage.cache = cache
+        try:
+            return self.model(inputs, cache=cache, **kw)
+        finally:
+            self._stage.cache = None

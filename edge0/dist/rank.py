@@ -1,0 +1,68 @@
+"""Open one rank's share of a pipeline: its layers loaded (model/load.py only_layers), its model wrapped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import Edge0Error
+from ..log import log
+from . import even_split, same_seed
+from .boundary import Boundary, Part
+from .pipeline import PipelineModel, Stage, decoder
+
+
+def open_rank(config, group, *, trace, split: list[range] | None = None):
+    """This rank's engine: layers split[rank] (default an even split) of the store `config` names."""
+    from ..engine import open_engine, resolve
+    from ..io.manifest import read_manifest
+    from ..model.arch import read_config, text_config
+    from ..model.load import only_layers
+
+    c = resolve(config)
+    if c.lora not in (None, "none"):
+        raise Edge0Error(f"--lora {c.lora}: not served across ranks yet (pass --lora none)")
+    if c.max_batch > 1:
+        raise Edge0Error(f"--max-batch {c.max_batch}: a pipeline serves one sequence at a time (--max-batch 1)")
+    root = Path(c.model)
+    layers = text_config(read_config(root))["num_hidden_layers"]
+    moe = [e.layer for e in read_manifest(root).layers]
+    split = split or even_split(layers, group.size())
+    mine = split[group.rank()]
+    part = Part(mine, moe)
+    with only_layers(part):
+        engine = open_engine(c, trace=trace)
+    try:
+        store = engine.store
+        boundary = None
+        if part.outgoing or part.incoming:
+            boundary = Boundary(part, store.runtime, store.manifest.num_experts)
+        inner = decoder(store.model)
+        embed = inner["embed_tokens"] if "embed_tokens" in inner else inner["word_embeddings"]
+        probe = embed(mx.array([[0]]))
+        mx.eval(probe)
+        stage = Stage(group, mine, probe.shape[-1], probe.dtype, engine.top_k, boundary)
+        store.model = PipelineModel(store.model, stage)
+        engine.stage = stage
+        engine.generate = _peers_kept(engine.generate, group.rank())
+        same_seed(group)
+    except BaseException:
+        engine.close()
+        raise
+    if group.rank() == 0:
+        log.info("pipeline", ranks=group.size(), layers=" ".join(f"{r.start}-{r.stop - 1}" for r in split),
+                 crossing_heads=len(part.outgoing))
+    return engine
+
+
+def _peers_kept(generate, rank: int):
+    """generate, a lost connection to another rank (it stopped or failed) one clear error instead of MLX's."""
+    def call(*args, **kwargs):
+        try:
+            return generate(*args, **kwargs)
+        except RuntimeError as e:
+            if "[ring]" not in str(e) and "[jaccl]" not in str(e):
+                raise
+            raise Edge0Error(f"rank {rank}: another rank stopped or failed, the pipeline stops ({e})") from None
+    return call

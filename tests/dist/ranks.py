@@ -1,0 +1,40 @@
+"""One rank of the distributed tests (tests/dist), or one process as their reference: for each ROUTING:EXECUTOR
+argument, generate from a fixed prompt and print one JSON line per rank.
+
+    mlx.launch -n 2 --backend ring -- python tests/dist/ranks.py STORE native:staged predicted:staged
+"""
+
+import json
+import os
+import sys
+
+from edge0 import dist
+from edge0.config import EngineConfig
+
+PROMPT = "hello world, the"
+
+
+def main(store: str, configs: list[str]) -> None:
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    dies = os.environ.get("EDGE0_TEST_DIE_RANK") == str(rank)  # this rank exits mid-generation (killed-rank test)
+    die_after = int(os.environ.get("EDGE0_TEST_DIE_AFTER", "0")) if dies else 0
+    for spec in configs:
+        routing, executor = spec.split(":")
+        config = EngineConfig(model=store, routing=routing, executor=executor, lora="none")
+        with dist.open_engine(config, quiet_others=False) as engine:
+            pieces = []
+
+            def emit(s: str) -> None:
+                pieces.append(s)
+                if die_after and len(pieces) >= die_after:
+                    os._exit(int(os.environ.get("EDGE0_TEST_EXIT_CODE", "3")))
+
+            fig = engine.generate(engine.request(engine.encode_text(PROMPT), max_tokens=16), emit=emit)
+            stage = getattr(engine, "stage", None)
+            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "bytes": fig.bytes_read,
+                              "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
