@@ -1,6 +1,6 @@
 """What the unmerged adapter costs a decode step, in one process (issue #15): the engine's generations on real text
-with the adapter as served (bfloat16), the adapter in float32, and no adapter, the three alternating round by round,
-for docs/lab/cpu-kernels.md.
+with the adapter as served (bfloat16), the adapter in float32, and no adapter, the three in an order rotated round by
+round (edge0/bench/harness.py, after a warm-up of each), for docs/lab/cpu-kernels.md.
 
     python tools/lab/adapter_ab.py [--store S] [--rounds 9] [--prompt-tokens 256] [--max-tokens 257]
         [--executor staged] [--slots N]
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import statistics
 import sys
 from json import decoder
 
@@ -38,6 +37,7 @@ def main() -> int:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
     import mlx.core as mx
 
+    from edge0.bench.harness import group, medians, paired, run_rounds
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
@@ -74,14 +74,15 @@ def main() -> int:
                 raise Edge0Error(f"--prompt-tokens + --max-tokens: json/decoder.py has {len(ids)} tokens")
             req = GenRequest(prompt=ids[:a.prompt_tokens], max_tokens=a.max_tokens, ignore_eos=True,
                              forced=ids[a.prompt_tokens:a.prompt_tokens + a.max_tokens])
-            engine.generate(req)  # warm-up
-            figs = {arm: [] for arm in ARMS}
+
+            def measure(arm, r):
+                for name, m in arms[arm].items():
+                    place(engine.store.model, name, m)
+                f = engine.generate(req)
+                return {"prefill_tok_s": f.prefill_tok_s, "decode_tok_s": f.decode_tok_s}
+
             try:
-                for _ in range(a.rounds):
-                    for arm in ARMS:
-                        for name, m in arms[arm].items():
-                            place(engine.store.model, name, m)
-                        figs[arm].append(engine.generate(req))
+                by = group(run_rounds(ARMS, a.rounds, measure, warmup=1))
             finally:
                 for name, m in served.items():
                     place(engine.store.model, name, m)
@@ -90,11 +91,8 @@ def main() -> int:
     print(f"{engine.config.lora}: {len(served)} adapted projections, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "
           f"{a.max_tokens} forced tokens")
     for what in ("prefill_tok_s", "decode_tok_s"):
-        parts = []
-        for arm in ARMS:
-            med = statistics.median(getattr(f, what) for f in figs[arm])
-            ratio = statistics.median(getattr(x, what) / getattr(y, what) for x, y in zip(figs[arm], figs["none"]))
-            parts.append(f"{arm} {med:.1f} tok/s ({ratio:.3f}x none)")
+        med, ratio = medians(by, [what]), paired(by, what, "none")
+        parts = [f"{arm} {med[arm][what]:.1f} tok/s ({ratio[arm].median:.3f}x none)" for arm in ARMS]
         print(f"{what.split('_')[0]}: " + ", ".join(parts))
     return 0
 

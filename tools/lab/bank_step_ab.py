@@ -10,6 +10,7 @@ two in turn, alternating which goes first), on the same prompt and forced tokens
 "tokens": [ids]}, as `edge0 bench --replay` takes), else --prompt-tokens ids of Python's json/decoder.py and the ids
 after them, so routing varies as on real text. Printed: each arm's median decode tok/s and the median over rounds of
 one node / call by call within a round (paired: the host's drift cancels). The tokens must be the same.
+Rounds (after a warm-up of each arm), medians and the paired ratio are edge0/bench/harness.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import statistics
 import sys
 from json import decoder
 
@@ -34,6 +34,7 @@ def main() -> int:
     a = p.parse_args()
     if min(a.rounds, a.prompt_tokens, a.max_tokens) < 1:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
+    from edge0.bench.harness import group, medians, paired, run_rounds
     from edge0.compute import kernels
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
@@ -58,21 +59,22 @@ def main() -> int:
                 ids = engine.encode_text(inspect.getsource(decoder))
                 prompt, forced = ids[:a.prompt_tokens], ids[a.prompt_tokens:a.prompt_tokens + a.max_tokens]
             req = GenRequest(prompt=prompt, max_tokens=len(forced), ignore_eos=True, forced=forced)
-            engine.generate(req)  # warm-up
-            figs = {arm: [] for arm in arms}
+
+            def measure(arm, r):
+                PrefetchExperts.bank_step = arms[arm]
+                f = engine.generate(req)
+                return {"decode_tok_s": f.decode_tok_s, "tokens": tuple(f.tokens)}
+
             try:
-                for i in range(a.rounds):
-                    for arm in list(arms)[::1 if i % 2 == 0 else -1]:
-                        PrefetchExperts.bank_step = arms[arm]
-                        figs[arm].append(engine.generate(req))
+                by = group(run_rounds(list(arms), a.rounds, measure, warmup=1))
             finally:
                 PrefetchExperts.bank_step = one_node
     except Edge0Error as e:
         sys.exit(f"bank_step_ab: {e}")
-    if len({tuple(f.tokens) for fs in figs.values() for f in fs}) != 1:
+    if len({row["tokens"] for rows in by.values() for row in rows}) != 1:
         sys.exit("bank_step_ab: the arms gave different tokens (they must not)")
-    med = {arm: statistics.median(f.decode_tok_s for f in fs) for arm, fs in figs.items()}
-    ratio = statistics.median(x.decode_tok_s / y.decode_tok_s for x, y in zip(*figs.values()))
+    med = {arm: m["decode_tok_s"] for arm, m in medians(by, ["decode_tok_s"]).items()}
+    ratio = paired(by, "decode_tok_s", "call by call")["one node"].median
     print(f"decode: one node {med['one node']:.2f} tok/s, call by call {med['call by call']:.2f} tok/s, "
           f"one node / call by call {ratio:.3f}x (paired, {a.rounds} rounds, {len(forced)} tokens, --io {a.io})")
     return 0
