@@ -1,6 +1,5 @@
 // Weights stored as float32 or as bfloat16 bits, as float32 (widened exactly: a bfloat16 is the high half of its
-// float32): one value (`wval`, every path), or 16 lanes (`wide16`, the AVX-512 paths of qmv.cpp, dense.cpp and
-// bindings.cpp).
+// float32): one value (`wval`, every path), or 16 lanes (`wide16`, the AVX-512 paths of qmv.cpp and dense.cpp).
 #pragma once
 
 #include <cstdint>
