@@ -45,3 +45,12 @@ def test_minus_m_lab_collects_every_lab_test_file():
                           "-m", "lab", "tests/lab"], cwd=ROOT, capture_output=True, text=True).stdout
     files = {f"tests/lab/{t.name}" for t in (ROOT / "tests" / "lab").glob("test_*.py")}
     assert files and {line.split("::")[0] for line in out.splitlines() if line.startswith("tests/lab/")} == files
+
+
+# CSRC's A/B scripts of the C++ switches, reworked with them; every other script takes its medians from the harness
+OWN_MEDIANS = {"batch_step.py", "layout_ab.py", "switch_ab.py"}
+
+
+def test_the_scripts_in_use_take_their_rounds_and_medians_from_the_harness():
+    own = {p.name for p in (ROOT / "tools").glob("*.py") if re.search(r"^\s*import statistics", p.read_text(), re.M)}
+    assert own <= OWN_MEDIANS, own - OWN_MEDIANS
