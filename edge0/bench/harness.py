@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -85,9 +85,6 @@ class Paired:
     high: float  # the largest
     faster: int  # rounds with a ratio above 1
     rounds: int  # rounds paired (both arms have the figure, the baseline's is not 0)
-
-    def row(self) -> dict:
-        return asdict(self)
 
 
 def ratios(rows: Sequence[dict], base: Sequence[dict], figure: str) -> list[float]:
