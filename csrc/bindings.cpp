@@ -118,9 +118,6 @@ NB_MODULE(_kernels, m) {
         "The cores MLX's CPU stream thread and the kernels' pool workers may run on (empty: any); Linux only.");
   m.def("thread_cpus", [] { return std::make_pair(edge0::stream_cpus(), edge0::worker_cpus()); },
         "(the cores the stream thread may run on, those of the first pool worker: empty where there is none).");
-  m.def("set_holding", [](bool on) { edge0::holding.store(on); }, "on"_a,
-        "Whether the nodes built from now on keep their evaluated inputs (a layer's weights) themselves rather than\n"
-        "list them for MLX to walk at every eval (default on; the same bits either way).");
   m.def("host_eval", &edge0::host_eval, "arrays"_a, "spin_us"_a, "hold_us"_a = 0,
         "mx.eval(arrays), the caller spinning for them up to spin_us before it sleeps (a sync on the critical path);\n"
         "hold_us > 0: the stream then held awake up to hold_us for the next graph (queue, host_eval); 0: the hold\n"

@@ -89,14 +89,11 @@ struct Computes {
 // walks it (a hash-map entry and a stack push on the graph-building thread, a buffer-set entry, a copy in the list of
 // each of the node's outputs): on the built-in model about 250 of a decode step's 300 inputs. The node's function
 // still sees its whole input list, in its order (all()).
-inline std::atomic<bool> holding{true};  // set_holding: off, every input listed for MLX (for A/B measurement)
-
 class Held {
  public:
   // Moves the evaluated arrays of `in` into this, but those at `shown` (buffers the node passes on, which MLX must
   // see to let it), leaving in `in` the arrays MLX sees, in their order.
   void take(std::vector<mx::array>& in, std::initializer_list<size_t> shown = {}) {
-    if (!holding.load(std::memory_order_relaxed)) return;
     std::vector<mx::array> seen;
     seen.reserve(in.size());
     layout_.clear();
