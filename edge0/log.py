@@ -35,7 +35,8 @@ class _Stderr:
     """A logger that writes each rendered line to the stderr of the moment (tests capture it)."""
 
     def msg(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
     info = debug = warning = error = exception = critical = msg
 

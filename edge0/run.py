@@ -5,7 +5,7 @@
 
 import sys
 
-from edge0.commands.run import main
+from edge0.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["run", *sys.argv[1:]]))

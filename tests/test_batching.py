@@ -140,7 +140,8 @@ def test_server_batches_concurrent_streaming_clients():
     """8 streaming clients on `edge0 serve --max-batch 4 --routing native --kernel mlx` (exact routing, so
     each answer can be compared with the FIFO server's): the same answers."""
     openai = pytest.importorskip("openai")
-    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.cli.flags import serve_configs
+    from edge0.cli.serve import add_args as add_serve_flags
     from edge0.serve.server import BackgroundServer
 
     p = argparse.ArgumentParser()
@@ -170,7 +171,8 @@ def test_a_full_batch_stays_inside_the_memory_budget():
     routing's staged banks on the demo need 12.4 MiB): after the load /metrics reports the banks held, inside the
     budget, and a peak allocation above them."""
     openai = pytest.importorskip("openai")
-    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.cli.flags import serve_configs
+    from edge0.cli.serve import add_args as add_serve_flags
     from edge0.serve.server import BackgroundServer
 
     p = argparse.ArgumentParser()
@@ -198,7 +200,8 @@ def test_a_full_batch_stays_inside_the_memory_budget():
 
 def default_server(openai):
     """`edge0 serve` with no flag (batched, predicted routing), in this process; its openai client."""
-    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.cli.flags import serve_configs
+    from edge0.cli.serve import add_args as add_serve_flags
     from edge0.serve.server import BackgroundServer
 
     p = argparse.ArgumentParser()

@@ -12,8 +12,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from edge0.commands.run import add_run_flags, run  # noqa: E402
-from edge0.serve import add_chat_flags, add_serve_flags, serve_configs  # noqa: E402
+from edge0.cli.run import add_args as add_run_flags, main as run  # noqa: E402
+from edge0.cli.chat import add_args as add_chat_flags  # noqa: E402
+from edge0.cli.flags import serve_configs  # noqa: E402
+from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    if n", "import os", "class Stack:\n    def push(self, item", "x"]
@@ -94,7 +96,7 @@ def test_chat_second_turn_and_reset(capsys):
     """`edge0 chat` with no flags: the second turn and the turn after /reset answer, the latter as the first. A line
     that is not UTF-8 (its byte kept as a surrogate, as Python reads standard input) is refused and changes nothing
     (the tokenizer raised on it)."""
-    from edge0.serve.chat import chat
+    from edge0.cli.chat import chat
 
     p = argparse.ArgumentParser()
     add_chat_flags(p)

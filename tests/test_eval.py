@@ -69,12 +69,15 @@ def test_routing_statistics(tiny, data_file):
 
 
 def test_cli_json_and_errors(tiny, data_file, capsys, tmp_path):
+    from edge0.cli import main
+    from edge0.cli.eval import add_args, main as eval_main
+
     p = argparse.ArgumentParser()
-    ev.add_eval_flags(p)
+    add_args(p)
     args = p.parse_args(["--model", str(tiny / "store"), "--data", str(data_file.parent), "--max-tokens", "64", "--json"])
-    assert ev.eval_cli(args) == 0
+    assert eval_main(args) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and json.loads(out)["tokens"] == 64
-    assert ev.main(["--model", str(tmp_path), "--data", str(data_file)]) == 1
-    assert ev.main(["--model", str(tiny / "store"), "--data", str(tmp_path / "missing.py")]) == 1
+    assert main(["eval", "--model", str(tmp_path), "--data", str(data_file)]) == 2
+    assert main(["eval", "--model", str(tiny / "store"), "--data", str(tmp_path / "missing.py")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_library_notes_go_through_the_log(models, tmp_path, monkeypatch, capsys)
     import json
     import shutil
 
-    from edge0.io.verify import verify_cli
+    from edge0.cli.verify import verify as verify_cli
     from edge0.train import loop
 
     store = tmp_path / "store"

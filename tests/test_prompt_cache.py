@@ -128,7 +128,8 @@ def test_second_chat_turn_over_http_prefills_only_the_new_tokens():
     import argparse
 
     openai = pytest.importorskip("openai")
-    from edge0.serve import add_serve_flags, serve_configs
+    from edge0.cli.flags import serve_configs
+    from edge0.cli.serve import add_args as add_serve_flags
     from edge0.serve.server import BackgroundServer
 
     p = argparse.ArgumentParser()

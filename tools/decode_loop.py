@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> int:
-    from edge0.commands.run import read_replay
+    from edge0.cli.run import read_replay
     from edge0.bench.harness import median, run_rounds
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine

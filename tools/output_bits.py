@@ -35,7 +35,7 @@ def outputs(store: str, replay: dict, greedy: int) -> dict:
 def main() -> int:
     import numpy as np
 
-    from edge0.commands.run import read_replay
+    from edge0.cli.run import read_replay
     from edge0.errors import Edge0Error
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

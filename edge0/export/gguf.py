@@ -9,8 +9,6 @@ What each tensor becomes is plan.py's; the file is written beside OUT and rename
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -21,29 +19,11 @@ from ..io.verify import check_at_load
 from ..log import log
 from ..io.outputs import GGUF_KIND, check_file_out, refuse_inputs
 from ..model.arch import read_config
-from .plan import SUPPORTED, TYPES, Report, check_exportable, expert_jobs, resident_jobs
+from .plan import SUPPORTED, Report, check_exportable, expert_jobs, resident_jobs
 from .source import Resident
 from .vocab import add_vocab
 
 HEADER_ROOM = 1 << 24  # bytes allowed for metadata and the tensor index in the free-space check
-
-
-def add_export_gguf_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", metavar="STORE", help="Edge0 store (made by `edge0 convert`)")
-    p.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
-    p.add_argument("--type", dest="qtype", default="q4_1", choices=TYPES,
-                   help="q4_1: the store's 4-bit weights exactly (default); q4_0: experts re-quantized to Q4_0")
-    p.add_argument("--force", action="store_true", help="replace OUT.gguf if it is a GGUF file (never other files)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def export_gguf_cli(args: argparse.Namespace) -> int:
-    r = export_gguf(args.store, args.out, qtype=args.qtype, force=args.force, progress=not args.quiet)
-    inexact = (f"; Q4_1 scales and biases: {r.fp16_inexact} of {r.fp16_values} rounded to fp16" if r.fp16_inexact
-               else f"; Q4_1 scales and biases: all {r.fp16_values} exact in fp16" if r.fp16_values else "")
-    print(f"wrote {r.path} ({r.tensors} tensors, {human(r.bytes)}, {r.qtype}{inexact}) in {r.seconds:.1f} s",
-          file=sys.stderr)
-    return 0
 
 
 def export_gguf(store: str | Path, out: str | Path, *, qtype: str = "q4_1", force: bool = False,

@@ -73,30 +73,26 @@ def _fit_spread(experts: int, top_k: int, kept: float, top_quarter: float, seed:
     return (lo + hi) / 2
 
 
-def synth_cli(args) -> str:
+def synth_file(file: str, *, layers: int | None, experts: int | None, top_k: int | None, tokens: int | None,
+               seed: int | None) -> str:
     """`edge0 trace synth FILE --layers L --experts E --top-k K --tokens T [--seed S]`: FILE must be new. Returns
     the line the command prints."""
     from pathlib import Path
 
     from .routetrace import write_trace
 
-    for flag in ("plot", "windows"):
-        if getattr(args, flag) is not None:
-            raise Edge0Error(f"--{flag}: `edge0 trace synth` does not read it (summarize does)")
-    if args.json:
-        raise Edge0Error("--json: `edge0 trace synth` does not read it (summarize does)")
-    shape = {f: getattr(args, f) for f in ("layers", "experts", "top_k", "tokens")}
+    shape = {"layers": layers, "experts": experts, "top_k": top_k, "tokens": tokens}
     for f, v in shape.items():
         if v is None or not 1 <= v <= SYNTH_MAX[f]:
             raise Edge0Error(f"--{f.replace('_', '-')}: `edge0 trace synth` needs it, from 1 to {SYNTH_MAX[f]} (got {v})")
     if shape["experts"] < 4:
         raise Edge0Error(f"--experts {shape['experts']}: at least 4 (the popularity is fitted over a quarter of them)")
-    if args.seed is not None and args.seed < 0:
-        raise Edge0Error(f"--seed {args.seed}: must be 0 or more")
-    out = Path(args.file)
+    if seed is not None and seed < 0:
+        raise Edge0Error(f"--seed {seed}: must be 0 or more")
+    out = Path(file)
     if out.exists() or out.is_symlink():
         raise Edge0Error(f"{out}: exists; name a new file (no file is written over)")
-    trace = synth_trace(**shape, seed=args.seed or 0)
+    trace = synth_trace(**shape, seed=seed or 0)
     write_trace(out, trace)
     s = route_stats(trace.ids, shape["experts"])
     return (f"wrote {out}: SYNTHETIC routing, {shape['layers']} layers x {shape['experts']} experts, top-{shape['top_k']}, "

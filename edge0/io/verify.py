@@ -11,13 +11,11 @@ and writers' temporaries aside). The checks of the model
 from __future__ import annotations
 
 import os
-import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Edge0Error
-from ..log import log
 from .layerfile import check_header
 from .manifest import (MANIFEST, LayerEntry, Manifest, file_entry, manifest_checksum, read_json, read_manifest,
                        store_file)
@@ -219,23 +217,3 @@ def store_bytes(root: Path, manifest: Manifest) -> int:
     listed = sum(v["size"] for v in (manifest.files or {}).values())
     return listed + len(manifest.layers) * manifest.num_experts * manifest.bundle_stride
 
-
-def verify_cli(store: str, config_check=None) -> int:
-    """`edge0 verify`: prints each problem as an error line and each warning; 1 when the store is unsound."""
-    from tqdm import tqdm
-
-    root = Path(store)
-    manifest = read_manifest(root, own_checksum=False)
-    with tqdm(total=store_bytes(root, manifest), unit="B", unit_scale=True, desc="verify", file=sys.stderr,
-              disable=None) as bar:
-        report = verify_store(root, config_check=config_check, progress=bar)
-    for w in report.warnings:
-        log.warning(w)
-    for p in report.problems:
-        log.error(p)
-    if report.problems:
-        return 1
-    layers = len(manifest.layers)
-    print(f"{store}: {report.files} files ({layers} expert layer files, {layers * manifest.num_experts} bundles) "
-          f"verified, {report.bytes / 1e6:.1f} MB", file=sys.stderr)
-    return 0

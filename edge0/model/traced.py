@@ -14,7 +14,6 @@ own router's weights for those ids (block.weigh). Shapes: T tokens, K routed.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import mlx.core as mx
@@ -25,13 +24,15 @@ from ..io.routetrace import RouteTrace, check_fits, write_trace
 from .routes import moe_blocks
 
 
-def attach_routes(args: argparse.Namespace, engine, trace: RouteTrace | None, req) -> "TracedRouting | None":
-    """The hooks of --routes / --record-routes on the engine's model for request `req`, the trace checked against
-    the run's shape (its MoE layers, experts, K, and the tokens it computes)."""
-    if trace is None and args.record_routes is None:
+def attach_routes(engine, trace: RouteTrace | None, req, *, routes_file: str | None,
+                  record: str | None) -> "TracedRouting | None":
+    """The hooks of --routes (`trace`, read from routes_file) / --record-routes (the file `record`) on the engine's
+    model for request `req`, the trace checked against the run's shape (its MoE layers, experts, K, and the tokens
+    it computes)."""
+    if trace is None and record is None:
         return None
-    what = f"--routes {args.routes}" if trace is not None else f"--record-routes {args.record_routes}"
-    traced = TracedRouting(engine.store.model, trace=trace, record=args.record_routes is not None, what=what)
+    what = f"--routes {routes_file}" if trace is not None else f"--record-routes {record}"
+    traced = TracedRouting(engine.store.model, trace=trace, record=record is not None, what=what)
     engine.prompt_cache = None  # the trace's rows are the sequence's from its first token: every one is computed
     if trace is not None:
         steps = min(req.max_tokens, len(req.forced)) if req.forced else req.max_tokens
@@ -40,10 +41,10 @@ def attach_routes(args: argparse.Namespace, engine, trace: RouteTrace | None, re
     return traced
 
 
-def save_routes(args: argparse.Namespace, traced: "TracedRouting | None", engine, req, tokens: list[int]) -> None:
-    """--record-routes: the run's routing, rows [0, prompt) marked the prompt's."""
-    if traced is not None and args.record_routes is not None:
-        write_trace(args.record_routes, traced.recorded(prompt_tokens=len(req.prompt), tokens=list(req.prompt) + tokens,
+def save_routes(record: str | None, traced: "TracedRouting | None", engine, req, tokens: list[int]) -> None:
+    """--record-routes (the file `record`): the run's routing, rows [0, prompt) marked the prompt's."""
+    if traced is not None and record is not None:
+        write_trace(record, traced.recorded(prompt_tokens=len(req.prompt), tokens=list(req.prompt) + tokens,
                                                         num_experts=engine.store.manifest.num_experts))
 
 

@@ -106,6 +106,9 @@ def summarize(data: dict) -> dict:
         "stall_ms_per_token": per(total.get("stall", 0.0)),
         "sched_ms_per_token": per(total.get("sched", 0.0)),
         "plan_ms_per_token": per(total.get("plan", 0.0)),
+        # the scheduler's event loop (sched/loop.py): its work, and the graph-building thread's waits for it
+        "loop_ms_per_token": per(sum(e["dur"] for e in spans if e["cat"] == "loop" and in_steps(e)) / 1e3),
+        "loop_wait_ms_per_token": per(total.get("loop wait", 0.0)),
         "loads": len(reads),
         "loads_per_step": per(len(decode_reads)),
         "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
@@ -155,16 +158,6 @@ def windows(data: dict, size: int) -> list[dict]:
     return out
 
 
-def print_windows(rows: list[dict]) -> None:
-    print("| steps | step ms (median) | shortest | longest | stall ms/step | loads/step | ahead/step | read ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for w in rows:
-        read = "-" if w["read_ms"] is None else f"{w['read_ms']:.2f}"
-        print(f"| {w['first_step']}-{w['first_step'] + w['steps'] - 1} | {w['step_ms']:.1f} | {w['min_step_ms']:.1f} | "
-              f"{w['max_step_ms']:.1f} | {w['stall_ms_per_step']:.1f} | {w['loads_per_step']:.1f} | "
-              f"{w['ahead_per_step']:.1f} | {read} |")
-
-
 def _busy(reads: list[dict]) -> tuple[float, float]:
     """(ms during which at least one read ran, mean reads in flight over that time)."""
     if not reads:
@@ -178,32 +171,6 @@ def _busy(reads: list[dict]) -> tuple[float, float]:
             b = max(b, t)
     busy += b - a
     return busy / 1e3, sum(t - s for s, t in iv) / busy if busy else 0.0
-
-
-def print_summary(s: dict) -> None:
-    fit = s["load_cost_fit"]
-    rows = [
-        ("steps", f"{s['steps']} decode steps"),
-        ("decode", f"{s['tok_s']:.2f} tok/s ({s['step_ms']:.1f} ms/step)"),
-        ("stall", f"{s['stall_ms_per_token']:.2f} ms/token (the graph-building thread waiting on reads)"),
-        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread, "
-                      f"{s.get('plan_ms_per_token', 0.0):.2f} on its own (the planner)"),
-        ("loads", f"{s['loads_per_step']:.1f}/step, {s['mib_per_load']:.2f} MiB/load, {100 * s['cold_fraction']:.0f}% cold, "
-                  f"{s['demand_loads']} on demand"),
-        ("reads", f"{s['read_ms_per_step']:.1f} ms/step with a read in flight, {s['read_depth']:.1f} in flight on "
-                  f"average, {s['read_mb_s']:.0f} MB/s"),
-        ("compute", f"{s['eval_ms_per_step']:.1f} ms/step waiting for MLX, graph build {s['graph_build_ms_per_step']:.1f} "
-                    "ms/step"),
-        ("recall", "-" if s["recall"] is None else f"{100 * s['recall']:.1f}%"),
-    ]
-    if s.get("prompt_last_step_ms") is not None:  # where a first use's work (a bank's memory) lands before decode
-        rows.insert(0, ("prompt", f"its last token's step {s['prompt_last_step_ms']:.1f} ms (the first token's; "
-                                  "in the prompt's time, not decode's)"))
-    if fit["a_ms"] is not None:
-        rows.append(("load cost", f"{fit['a_ms']:.3f} ms + {fit['b_ms']:.3f} ms x cold (rms residual "
-                                  f"{fit['rms_residual_ms']:.3f} ms, max {fit['max_residual_ms']:.3f} ms)"))
-    for k, v in rows:
-        print(f"{k:>10}  {v}")
 
 
 def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
@@ -223,7 +190,8 @@ def plot(data: dict, summary: dict, out: str | Path, steps: int = 4) -> None:
     first = step_spans[min(1, len(step_spans) - 1)]  # skip the step that follows prefill
     t0 = first["ts"]
     t1 = step_spans[min(len(step_spans) - 1, steps)]["ts"] + step_spans[min(len(step_spans) - 1, steps)]["dur"]
-    colors = {"compute": "tab:blue", "io": "tab:orange", "stall": "tab:red", "sample": "tab:green", "sched": "tab:purple"}
+    colors = {"compute": "tab:blue", "io": "tab:orange", "stall": "tab:red", "sample": "tab:green", "sched": "tab:purple",
+              "loop": "tab:brown"}
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [2, 1]})
     order = sorted(lanes)
     for e in events:
@@ -269,33 +237,3 @@ def check_plot(out: str, trace: str) -> None:
     refuse_inputs(out, {"FILE": trace}, "--plot")
     name = ext[1:].upper()
     check_file_out(out, None, Kind(f"a {name} image", f"{name} header", starts_with(*PLOT_FORMATS[ext])), "--plot")
-
-
-def trace_cli(args) -> int:
-    if args.action == "synth":
-        from ..io.routesynth import synth_cli
-
-        print(synth_cli(args))
-        return 0
-    given = [f for f in ("layers", "experts", "top_k", "tokens", "seed") if getattr(args, f, None) is not None]
-    if given:
-        raise Edge0Error(f"--{given[0].replace('_', '-')}: only `edge0 trace synth` reads it")
-    if args.action != "summarize":
-        raise Edge0Error(f"`edge0 trace {args.action}`: unknown action (summarize)")
-    if args.windows is not None and args.windows < 1:
-        raise Edge0Error(f"--windows {args.windows}: must be at least 1 (decode steps a window)")
-    if args.plot:
-        check_plot(args.plot, args.file)
-    data = load_trace(args.file)
-    s = summarize(data)
-    if args.windows:
-        s["windows"] = windows(data, args.windows)
-    if args.json:
-        print(json.dumps(s))
-    else:
-        print_summary(s)
-        if args.windows:
-            print_windows(s["windows"])
-    if args.plot:
-        plot(data, s, args.plot)
-    return 0

@@ -25,12 +25,10 @@ OUT/fp       the float (bf16) mlx-lm checkpoint;  OUT/store  its int4 Edge0 stor
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -316,46 +314,3 @@ def export_fp(model: nn.Module, config: dict, corpus: Corpus, out: Path) -> Path
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_tokenizer_files(tmp, corpus.tokenizer_json)
     return out
-
-
-# CLI -----------------------------------------------------------------------------------------------
-
-def add_train_base_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="run directory: data, checkpoints, log, exported fp and store")
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="model size and schedule")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
-    p.add_argument("--no-export", action="store_true", help="skip writing OUT/fp and OUT/store")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-
-
-def train_base_cli(args: argparse.Namespace) -> int:
-    summary = train_base(args.out, preset=args.preset, steps=args.steps, seed=args.seed, resume=args.resume,
-                         export=not args.no_export, progress=not args.json)
-    if World.init().rank:  # rank 0 reports
-        return 0
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"{summary['steps']} steps, {summary['tokens']:,} tokens in {summary['train_s']:.0f} s; "
-              f"held-out loss {summary['heldout_loss']:.3f} (ppl {summary['heldout_ppl']:.1f}); BLAS: {summary['blas']}")
-        if "store" in summary:
-            print(f"fp checkpoint {summary['fp']}, Edge0 store {summary['store']}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="edge0 train base", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_base_flags(parser)
-    args = parser.parse_args(argv)
-    try:
-        return train_base_cli(args)
-    except Edge0Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,9 +14,7 @@ compound. Held-out perplexity, reverse KL to the teacher and top-1 agreement are
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -195,62 +193,3 @@ def _fit(student: Student, tutor: nn.Module, hp: Hyper, stream: np.ndarray, held
     return {"phase": 3, "losses": state["losses"], "heldout_curve": state["curve"],
             "heldout_after": state["curve"][-1][1], "heldout_ppl": state["curve"][-1][1]["ppl"],
             "train_s": round(state["train_s"], 1)}
-
-
-def add_train_distill_flags(p: argparse.ArgumentParser) -> None:
-    h = Hyper()
-    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the adapter serves")
-    p.add_argument("--out", required=True, metavar="FILE", help="adapter to write (safetensors)")
-    p.add_argument("--init", metavar="FILE", help="the Phase 2 adapter to start from (default STORE/lora-k{K}.safetensors)")
-    p.add_argument("--heads", metavar="FILE", help="the heads that route it (default STORE/heads-k{K}.safetensors)")
-    p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
-    p.add_argument("--candidates", type=int, default=None, metavar="M",
-                   help="experts each head names, its layer's router choosing K of them, as `--candidates` serves "
-                        "(default 2K: the default over resident experts)")
-    p.add_argument("--teacher", metavar="DIR",
-                   help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
-    p.add_argument("--data", metavar="FILE_OR_DIR",
-                   help="text the prompts are cut from: .py files, .npy ids, or `stdlib` (the whole stdlib train "
-                        "split; default its first 400 files)")
-    p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
-    p.add_argument("--steps", type=int, default=h.steps, help=f"optimizer steps (default {h.steps})")
-    p.add_argument("--batch", type=int, default=h.batch, help=f"generations per step (default {h.batch})")
-    p.add_argument("--prompt-len", type=int, default=h.prompt_len, help=f"prompt tokens (default {h.prompt_len})")
-    p.add_argument("--new", type=int, default=h.new, help=f"tokens sampled per generation (default {h.new})")
-    p.add_argument("--top", type=int, default=h.top, help=f"teacher tokens of the KL besides the tail (default {h.top})")
-    p.add_argument("--lr", type=float, default=h.lr, help=f"peak learning rate (default {h.lr:g})")
-    p.add_argument("--temp", type=float, default=h.temp, help="the student's sampling temperature (default 1)")
-    p.add_argument("--seed", type=int, default=h.seed)
-    p.add_argument("--eval-every", type=int, default=20, metavar="N", help="held-out figures every N steps (default 20)")
-    p.add_argument("--eval-windows", type=int, default=4, metavar="N", help="held-out windows scored (default 4)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
-
-
-def check_flags(args) -> None:
-    """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
-    from ..flags import check_seed, positive, routed_k, whole
-
-    routed_k(args.k)
-    whole("--candidates", args.candidates, 1)
-    for flag, value, lo in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
-                            ("--new", args.new, 1), ("--top", args.top, 1), ("--eval-every", args.eval_every, 1),
-                            ("--eval-windows", args.eval_windows, 1)):
-        whole(flag, value, lo)
-    for flag, value in (("--lr", args.lr), ("--temp", args.temp)):
-        positive(flag, value)
-    check_seed(args.seed)
-
-
-def train_distill_cli(args) -> int:
-    check_flags(args)
-    r = train_distill(args.model, args.out, init=args.init, teacher=args.teacher, data=args.data, heads=args.heads,
-                      heldout=args.heldout, top_k=args.k, candidates=args.candidates, steps=args.steps, batch=args.batch,
-                      prompt_len=args.prompt_len, new=args.new, top=args.top, lr=args.lr, temp=args.temp,
-                      seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume)
-    if World.init().rank:  # rank 0 reports
-        return 0
-    b, a = r["heldout_before"], r["heldout_after"]
-    print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
-    for name in ("ppl", "reverse_kl", "top1_agreement"):
-        print(f"held-out {name}: {b[name]:.4f} (Phase 2) -> {a[name]:.4f}")
-    return 0

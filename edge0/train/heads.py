@@ -11,11 +11,9 @@ for repeat, next-router and the trained heads.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,19 +202,6 @@ def _mean_recall(per_window: list[dict]) -> dict:
             for c in layers}
 
 
-def add_train_heads_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the heads serve")
-    p.add_argument("--out", required=True, metavar="FILE", help="head file to write (safetensors)")
-    p.add_argument("--data", metavar="FILE_OR_DIR", help="training text (.py files); default the stdlib train split")
-    p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
-    p.add_argument("--k", type=int, default=None, help="routed experts per token the heads serve (default the model's)")
-    p.add_argument("--steps", type=int, default=300, help="training windows (default 300)")
-    p.add_argument("--hidden", type=int, default=HIDDEN, help=f"head width (default {HIDDEN})")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
-
-
 def check_head_flags(*, top_k, hidden: int, lr: float, seed: int) -> None:
     """The flags of `train heads` (and make-workload's heads) checked before the store loads; K against the model's
     experts once its manifest is read."""
@@ -224,15 +209,3 @@ def check_head_flags(*, top_k, hidden: int, lr: float, seed: int) -> None:
     whole("--hidden", hidden, 1)
     positive("--lr", lr)
     check_seed(seed)
-
-
-def train_heads_cli(args) -> int:
-    report = train_heads(args.model, args.out, data=args.data, heldout=args.heldout, top_k=args.k, steps=args.steps,
-                         hidden=args.hidden, lr=args.lr, seed=args.seed, resume=args.resume)
-    if World.init().rank:  # rank 0 reports
-        return 0
-    print(f"heads for K={report['top_k']} on consumer layers {report['consumers']} -> {args.out}", file=sys.stderr)
-    print(f"{'layer':>6} {'repeat':>8} {'next-router':>12} {'heads':>8}")
-    for c, r in report["recall"].items():
-        print(f"{c:>6} {r['repeat']:8.3f} {r['next-router']:12.3f} {r['heads']:8.3f}")
-    return 0

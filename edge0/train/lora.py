@@ -15,9 +15,7 @@ then the "before".
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -229,78 +227,3 @@ def _fit(student: Student, tutor, hp: Hyper, pool: np.ndarray, held: np.ndarray,
     return {"phase": 2, "steps_done": state["step"], "tokens": state["step"] * hp.batch * hp.seq_len,
             "losses": state["losses"], "heldout_curve": state["curve"],
             "heldout_ppl": state["curve"][-1][1] if state["curve"] else None, "train_s": round(state["train_s"], 1)}
-
-
-def add_train_lora_flags(p: argparse.ArgumentParser) -> None:
-    h = Hyper()
-    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the adapter serves")
-    p.add_argument("--out", required=True, metavar="FILE",
-                   help="adapter to write (safetensors); STORE/lora-k{K}.safetensors is the one served by default")
-    p.add_argument("--heads", metavar="FILE", help="the heads that route it (default STORE/heads-k{K}.safetensors)")
-    p.add_argument("--k", type=int, default=None, help="routed experts per token (default the model's)")
-    p.add_argument("--candidates", type=int, default=None, metavar="M",
-                   help="experts each head names, its layer's router choosing K of them, as `--candidates` serves "
-                        "(default 2K: the default over resident experts)")
-    p.add_argument("--teacher", metavar="DIR",
-                   help="the float checkpoint (default: the demo's fp for the demo store, else the store's source)")
-    p.add_argument("--loss", choices=LOSSES, default=h.loss,
-                   help="ce: next-token cross-entropy on the windows (default); kd: the teacher scores every window "
-                        "and the loss is KL(teacher || student) over its --top tokens and a tail bucket; ce+kd: the "
-                        "sum of both")
-    p.add_argument("--top", type=int, default=h.top, help=f"--loss kd: teacher tokens of the KL besides the tail "
-                                                          f"(default {h.top})")
-    p.add_argument("--data", metavar="FILE_OR_DIR",
-                   help="text of one's own (.py files, .npy ids, or `stdlib`: the whole stdlib train split): the "
-                        "prompts come from it, and it is trained on besides the teacher's text (default: prompts from "
-                        "the stdlib train split's first 400 files, teacher text only)")
-    p.add_argument("--heldout", metavar="FILE_OR_DIR", help="held-out text; default the stdlib held-out split")
-    p.add_argument("--steps", type=int, default=h.steps, help=f"optimizer steps (default {h.steps})")
-    p.add_argument("--batch", type=int, default=h.batch, help=f"windows per step (default {h.batch})")
-    p.add_argument("--seq-len", type=int, default=h.seq_len, help=f"tokens per window (default {h.seq_len})")
-    p.add_argument("--rank", type=int, default=h.rank, help=f"LoRA rank r (default {h.rank})")
-    p.add_argument("--alpha", type=float, default=h.alpha,
-                   help=f"LoRA alpha; the branch is scaled by alpha/r (default {h.alpha:g})")
-    p.add_argument("--lr", type=float, default=h.lr, help=f"peak learning rate (default {h.lr:g})")
-    p.add_argument("--temp", type=float, default=h.temp, help="the teacher's sampling temperature (default 1)")
-    p.add_argument("--samples", type=int, default=0, metavar="N",
-                   help="windows the teacher writes, drawn from in turn (default steps x batch: each used once)")
-    p.add_argument("--seed", type=int, default=h.seed)
-    p.add_argument("--eval-every", type=int, default=50, metavar="N", help="held-out perplexity every N steps (default 50)")
-    p.add_argument("--eval-windows", type=int, default=4, metavar="N", help="held-out windows scored (default 4)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt")
-    p.add_argument("--init", metavar="FILE",
-                   help="start from this adapter of the store (e.g. another K's) instead of a fresh one")
-
-
-def check_flags(args) -> None:
-    """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
-    from ..flags import check_seed, positive, refuse_together, routed_k, whole
-
-    if args.loss == "ce" and args.top != Hyper().top:  # --top sizes the teacher's KL, which ce alone never takes
-        refuse_together("--top", "--loss ce", "--top is the KL's teacher tokens (--loss kd or ce+kd)")
-    routed_k(args.k)
-    whole("--candidates", args.candidates, 1)
-    for flag, value, lo in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2),
-                            ("--rank", args.rank, 1), ("--samples", args.samples, 0), ("--top", args.top, 1),
-                            ("--eval-every", args.eval_every, 1), ("--eval-windows", args.eval_windows, 1)):
-        whole(flag, value, lo)
-    for flag, value in (("--alpha", args.alpha), ("--lr", args.lr), ("--temp", args.temp)):
-        positive(flag, value)
-    check_seed(args.seed)
-
-
-def train_lora_cli(args) -> int:
-    check_flags(args)
-    r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,
-                   top_k=args.k, candidates=args.candidates, loss=args.loss, top=args.top, steps=args.steps, batch=args.batch, seq_len=args.seq_len, rank=args.rank,
-                   alpha=args.alpha, lr=args.lr, seed=args.seed, temp=args.temp, samples=args.samples,
-                   eval_every=args.eval_every, eval_windows=args.eval_windows, resume=args.resume, init=args.init)
-    if World.init().rank:  # rank 0 reports
-        return 0
-    b = r["heldout_ppl_before"]
-    print(f"adapter for K={r['top_k']} -> {args.out} ({r['train_s']:.0f} s, {r['ranks']} rank(s))", file=sys.stderr)
-    start = "" if args.init is None else " + the --init adapter"
-    print(f"held-out ppl on the student path: native{start} {b['native']:.2f}, predicted{start} {b['predicted']:.2f}, "
-          f"predicted + the adapter trained {r['heldout_ppl']:.2f}")
-    return 0
-

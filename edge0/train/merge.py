@@ -1,6 +1,6 @@
 """Why the adapter stays unmerged: how much of its delta survives merge-and-requantize.
 
-    python -m edge0.train.merge --model edge0/model/demo/store --lora edge0/model/demo/store/lora-k4.safetensors
+    edge0 train merge --model edge0/model/demo/store --lora edge0/model/demo/store/lora-k4.safetensors
 
 B is the int4 base, U the base with the adapter unmerged (W_int4 + delta), M the merge requantized
 (quantize(W_int4 + delta) at the store's bits and group size). The surviving fraction is
@@ -11,9 +11,6 @@ block (kind moe_block) has no weight to merge into: it is left out of both, and 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,18 +72,3 @@ def merge_survival(model_dir, lora, *, heads=None, windows: int = 4, seq_len: in
     return {"weights": {k: {"mean": float(np.mean(v)), "min": float(np.min(v)), "max": float(np.max(v)),
                             "projections": len(v)} for k, v in kinds.items()},
             "logits": survival(unmerged, merged_logits, base_logits), "windows": len(held)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edge0.train.merge", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store")
-    p.add_argument("--lora", required=True, metavar="FILE", help="its adapter")
-    p.add_argument("--heads", metavar="FILE", help="the heads it was trained with (default STORE/heads-k{K})")
-    p.add_argument("--windows", type=int, default=4, help="held-out windows of 256 tokens for the logits (default 4)")
-    args = p.parse_args(argv)
-    print(json.dumps(merge_survival(args.model, args.lora, heads=args.heads, windows=args.windows), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

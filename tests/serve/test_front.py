@@ -22,7 +22,8 @@ pytest.importorskip("aiohttp")
 
 from tests import helpers  # noqa: E402
 from edge0.cli import main  # noqa: E402
-from edge0.serve import add_serve_flags, serve_configs  # noqa: E402
+from edge0.cli.flags import serve_configs  # noqa: E402
+from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
 from edge0.serve.guard import Front  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
@@ -350,7 +351,7 @@ def test_bad_front_flags_are_one_line(argv, says, capsys, monkeypatch):
 
 
 def test_the_key_may_come_from_the_environment(capsys, monkeypatch):
-    from edge0.serve import front_config
+    from edge0.cli.serve import front_config
 
     p = argparse.ArgumentParser()
     add_serve_flags(p)

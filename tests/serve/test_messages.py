@@ -18,7 +18,8 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 from tests import helpers  # noqa: E402
-from edge0.serve import add_serve_flags, serve_configs  # noqa: E402
+from edge0.cli.flags import serve_configs  # noqa: E402
+from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
 from edge0.serve.messages import stop_reason  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 

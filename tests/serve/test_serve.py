@@ -22,8 +22,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
 from tests import helpers  # noqa: E402
-from edge0.commands.run import add_run_flags, run  # noqa: E402
-from edge0.serve import add_chat_flags, add_serve_flags, serve_configs  # noqa: E402
+from edge0.cli.run import add_args as add_run_flags, main as run  # noqa: E402
+from edge0.cli.chat import add_args as add_chat_flags  # noqa: E402
+from edge0.cli.flags import serve_configs  # noqa: E402
+from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
 from edge0.generation import StopFilter  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
@@ -221,7 +223,7 @@ def test_sampling_is_reseeded_only_when_asked(setup):
 
 def test_serve_port_out_of_range_is_refused_before_loading(tmp_path):
     from edge0.errors import Edge0Error
-    from edge0.serve import serve_cli
+    from edge0.cli.serve import main as serve_cli
 
     p = argparse.ArgumentParser()
     add_serve_flags(p)
@@ -355,7 +357,7 @@ def test_internal_error_resets_the_engine_or_reports_unhealthy(setup, monkeypatc
 
 def test_chat_cli(setup):
     _, _, refs = setup
-    from edge0.serve.chat import chat
+    from edge0.cli.chat import chat
 
     p = argparse.ArgumentParser()
     add_chat_flags(p)

@@ -13,7 +13,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from edge0.serve import add_serve_flags, serve_configs  # noqa: E402
+from edge0.cli.flags import serve_configs  # noqa: E402
+from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
 N = 24  # tokens per answer

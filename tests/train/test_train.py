@@ -130,12 +130,11 @@ def test_same_seed_same_curve_other_seed_not(full_run, tmp_path):
 
 
 def test_cli_flags_and_bad_preset(tmp_path, capsys):
-    import argparse
+    from edge0.cli import build_parser, dispatch
 
-    p = argparse.ArgumentParser()
-    base.add_train_base_flags(p)
-    args = p.parse_args(["--out", str(tmp_path / "c"), "--preset", "tiny", "--steps", "2", "--no-export", "--json"])
-    assert base.train_base_cli(args) == 0
+    args = build_parser().parse_args(["train", "base", "--out", str(tmp_path / "c"), "--preset", "tiny", "--steps", "2",
+                                      "--no-export", "--json"])
+    assert dispatch(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 2 and "store" not in summary
     with pytest.raises(Edge0Error, match="preset"):

@@ -33,7 +33,7 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
     whose heads route (the others hold every expert under --placement auto)."""
     import mlx.core as mx
 
-    from edge0.commands.run import read_replay
+    from edge0.cli.run import read_replay
     from edge0.errors import Edge0Error
     from edge0.model.heads import HeadSet
     from edge0.model.load import load_store

@@ -47,7 +47,7 @@ def measure(a) -> tuple[list[float], dict]:
     from mlx_lm.models.cache import make_prompt_cache
 
     import edge0.pipeline.steps as steps
-    from edge0.commands.run import read_replay
+    from edge0.cli.run import read_replay
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
     from edge0.errors import Edge0Error

@@ -9,17 +9,33 @@ All MLX work runs on this one thread.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
 
-from ..engine import Engine, open_engine
+from typing import TYPE_CHECKING
+
 from ..errors import Edge0Error
-from ..flags import not_utf8, serve_configs
-from ..generation import Figures, GenRequest
+from ..flags import not_utf8
+from .flags import add_serving_flags, serve_configs
+
+if TYPE_CHECKING:  # the engine (and MLX) load when a chat starts, not when the parser is built
+    from ..engine import Engine
+    from ..generation import Figures, GenRequest
 
 HELP = "/stats  figures of the last answer (and toggle them after every answer)\n" \
        "/reset  start a new conversation\n/quit   leave (or Ctrl-D)"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_serving_flags(p, seed_help="random seed of the first answer (default: none)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
+    p.add_argument("--stats", action="store_true", help="print the figures after every answer (toggle with /stats)")
+
+
+def main(args: argparse.Namespace) -> int:
+    return chat(args)
 
 
 class Conversation:
@@ -50,6 +66,8 @@ class Conversation:
 
     def turn(self, text: str) -> None:
         """The user says text; the answer streams to out."""
+        from ..generation import GenRequest
+
         engine, samp, out = self.engine, self.samp, self.out
         self.messages.append({"role": "user", "content": text})
         prompt = engine.encode_chat(self.messages)
@@ -75,6 +93,8 @@ class Conversation:
 
 
 def chat(args, *, stdin=None, out=None) -> int:
+    from ..engine import open_engine
+
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     config, samp = serve_configs(args)

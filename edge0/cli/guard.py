@@ -1,5 +1,4 @@
-"""The commands' entry points; each builds its configs from flags (edge0/flags.py) and never imports
-another command. `guarded` gives every command the same exit codes and one-line errors."""
+"""`guarded` gives every command the same exit codes and one-line errors."""
 
 from __future__ import annotations
 

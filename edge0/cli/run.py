@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from ..errors import Edge0Error
-from ..flags import (add_engine_flags, add_log_flags, add_route_flags, add_sampling_flags, engine_config, not_utf8,
-                     refuse_together, route_files, sampling)
+from ..flags import not_utf8, refuse_together
 from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
+from .flags import add_engine_flags, add_log_flags, add_route_flags, add_sampling_flags, engine_config, route_files, sampling
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--prompt", default=None, help="prompt text; - reads it from standard input (default: a short Python "
                    "prompt)")
@@ -101,7 +101,7 @@ def _prompt(engine, args, replay: dict | None) -> list[int]:
     return engine.encode_text(text)
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     from ..engine import memory_figures, open_engine
     from ..generation import GenRequest
     from ..model.traced import attach_routes, save_routes
@@ -131,12 +131,12 @@ def run(args: argparse.Namespace) -> int:
                          top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)
         engine.check(req, what=args.replay if replay else prompt_what)
-        traced = attach_routes(args, engine, routes, req)
+        traced = attach_routes(engine, routes, req, routes_file=args.routes, record=args.record_routes)
         if not args.json and replay is None and not args.chat:
             print(args.prompt if args.prompt is not None else DEFAULT_PROMPT, end="", flush=True)
         emit = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))
         fig = engine.generate(req, emit)
-        save_routes(args, traced, engine, req, fig.tokens)
+        save_routes(args.record_routes, traced, engine, req, fig.tokens)
         if not args.json:
             print(flush=True)
         result = _result(engine, fig, load_s, memory_figures())
@@ -193,14 +193,3 @@ def _loads(pool, rt, steps: int) -> dict:
                    gated_steps=rt.gated_steps, read_ahead=rt.gate.summary() if rt.gate is not None else None,
                    plan_ms_per_token=1e3 * rt.plan_s / steps, plan_cpu_ms_per_token=1e3 * rt.plan_cpu_s / steps)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from . import guarded
-    from ..log import configure
-
-    p = argparse.ArgumentParser(prog="edge0 run", description="Generate text with an Edge0 store.")
-    add_run_flags(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    configure(json=args.log_json)
-    return guarded(lambda: run(args))
