@@ -15,6 +15,7 @@ import sys
 
 import mlx.core as mx
 
+from ..engine import open_engine as open_one
 from ..errors import Edge0Error
 
 
@@ -47,10 +48,10 @@ def same_seed(group) -> None:
     mx.random.seed(seed)
 
 
-def open_engine(config, *, trace=None, quiet_others: bool = True):
+def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool = False):
     """engine.open_engine, or under mlx.launch this rank's share of the pipeline (same interface: the engine
-    generates on every rank). quiet_others: ranks other than 0 write nothing to stdout."""
-    from ..engine import open_engine as open_one
+    generates on every rank). quiet_others: ranks other than 0 write nothing to stdout. serving: rank 0 posts each
+    generation to the other ranks, which follow it (dist/serve.py)."""
     from ..sched.trace import NULL
 
     trace = NULL if trace is None else trace
@@ -61,4 +62,22 @@ def open_engine(config, *, trace=None, quiet_others: bool = True):
 
     if quiet_others and group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
-    return open_rank(config, group, trace=trace)
+    return open_rank(config, group, trace=trace, serving=serving)
+
+
+def serving_engine(config):
+    """The engine `edge0 serve` opens: rank 0's of a served pipeline under mlx.launch, else engine.open_engine."""
+    return open_engine(config, serving=True)
+
+
+def follow_served(config) -> bool:
+    """On a rank > 0 under mlx.launch: open this rank's share, generate what rank 0 posts until it stops; True.
+    Elsewhere nothing (False): the caller serves."""
+    group = world()
+    if group is None or group.rank() == 0:
+        return False
+    from .serve import follow
+
+    with open_engine(config, serving=True) as engine:
+        follow(engine, group)
+    return True

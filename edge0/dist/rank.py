@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
 
+from ..engine import open_engine, resolve
 from ..errors import Edge0Error
 from ..log import log
 from . import even_split, same_seed
 from .boundary import Boundary, Part
 from .pipeline import PipelineModel, Stage, decoder
+from .serve import lead, stop_when_lost
 
 
-def open_rank(config, group, *, trace, split: list[range] | None = None):
-    """This rank's engine: layers split[rank] (default an even split) of the store `config` names."""
-    from ..engine import open_engine, resolve
+def open_rank(config, group, *, trace, split: list[range] | None = None, serving: bool = False):
+    """This rank's engine: layers split[rank] (default an even split) of the store `config` names. serving: rank 0
+    posts each generation to the others (dist/serve.py)."""
     from ..io.manifest import read_manifest
     from ..model.arch import read_config, text_config
     from ..model.load import only_layers
@@ -24,7 +27,9 @@ def open_rank(config, group, *, trace, split: list[range] | None = None):
     if c.lora not in (None, "none"):
         raise Edge0Error(f"--lora {c.lora}: not served across ranks yet (pass --lora none)")
     if c.max_batch > 1:
-        raise Edge0Error(f"--max-batch {c.max_batch}: a pipeline serves one sequence at a time (--max-batch 1)")
+        log.info(f"pipeline: one sequence at a time (--max-batch {c.max_batch} -> 1)")
+    # every rank decides alike: no prompt cache (each rank's holds other bytes, so its evictions would differ)
+    c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0)
     root = Path(c.model)
     layers = text_config(read_config(root))["num_hidden_layers"]
     moe = [e.layer for e in read_manifest(root).layers]
@@ -45,7 +50,11 @@ def open_rank(config, group, *, trace, split: list[range] | None = None):
         stage = Stage(group, mine, probe.shape[-1], probe.dtype, engine.top_k, boundary)
         store.model = PipelineModel(store.model, stage)
         engine.stage = stage
+        if serving and group.rank() == 0:
+            lead(engine, group)
         engine.generate = _peers_kept(engine.generate, group.rank())
+        if serving and group.rank() == 0:
+            stop_when_lost(engine, group.rank())
         same_seed(group)
     except BaseException:
         engine.close()

@@ -31,7 +31,7 @@ def main(store: str, configs: list[str]) -> None:
 
             fig = engine.generate(engine.request(engine.encode_text(PROMPT), max_tokens=16), emit=emit)
             stage = getattr(engine, "stage", None)
-            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "bytes": fig.bytes_read,
+            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read,
                               "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0}),
                   flush=True)
 

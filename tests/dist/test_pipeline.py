@@ -2,33 +2,20 @@
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
-RANKS = Path(__file__).with_name("ranks.py")
-LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]  # mlx.launch
+from .common import HERE, launch_cmd
+
 CONFIGS = ("native:staged", "predicted:staged", "predicted:auto")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(store: Path, *configs: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`mlx.launch -n 2 --backend ring` of tests/dist/ranks.py on free ports; extra env for every rank."""
-    cmd = [*LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port())]
-    for k, v in (env or {}).items():
-        cmd += ["--env", f"{k}={v}"]
-    cmd += ["--", sys.executable, str(RANKS), str(store), *configs]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(launch_cmd("ranks.py", str(store), *configs, env=env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def lines(out: str) -> list[dict]:
@@ -36,29 +23,14 @@ def lines(out: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def store(models, tmp_path_factory) -> Path:
-    """The tiny qwen3_moe store (4 layers: 0-1 and 2-3 on two ranks) with heads whose correction is not zero (so
-    predicted routing differs from the router's), the head of layer 2 owned by layer 1: it crosses the ranks."""
-    from edge0.io.manifest import read_manifest
-    from edge0.model.arch import read_config
-    from edge0.model.heads import HeadSet
-
-    root = tmp_path_factory.mktemp("dist") / "store"
-    shutil.copytree(models("qwen3_moe"), root)
-    m = read_manifest(root)
-    heads = HeadSet.create(m, read_config(root), top_k=m.top_k, hidden=16)
-    mx.random.seed(1)
-    for head in heads.heads.values():
-        head.delta.weight = mx.random.normal(head.delta.weight.shape) * 0.5
-    heads.save(root / f"heads-k{m.top_k}.safetensors")
-    assert heads.owners == {2: 1}
-    return root
+def store(dist_store) -> Path:
+    return dist_store
 
 
 @pytest.fixture(scope="module")
 def runs(store) -> tuple[dict, dict]:
     """({config: one process's line}, {config: {rank: line}}) for CONFIGS."""
-    one = subprocess.run([sys.executable, str(RANKS), str(store), *CONFIGS], capture_output=True, text=True,
+    one = subprocess.run([sys.executable, str(HERE / "ranks.py"), str(store), *CONFIGS], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "EDGE0_KERNEL": "mlx"})
     assert one.returncode == 0, one.stderr
     two = launch(store, *CONFIGS)

@@ -1,0 +1,83 @@
+"""`edge0 serve` over two local ranks: rank 0 answers as one process would; stopping rank 0 ends every rank; a rank
+that leaves mid-generation fails the request, /health says so, and the service stops (no hang)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers import http_request
+
+from .common import HERE, free_port, launch_cmd
+
+PROMPT = "hello world, the"  # tests/dist/ranks.py's
+
+
+def start(store, port: int, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(launch_cmd("serve_ranks.py", str(store), "predicted", str(port), env=env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    for line in proc.stdout:
+        if line.startswith("listening"):
+            return proc, line.split()[1]
+        assert time.monotonic() < deadline, "no server after 60 s"
+    raise AssertionError(f"the ranks ended before listening (rc {proc.wait()})")
+
+
+def end(proc: subprocess.Popen) -> None:
+    """The launcher and its ranks (its session), if still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def rank0(proc: subprocess.Popen) -> int:
+    """The pid of rank 0 among the launcher's children."""
+    for _ in range(50):
+        out = subprocess.run(["pgrep", "-f", str(HERE / "serve_ranks.py")], capture_output=True, text=True).stdout
+        for pid in out.split():
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"MLX_RANK=0\0" in f.read():
+                    return int(pid)
+        time.sleep(0.1)
+    raise AssertionError("no rank 0")
+
+
+def completion(url: str, max_tokens: int = 16) -> tuple[int, dict]:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
+    status, answer, _ = http_request(url, "POST", "/v1/completions", body)
+    return status, answer
+
+
+def test_served_text_is_one_process_text_and_stop_ends_every_rank(dist_store):
+    one = subprocess.run([sys.executable, str(HERE / "ranks.py"), str(dist_store), "predicted:staged"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "EDGE0_KERNEL": "mlx"})
+    want = json.loads(one.stdout.splitlines()[-1])["text"]
+    proc, url = start(dist_store, free_port())
+    try:
+        status, answer = completion(url)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == want
+        os.kill(rank0(proc), signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)  # every rank ends: rank 1 was told to stop
+        assert "stopped" in out
+        assert "exited with code" not in out and "was killed" not in out, out
+    finally:
+        end(proc)
+
+
+def test_lost_rank_fails_the_request_and_stops_the_service(dist_store):
+    proc, url = start(dist_store, free_port(), env={"EDGE0_TEST_DIE_RANK": "1", "EDGE0_TEST_DIE_AFTER": "3"})
+    try:
+        status, answer = completion(url)
+        assert status == 500, answer
+        status, health = http_request(url, "GET", "/health")[:2]
+        assert status == 503 and "unhealthy" in json.dumps(health), health
+        out, _ = proc.communicate(timeout=30)  # the service stops by itself
+        assert "another rank stopped or failed" in out, out
+    finally:
+        end(proc)
