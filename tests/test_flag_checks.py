@@ -144,10 +144,10 @@ def test_training_stops_when_its_loss_is_no_longer_a_number(models, tmp_path):
 
 def test_every_bench_flag_is_read_by_a_named_benchmark():
     """A flag added to `edge0 bench` without saying which benchmark reads it would be dropped by the others."""
-    from edge0.bench import add_bench_flags
-    from edge0.bench.modes import USED_BY, _defaults
+    from edge0.bench.modes import USED_BY
+    from edge0.cli.bench import defaults
 
-    assert set(_defaults(add_bench_flags)) - set(USED_BY) == {"serve"}
+    assert set(defaults()) - set(USED_BY) == {"serve", "kernels"}
 
 
 @pytest.mark.parametrize("flags", [["--slots", "8"], ["--placement", "even"], ["--evict", "lru"]])

@@ -125,7 +125,6 @@ PRINTS_IN = ("edge0.cli", "edge0.bench")
 # `python -m` entry points: the console script's, `python -m edge0.run` (the README's command), the mlx-lm arm's;
 # bench/llama.py is a script that another interpreter (llama.cpp's venv, without edge0) runs.
 MAIN_BLOCKS = {"edge0.cli.__main__", "edge0.run", "edge0.bench.__main__", "edge0.bench.llama"}
-BENCH_FLAGS = {"edge0.bench.kernels", "edge0.bench.modes"}  # their flags move to edge0/cli/bench.py next
 
 
 def _prints(tree: ast.AST) -> list[int]:
@@ -140,7 +139,7 @@ def test_library_code_logs_and_only_commands_print():
 
 
 def test_flags_are_defined_only_by_the_commands():
-    stray = [name for name, path in modules().items() if not _in(name, "edge0.cli", *BENCH_FLAGS)
+    stray = [name for name, path in modules().items() if not _in(name, "edge0.cli")
              and "argparse" in imports(name, path)]
     assert stray == []
 
@@ -153,7 +152,7 @@ def _main_block(node: ast.stmt) -> bool:
 
 def test_main_blocks_only_in_the_entry_points():
     found = {m for m, p in modules().items() if any(_main_block(n) for n in ast.parse(p.read_text()).body)}
-    assert found - MAIN_BLOCKS - BENCH_FLAGS == set()
+    assert found - MAIN_BLOCKS == set()
 
 
 # Equal tuples that are two facts, not one list written twice.

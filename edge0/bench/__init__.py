@@ -28,7 +28,7 @@ from .arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
 from .cap import GIB, ArmRun, MemoryCap, launch
 from .harness import schedule
 from .replay import given_replay, make_replay, text_replay
-from .routes import add_routes_flag, check_routes, route_flags, routes_section
+from .routes import check_routes, route_flags, routes_section
 from .table import LLAMA_ARM, is_llama, summarize, table
 from ..config import READ_AHEAD, blas
 from ..errors import Edge0Error
@@ -37,56 +37,6 @@ from ..io.atomic import write_atomic
 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"
 
-
-def add_bench_flags(p) -> None:
-    p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm; default with the built-in "
-                                                   "model: its bf16 checkpoint, which its store was converted from)")
-    p.add_argument("--store", metavar="DIR", help="the Edge0 store converted from it (default: the built-in model)")
-    p.add_argument("--arms", default=None, help=f"comma-separated arms from {', '.join(ARMS)} (default mlx-lm,exact; "
-                   "on the built-in model mlx-lm:f32,resident,predicted:resident: mlx-lm on its bf16 checkpoint in float32, "
-                   "which MLX's CPU needs, and Edge0 as `edge0 run` runs it, with and without the heads); "
-                   "prefetch:PREDICTOR/N reads ahead N guesses per set (--guesses N); ARM+MODE runs a prefetch or "
-                   "streamed predicted arm with --read-ahead MODE (always, never; e.g. predicted+never)")
-    p.add_argument("--lora", metavar="FILE", help="the predicted arm's adapter (default: lora-k{K}.safetensors beside "
-                                                  "the store; predicted:no-lora runs without one)")
-    p.add_argument("--cache", default="warm", help="comma-separated page-cache states: cold, warm (default warm)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each round runs every arm once (default 3)")
-    p.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run (default 32)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="passed to the Edge0 arms")
-    p.add_argument("--slots", type=int, default=None, metavar="S",
-                   help="slots per staged bank, passed to the arms that stream through one (native, staged, predicted, "
-                        "prefetch:*); more slots keep more of a layer's recent experts (default 2K)")
-    p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
-    p.add_argument("--io", default=None, choices=("pread", "mmap", "direct"),
-                   help="passed to the Edge0 arms (direct: every read from the disk); also how the read cost is measured")
-    p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="compute threads: --kernel-threads of the Edge0 arms and n_threads of llama.cpp "
-                        "(default: each Edge0 arm its engine's default, as `edge0 run` chooses it; llama.cpp the "
-                        "edge0 kernels' default where every expert is resident: 2 on 2 cores; or "
-                        "$EDGE0_KERNEL_THREADS)")
-    p.add_argument("--gguf", metavar="FILE", default=None,
-                   help=f"the llama.cpp arm's GGUF of the same model (made by {LLAMA_SETUP})")
-    p.add_argument("--llama-python", metavar="PYTHON", default=None,
-                   help="interpreter with llama_cpp importable, for the llama.cpp arm (default: this one)")
-    p.add_argument("--memory-cap", default=None, metavar="GIB",
-                   help="run every arm in a memory cgroup of GIB (page cache counted: a smaller machine); "
-                        "none: a cgroup without a limit, to measure each arm's peak")
-    p.add_argument("--replay", metavar="FILE", default=None,
-                   help='JSON {"prompt": [ids], "tokens": [ids]} to replay in every arm (tokens recorded by the '
-                        "exact path when absent); default: --prompt-tokens ids of Python source")
-    p.add_argument("--replay-text", metavar="FILE", default=None,
-                   help="real text to replay instead: its first --prompt-tokens ids (the store's tokenizer) are the "
-                        "prompt, the next --max-tokens ids the forced decode tokens, so routing varies as on real "
-                        "text (a random model's greedy tokens loop)")
-    add_routes_flag(p)
-    p.add_argument("--out", default="results", help="directory for results (default ./results)")
-    p.add_argument("--serve", action="store_true", help="the load benchmark of edge0 serve instead of arms "
-                                                        "(bench/serve.py: --clients, batched against FIFO)")
-    from .serve import add_bench_serve_flags
-
-    add_bench_serve_flags(p)
 
 
 def _files(path: Path) -> list[Path]:
@@ -226,10 +176,11 @@ def read_cost(store: Path, throttle: float | None, samples: int = 48, io: str | 
     return out
 
 
-def bench_cli(args) -> int:
+def bench_cli(args, defaults: dict) -> int:
+    """`edge0 bench`; defaults: every flag's default (edge0/cli/bench.py), to refuse those another benchmark reads."""
     from .modes import SERVE, KERNELS, check_mode
 
-    mode = check_mode(args, add_bench_flags)  # the flags another benchmark reads are refused
+    mode = check_mode(args, defaults)  # the flags another benchmark reads are refused
     if mode == SERVE:
         from .serve import bench_serve
 

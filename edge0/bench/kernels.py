@@ -2,7 +2,7 @@
 shapes (8 products per mx.eval, as a decode step has several per sync) and a prefill batch, against
 this machine's memory read bandwidth measured in the same run.
 
-    edge0 bench --kernels            (or: python -m edge0.bench.kernels)
+    edge0 bench --kernels
 
 Each kernel gets its scales and biases as the engine hands them over: float32 to MLX's (widened at load),
 bfloat16 as stored to edge0's. At MLX's 4-bit affine format a weight then costs 0.5 + 8/gs bytes (0.625 at
@@ -13,7 +13,6 @@ Shapes: E experts, K routed, D hidden, H expert width, R rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -31,16 +30,6 @@ EXPERTS = 128  # as Qwen3-30B-A3B: the routed set changes every call, weights co
 DENSE_BYTES = 256 << 20  # dense matrices cycled through, so that they do not sit in cache
 PER_EVAL = 8  # products per mx.eval, as a decode step evaluates several per sync (the sync is not the kernel's)
 
-
-def add_bench_kernels_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kernel-threads", default="1,2", help="compute thread counts of the edge0 kernels to measure")
-    p.add_argument("--kernel-impls", default=None,
-                   help="code paths of the edge0 kernels to measure: avx512, avx2, portable (default: the SIMD ones built)")
-    p.add_argument("--kernel-seconds", type=float, default=0.3, help="time per measurement")
-    p.add_argument("--kernel-prefill-rows", type=int, default=256, help="rows of the prefill measurement (0: skip)")
-    p.add_argument("--kernel-json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--kernel-graph", metavar="STORE", default=None,
-                   help="also count the MLX graph nodes of one decode step of STORE under each kernel")
 
 
 def memory_read_gbs(threads: int, nbytes: int = 256 << 20) -> float:
@@ -314,13 +303,3 @@ def bench_kernels(args) -> dict:
     if args.kernel_json:
         print(json.dumps(out))
     return out
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_bench_kernels_flags(p)
-    bench_kernels(p.parse_args())
-
-
-if __name__ == "__main__":
-    main()

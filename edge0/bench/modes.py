@@ -4,8 +4,6 @@ line naming it, instead of being dropped without a word."""
 
 from __future__ import annotations
 
-import argparse
-
 from ..errors import Edge0Error
 from ..flags import positive, refuse_together, whole
 
@@ -22,22 +20,13 @@ USED_BY = {  # flag's dest -> the benchmarks that read it
 }
 
 
-def _defaults(add_bench_flags) -> dict:
-    from .kernels import add_bench_kernels_flags
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_bench_flags(p)
-    add_bench_kernels_flags(p)
-    return vars(p.parse_args([]))
-
-
-def check_mode(args, add_bench_flags) -> str:
-    """The benchmark the flags ask for, every flag it does not read refused (one whose value is not the default of
-    its definition: bench/__init__.py's add_bench_flags, kernels.py's); --kernels' own flags checked."""
+def check_mode(args, defaults: dict) -> str:
+    """The benchmark the flags ask for, every flag it does not read refused (one whose value is not its default:
+    `defaults`, edge0/cli/bench.py's); --kernels' own flags checked."""
     if args.serve and args.kernels:
         refuse_together("--serve", "--kernels", "each is a benchmark of its own; give one")
     mode = SERVE if args.serve else KERNELS if args.kernels else ARMS
-    for dest, default in _defaults(add_bench_flags).items():
+    for dest, default in defaults.items():
         if dest in USED_BY and mode not in USED_BY[dest] and getattr(args, dest, default) != default:
             flag = "--" + dest.replace("_", "-")
             if mode == ARMS:

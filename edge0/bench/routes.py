@@ -19,11 +19,6 @@ from ..errors import Edge0Error
 UNFORCED = ("mlx-lm", "predicted")  # arms whose routing a trace cannot force: mlx-lm's own, or the heads'
 
 
-def add_routes_flag(p) -> None:
-    p.add_argument("--routes", metavar="FILE", default=None,
-                   help="force every arm's routing from this routing trace (docs/USAGE.md, Routing traces; Edge0's "
-                        "arms but predicted ones) and add the trace's LRU and optimal slot hit rates to the table")
-
 
 def check_routes(args, arms: list[str], m, given: dict | None):
     """The --routes trace, read and checked against the store and the replay's tokens (the prompt's and max tokens -

@@ -46,16 +46,6 @@ FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms", 
            "client_cpu_ms_per_token")
 
 
-def add_bench_serve_flags(p) -> None:
-    """The load benchmark's own flags; it shares --max-tokens, --prompt-tokens, --rounds, --out, --memory-budget,
-    --io-throttle, --dtype and --threads with the model arms."""
-    p.add_argument("--clients", type=int, default=8, metavar="N", help="--serve: concurrent clients (default 8)")
-    p.add_argument("--requests", type=int, default=4, metavar="R",
-                   help="--serve: requests per client, one after another (default 4)")
-    p.add_argument("--max-batch", type=int, default=None, metavar="B",
-                   help="--serve: the batched arm's --max-batch (default: --clients); FIFO (1) runs beside it")
-    p.add_argument("--model", metavar="STORE", default=None, help="--serve: the store to serve (default: the built-in model)")
-
 
 def check_args(args) -> Path:
     """The flags checked before anything starts; the store to serve."""

@@ -37,6 +37,8 @@ COMMANDS = {
     "serve": ("serve", "OpenAI-compatible HTTP server (chat and text completions, SSE)",
               "Serve a store over an OpenAI-compatible HTTP API."),
     "chat": ("chat", "interactive terminal chat", "Chat with a store."),
+    "launch": ("launch", "run or serve on several ranks with mlx.launch (layers split across them)",
+               "Run `edge0 run` or `edge0 serve` on several ranks (processes or machines), the layers split across them."),
 }
 
 

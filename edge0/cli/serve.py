@@ -96,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
+    from ..dist import follow_served
     from ..errors import Edge0Error
     from ..log import log
     from ..sched.scheduler import new_loop
@@ -107,6 +108,8 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"--max-queue {args.max_queue}: must not be negative")
     front = front_config(args)
     config, samp = serve_configs(args)
+    if follow_served(config):  # a rank > 0 under mlx.launch (edge0/dist): rank 0 serves, this one follows
+        return 0
     loop = new_loop()
     asyncio.set_event_loop(loop)
     server = Server(config, samp, host=args.host, port=args.port, max_queue=args.max_queue, front=front)

@@ -1,0 +1,61 @@
+"""`edge0 launch`: an edge0 command on several ranks with mlx.launch, the model's layers split across them
+(pipeline parallel, edge0/dist).
+
+    edge0 launch -n 2 -- run --prompt "def fib(n):"
+    edge0 launch --hostfile hosts.json -- serve --model ~/stores/big --host 0.0.0.0 --api-key KEY
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCHER = "from mlx._distributed_utils.launch import main; main()"  # mlx.launch, whatever its script's path
+COMMANDS = ("run", "serve")  # the commands that run across ranks
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--local-ranks", type=int, default=None, metavar="N",
+                   help="N ranks on this machine (ring backend over 127.0.0.1)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="mlx.launch's host file: one entry per rank, {\"ssh\": NAME, \"ips\": [IP]}, for ranks on "
+                        "several machines (each with edge0 at this Python's path and the store at --model's path)")
+    p.add_argument("--backend", default="ring", choices=("ring", "jaccl", "jaccl-ring"),
+                   help="MLX's distributed backend: ring (TCP) or jaccl (Thunderbolt RDMA) (default ring)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the ring's first port, one more per rank (default mlx.launch's, 32323)")
+    p.add_argument("ranked", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help=f"the edge0 command ({' or '.join(COMMANDS)}) and its flags")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..errors import Edge0Error
+
+    command = args.ranked[1:] if args.ranked[:1] == ["--"] else args.ranked
+    if not command or command[0] not in COMMANDS:
+        raise Edge0Error(f"edge0 launch: name the command to run across ranks after --: {' or '.join(COMMANDS)}")
+    if (args.local_ranks is None) == (args.hostfile is None):
+        raise Edge0Error("edge0 launch: give -n N (ranks on this machine) or --hostfile FILE, one of them")
+    if args.local_ranks is not None and not 2 <= args.local_ranks <= 64:
+        raise Edge0Error(f"-n {args.local_ranks}: from 2 to 64 ranks")
+    if args.hostfile is not None and not Path(args.hostfile).is_file():
+        raise Edge0Error(f"--hostfile {args.hostfile}: no such file")
+    if args.port is not None and not 1024 <= args.port <= 65000:
+        raise Edge0Error(f"--port {args.port}: from 1024 to 65000")
+    where = ["-n", str(args.local_ranks)] if args.local_ranks is not None else ["--hostfile", args.hostfile]
+    port = ["--starting-port", str(args.port)] if args.port is not None else []
+    cmd = [sys.executable, "-c", LAUNCHER, *where, "--backend", args.backend, *port, "--",
+           sys.executable, "-m", "edge0.cli", *command]
+    return run_ranks(cmd)
+
+
+def run_ranks(cmd: list[str]) -> int:
+    """Run mlx.launch, its stdout as it comes; 1 when a rank failed (mlx.launch itself exits 0 then)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    failed = False
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        failed = failed or ("Node with rank" in line and ("exited with code" in line or "was killed" in line))
+    return 1 if proc.wait() or failed else 0
