@@ -144,10 +144,11 @@ NB_MODULE(_kernels, m) {
   m.def("packed", &edge0::is_packed, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "Whether products of these 4-bit weights run on a packed copy.");
   m.def("packed_address", &edge0::packed_address, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "The address of the packed copy's words of these weights (0: none).");
+  // a test hook: the tests run the same weights on both layouts and compare their bits
   m.def("set_packed", &edge0::set_packed, "on"_a,
         "Whether products run on packed copies where weights have one (default True); off: the row layout, the same\n"
-        "bits.");
-  m.def("packed_on", &edge0::packed_on);
+        "bits (for the tests that compare the two).");
+  m.def("packed_on", &edge0::packed_on, "Whether products run on packed copies (set_packed).");
   m.def("ready", [](const std::vector<mx::array>& arrays) {
           for (auto& a : arrays)
             if (!a.is_available()) return false;
@@ -166,6 +167,7 @@ NB_MODULE(_kernels, m) {
         "Compute threads, the caller included: n for decode steps, prompt (n when 0) for prompt chunks\n"
         "(nodes of at least SPREAD_ROWS token rows: prompt chunks, a served batch's steps).");
   m.def("num_threads", &edge0::num_threads);
+  // the tests read from the profile which kinds of node ran (equal outputs cannot show which path ran)
   m.def("set_profile", [](bool on) { edge0::profiling.store(on); }, "on"_a,
         "Time every edge0 node from now on (on) or no more; see profile().");
   m.def("profile", &edge0::profile, "reset"_a = true,

@@ -165,7 +165,7 @@ bool set_impl(const char* name);
 std::vector<std::string> impls();
 
 // Whether products run on packed copies where weights have one (default true); off, every product takes the row
-// layout (the same bits): benchmarks compare the two in one process.
+// layout (the same bits): tests compare the two on the same weights.
 void set_packed(bool on);
 bool packed_on();
 

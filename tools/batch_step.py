@@ -2,17 +2,15 @@
 batch), then the median time of a decode step for all of them, and the graph nodes of one step.
 
     python tools/batch_step.py [--store S] [--batch 1,2,4,8] [--steps 50] [--prompt-tokens 128] [--rounds 3]
-                               [--profile] [--layouts packed,row] [--ahead on,off] [ENGINE FLAGS]
+                               [--profile] [--ahead on,off] [ENGINE FLAGS]
 
 Each sequence's prompt is a different window of real text (Python's json/decoder.py in the store's tokenizer),
 greedy, EOS ignored; the store's defaults otherwise (for the built-in model: predicted routing over resident
 experts, so the batch builds each step ahead). Prints one line per batch size: admission (prefill and first
 token) per sequence, step ms, tokens/s of the batch, nodes per step; with --profile also the time per step
-inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it). With --layouts
-packed,row the rounds alternate between the kernels' packed weight copies and the row layout (kernels' set_packed;
-the same tokens), and a line per layout gives its median step, with the ratio of the two medians. With --ahead
-on,off they alternate between the batch building its next step while one evaluates (where the runtime allows it:
-batching.py) and one step at a time. The arms time different stretches of one greedy generation (the order
+inside each kind of edge0 node (the kernels' own profile, as tools/step_breakdown.py reads it). With --ahead
+on,off the rounds alternate between the batch building its next step while one evaluates (where the runtime allows
+it: batching.py) and one step at a time, and a line per arm gives its median step, with the ratio of the two medians. The arms time different stretches of one greedy generation (the order
 rotated each round), so their reads are not the same: the same tokens both ways are the tests'. ENGINE FLAGS: --routing, --executor, --slots, --io, --io-throttle,
 --kernel-threads, as `edge0 run` takes them (e.g. `--executor staged --slots 28 --io direct`).
 """
@@ -62,28 +60,23 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     if ext is not None:
         ext.profile(True)
         ext.set_profile(True)
-    layouts = getattr(args, "layouts", None) or getattr(args, "ahead", None) or [None]
-    rounds = {layout: [] for layout in layouts}
+    arms = getattr(args, "ahead", None) or [None]
+    rounds = {arm: [] for arm in arms}
     for r in range(args.rounds):
-        for layout in layouts if r % 2 == 0 else layouts[::-1]:  # rotated: neither always runs first
-            if layout is not None:
-                getattr(batch, "settle", lambda: None)()  # the step built ahead ran on the layout before
-                if layout in ("on", "off"):
-                    batch.decodes_ahead = layout == "on"
-                else:
-                    kernels.load().set_packed(layout == "packed")
+        for arm in arms if r % 2 == 0 else arms[::-1]:  # rotated: neither always runs first
+            if arm is not None:
+                getattr(batch, "settle", lambda: None)()  # the step built ahead ran with the arm before
+                batch.decodes_ahead = arm == "on"
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 batch.step()
-            rounds[layout].append((time.perf_counter() - t0) / args.steps)
+            rounds[arm].append((time.perf_counter() - t0) / args.steps)
     getattr(batch, "settle", lambda: None)()
-    if getattr(args, "layouts", None):
-        kernels.load().set_packed(True)
-    step = statistics.median(rounds[layouts[0]])
+    step = statistics.median(rounds[arms[0]])
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
-    if layouts != [None]:
-        out["layout_step_ms"] = {layout: 1e3 * statistics.median(r) for layout, r in rounds.items()}
-        a, b = layouts
+    if arms != [None]:
+        out["arm_step_ms"] = {arm: 1e3 * statistics.median(r) for arm, r in rounds.items()}
+        a, b = arms
         out["paired"] = statistics.median(x / y for x, y in zip(rounds[b], rounds[a]))  # b's step / a's, per round
     if ext is not None:
         ext.set_profile(False)
@@ -103,8 +96,6 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="also ms per step inside each kind of edge0 node")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-    p.add_argument("--layouts", default=None,
-                   help="packed,row: alternate rounds between the kernels' packed weights and the row layout")
     p.add_argument("--ahead", default=None,
                    help="on,off: alternate rounds between decoding ahead and one step at a time")
     p.add_argument("--routing", default=None)
@@ -116,16 +107,8 @@ def main() -> int:
     args = p.parse_args()
     if args.ahead is not None:
         args.ahead = [x for x in args.ahead.split(",") if x]
-        if sorted(args.ahead) != ["off", "on"] or args.layouts is not None:
-            sys.exit(f"--ahead {','.join(args.ahead)}: expected on,off (or off,on), without --layouts")
-    if args.layouts is not None:
-        args.layouts = [x for x in args.layouts.split(",") if x]
-        if sorted(args.layouts) != ["packed", "row"]:
-            sys.exit(f"--layouts {','.join(args.layouts)}: expected packed,row (or row,packed)")
-        from edge0.compute import kernels
-
-        if kernels.load() is None or not hasattr(kernels.load(), "set_packed"):
-            sys.exit("--layouts: the edge0 kernels are not built here, or have no packed layout")
+        if sorted(args.ahead) != ["off", "on"]:
+            sys.exit(f"--ahead {','.join(args.ahead)}: expected on,off (or off,on)")
     try:
         sizes = [int(b) for b in args.batch.split(",") if b]
     except ValueError:
@@ -156,8 +139,8 @@ def run(args, sizes: list[int]) -> int:
                 r = out[-1]
                 print(f"batch {r['batch']}: admission {r['admit_ms']:.1f} ms a sequence, step {r['step_ms']:.2f} ms, "
                       f"{r['tok_s']:.1f} tok/s, {r['nodes']} graph nodes a step")
-                if "layout_step_ms" in r:
-                    ms = r["layout_step_ms"]
+                if "arm_step_ms" in r:
+                    ms = r["arm_step_ms"]
                     a, b = list(ms)
                     print("    " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
                           + f" a step ({b} / {a}: {ms[b] / ms[a]:.2f}x of the medians, {r['paired']:.2f}x paired)")

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, for docs/lab/cpu-kernels.md (issue #19).
 
     python tools/step_breakdown.py --store S [--replay R] [--threads 1] [--steps 48] [--routing native] [--slots N]
-        [--layout row] [--lora none]
+        [--lora none]
 
 Runs one generation (the replay's prompt, then its tokens forced, or a prompt of Python source and greedy
 tokens) and splits each decode step of the graph-building thread into
@@ -64,8 +64,6 @@ def main() -> int:
     p.add_argument("--routing", default="native", choices=("native", "prefetch", "predicted"))
     p.add_argument("--executor", default="auto", help="--executor (default auto: staged)")
     p.add_argument("--slots", type=int, default=None, help="--slots: slots per staged bank (default 2K)")
-    p.add_argument("--layout", default="packed", choices=("packed", "row"),
-                   help="row: products ignore the kernels' packed copies (the same bits, the row layout's time)")
     p.add_argument("--lora", default=None, metavar="FILE",
                    help="--lora: the adapter (default: the store's, under predicted routing; none: without it)")
     p.add_argument("--json", action="store_true")
@@ -108,7 +106,6 @@ def breakdown(args) -> int:
     ext = kernels.load()
     if ext is None:
         sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
-    ext.set_packed(args.layout == "packed")  # this process only
     prompt, forced = read_replay(args.replay) if args.replay else (None, None)
     config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
                           executor=args.executor, slots=args.slots, prompt_cache_gib=0, lora=args.lora)
