@@ -317,7 +317,7 @@ class Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        from ..engine import open_engine
+        from ..dist import serving_engine as open_engine  # under mlx.launch: rank 0 of a pipeline
 
         self.engine = await loop.run_in_executor(self.worker, open_engine, self.config)
         self.sampling.check_context(self.engine.context)  # the default of requests that give none
