@@ -50,6 +50,7 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         stage = Stage(group, mine, probe.shape[-1], probe.dtype, engine.top_k, boundary)
         store.model = PipelineModel(store.model, stage)
         engine.stage = stage
+        engine.describe = _described(engine.describe, stage, split)
         if serving and group.rank() == 0:
             lead(engine, group)
         engine.generate = _peers_kept(engine.generate, group.rank())
@@ -74,4 +75,13 @@ def _peers_kept(generate, rank: int):
             if "[ring]" not in str(e) and "[jaccl]" not in str(e):
                 raise
             raise Edge0Error(f"rank {rank}: another rank stopped or failed, the pipeline stops ({e})") from None
+    return call
+
+
+def _described(describe, stage: Stage, split: list[range]):
+    """describe() with the pipeline's figures: ranks, each one's layers, what this rank sent since it loaded."""
+    def call() -> dict:
+        return {**describe(), "pipeline": {
+            "ranks": stage.size, "rank": stage.rank, "layers": [[r.start, r.stop - 1] for r in split],
+            "sent_bytes": stage.bytes_sent, "received_bytes": stage.bytes_received, "messages": stage.messages}}
     return call

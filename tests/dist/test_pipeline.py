@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .common import HERE, launch_cmd
+from .common import HERE, free_port, launch_cmd
 
 CONFIGS = ("native:staged", "predicted:staged", "predicted:auto")
 
@@ -62,3 +62,20 @@ def test_lost_rank_is_an_error_not_a_hang(store):
                                               "EDGE0_TEST_EXIT_CODE": "0"}, timeout=30)
     assert "another rank stopped" in run.stdout + run.stderr, run.stdout + run.stderr
     assert not lines(run.stdout)
+
+
+def test_edge0_launch_run_matches_edge0_run(store):
+    """The command line's path: `edge0 launch -n 2 -- run --json` prints rank 0's one JSON line, one process's tokens."""
+    argv = ["run", "--model", str(store), "--prompt", "hello world, the", "--max-tokens", "12", "--lora", "none",
+            "--executor", "staged", "--json"]
+    env = {**os.environ, "EDGE0_KERNEL": "mlx"}
+    one = subprocess.run([sys.executable, "-m", "edge0.cli", *argv], capture_output=True, text=True, timeout=60,
+                         env=env)
+    two = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()), "--",
+                          *argv], capture_output=True, text=True, timeout=60, env=env)
+    assert two.returncode == 0, two.stderr
+    got = lines(two.stdout)
+    assert len(got) == 1, two.stdout  # rank 1 prints nothing
+    assert got[0]["tokens"] == json.loads(one.stdout)["tokens"]
+    assert got[0]["pipeline"]["layers"] == [[0, 1], [2, 3]]
+    assert got[0]["pipeline"]["messages"] > 0
