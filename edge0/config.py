@@ -1,73 +1,23 @@
 """What a served model needs, as typed values: `EngineConfig` (model, routing, executor, kernel, heads,
 I/O, memory) and `Sampling` (how tokens are drawn). Commands build these from their flags
-(edge0/flags.py); `open_engine` (edge0/engine.py) takes an EngineConfig. Values are checked here, once,
+(edge0/cli/flags.py); `open_engine` (edge0/engine.py) takes an EngineConfig. Values are checked here, once,
 before anything is loaded; limits that need the store (K, slots) are checked when it is opened.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .choices import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
+                      Dtype, Eviction, Executor, IoMode, KernelChoice, Placement, Predictor, ReadAhead, Routing)
+from .compute.machine import machine_cores, memory_gib
 from .errors import Edge0Error
 from .io.pool import IO_WORKERS  # io/ imports nothing above it, so its pool's default is defined there
 
-ROUTINGS = ("native", "prefetch", "predicted")
-PREDICTORS = ("repeat", "next-router", "heads")
-EXECUTORS = ("auto", "exact", "staged", "hot", "resident")
-IO_MODES = ("pread", "mmap", "direct")
-READ_AHEAD = ("measured", "always", "never")
-PLACEMENTS = ("auto", "even")
-EVICTIONS = ("lfu", "lru")  # the first is the default
-DTYPES = ("auto", "source", "float32", "bfloat16", "float16")
-KERNELS = ("auto", "mlx", "edge0")
 MAX_IO_WORKERS = 64
 MAX_BATCH = 64  # sequences in one decode step
 MAX_TEMP = 2.0  # as OpenAI's API (the server's bound too): above it sampling is close to uniform noise
-
-
-_CORES: tuple[int, ...] | None = None
-
-
-def allowed_cores() -> tuple[int, ...]:
-    """The cores this process may run on, as the first call found them (later, the thread asking may be one that
-    compute/kernels.py keeps off a core)."""
-    global _CORES
-    if _CORES is None:
-        _CORES = (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
-                  else tuple(range(os.cpu_count() or 1)))
-    return _CORES
-
-
-def machine_cores() -> int:
-    """How many cores this process may run on."""
-    return len(allowed_cores())
-
-
-def blas() -> str:
-    """Which BLAS MLX's float32 matmuls call on the CPU: OpenBLAS where it is loaded into this process (preloaded:
-    MLX's Linux CPU wheel links the reference BLAS), else that reference BLAS; MLX's own off Linux."""
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return "none (MLX on the GPU)"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "MLX's own BLAS"
-    lib = next((line.split()[-1] for line in maps.splitlines() if "libopenblas" in line), None)
-    if lib is not None:
-        return f"OpenBLAS ({lib}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')})"
-    return "reference BLAS (MLX's Linux CPU wheel)"
-
-
-def _memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return math.inf
 
 
 @dataclass(frozen=True)
@@ -75,26 +25,26 @@ class EngineConfig:
     """Everything `open_engine` needs; every field has the default a user gets with no flag."""
 
     model: str | None = None  # Edge0 store directory; None: the built-in demo model
-    routing: str | None = None  # native | prefetch | predicted; None: predicted when the store has heads
-    predictor: str | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
+    routing: Routing | None = None  # native | prefetch | predicted; None: predicted when the store has heads
+    predictor: Predictor | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
     guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
     candidates: int | None = None  # predicted: experts each head names ahead, the router choosing K; None: 2K resident, else K
-    read_ahead: str = "measured"  # measured: read ahead while it measures faster and reads come from the disk | always | never
+    read_ahead: ReadAhead = "measured"  # measured: read ahead while it measures faster and reads come from the disk | always | never
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
     top_k: int | None = None  # routed experts per token; None: the model's own
-    executor: str = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
+    executor: Executor = "auto"  # auto (native, predicted: resident when every expert fits, else staged) | exact | staged | hot | resident
     slots: int | None = None  # slots per staged bank; None: 2K
-    placement: str = "auto"  # streamed, with heads: auto holds every expert of the layers no head routes | even
-    evict: str = "lfu"  # which held expert a slot bank replaces: lfu (least often used lately) | lru
+    placement: Placement = "auto"  # streamed, with heads: auto holds every expert of the layers no head routes | even
+    evict: Eviction = "lfu"  # which held expert a slot bank replaces: lfu (least often used lately) | lru
     memory_budget_gib: float | None = None  # most expert bytes held resident
-    io: str = "pread"  # pread | mmap | direct
+    io: IoMode = "pread"  # pread | mmap | direct
     io_workers: int = IO_WORKERS  # I/O pool threads
     io_throttle_mbps: float | None = None  # cap on read bandwidth (experiments); None: none
     verify: bool = False  # check every bundle's and the resident files' checksums
     cold: bool = False  # evict the store from the page cache before loading
-    dtype: str = "auto"  # compute dtype of non-quantized tensors
-    kernel: str | None = None  # auto | mlx | edge0; None: $EDGE0_KERNEL, else auto
+    dtype: Dtype = "auto"  # compute dtype of non-quantized tensors
+    kernel: KernelChoice | None = None  # auto | mlx | edge0; None: $EDGE0_KERNEL, else auto
     kernel_threads: int | None = None  # threads of the edge0 kernels; None: their default
     model_id: str | None = None  # the name clients use (serve); None: the store directory's name
     prompt_cache_gib: float = 1.0  # KV caches kept for prompts that share a prefix (0: off)
@@ -117,8 +67,8 @@ class EngineConfig:
         _int("--slots", self.slots, 1, None)
         _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
         _int("--kernel-threads", self.kernel_threads, 1, machine_cores(), "the machine's cores")
-        _float("--memory-budget", self.memory_budget_gib, 0.0, _memory_gib(), "the machine's memory", lo_open=False)
-        _float("--prompt-cache-gib", self.prompt_cache_gib, 0.0, _memory_gib(), "the machine's memory",
+        _float("--memory-budget", self.memory_budget_gib, 0.0, memory_gib(), "the machine's memory", lo_open=False)
+        _float("--prompt-cache-gib", self.prompt_cache_gib, 0.0, memory_gib(), "the machine's memory",
                lo_open=False)
         _int("--max-batch", self.max_batch, 1, MAX_BATCH)
         _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,

@@ -30,7 +30,8 @@ from .harness import schedule
 from .replay import given_replay, make_replay, text_replay
 from .routes import check_routes, route_flags, routes_section
 from .table import LLAMA_ARM, is_llama, summarize, table
-from ..config import READ_AHEAD, blas
+from ..choices import READ_AHEAD
+from ..compute.machine import blas
 from ..errors import Edge0Error
 from ..flags import non_negative, whole
 from ..io.atomic import write_atomic

@@ -31,6 +31,7 @@ def defaults() -> dict:
 def _arm_args(p: argparse.ArgumentParser) -> None:
     from ..bench import LLAMA_SETUP
     from ..bench.arms import ARMS
+    from ..choices import IO_MODES
 
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm; default with the built-in "
                                                    "model: its bf16 checkpoint, which its store was converted from)")
@@ -51,7 +52,7 @@ def _arm_args(p: argparse.ArgumentParser) -> None:
                    help="slots per staged bank, passed to the arms that stream through one (native, staged, predicted, "
                         "prefetch:*); more slots keep more of a layer's recent experts (default 2K)")
     p.add_argument("--io-throttle", type=float, default=None, metavar="MBPS", help="passed to the Edge0 arms")
-    p.add_argument("--io", default=None, choices=("pread", "mmap", "direct"),
+    p.add_argument("--io", default=None, choices=IO_MODES,
                    help="passed to the Edge0 arms (direct: every read from the disk); also how the read cost is measured")
     p.add_argument("--dtype", default="auto", help="compute dtype of the Edge0 arms (auto: float32 on CPU)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, IO_WORKERS, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD,
-                      ROUTINGS, EngineConfig, Sampling)
+from ..choices import DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS
+from ..config import EngineConfig, Sampling
+from ..io.pool import IO_WORKERS
 from ..errors import Edge0Error
 
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..config import KERNELS
+from ..choices import KERNELS
 from ..errors import Edge0Error
 from . import kernels
 

@@ -11,7 +11,7 @@ import os
 import threading
 from contextlib import contextmanager, suppress
 
-from ..config import allowed_cores, machine_cores
+from .machine import allowed_cores, machine_cores
 from ..errors import Edge0Error
 
 # Compute threads of the kernels, the calling thread included. On a 2-core machine a streamed decode step's

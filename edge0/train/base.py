@@ -47,7 +47,7 @@ from edge0.train.base_ckpt import (_truncate_log, _write_atomic, check_run_dir, 
                                    load_checkpoint, read_log, save_checkpoint)  # read_log: the run's curve, for callers
 from edge0.model.tokenizer import save_tokenizer_files
 from edge0.train.corpus import Corpus, prepare_corpus
-from edge0.config import blas
+from edge0.compute.machine import blas
 from edge0.train.loop import World, blas_notice
 
 EOS_ID = SPECIAL_TOKENS.index("<|im_end|>")

@@ -25,7 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import blas
+from ..compute.machine import blas
 from ..errors import Edge0Error
 from ..model.lora import FORMAT as LORA_FORMAT, Adapter, adapted
 from .loop import (World, blas_notice, card, check_out, finite_loss, heldout_windows, load_checkpoint,

@@ -23,7 +23,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import blas
+from ..compute.machine import blas
 from ..errors import Edge0Error
 from ..flags import check_seed, positive, routed_k, whole
 from ..model.heads import FORMAT as HEADS_FORMAT, HIDDEN, HeadSet, multi_hot

@@ -23,7 +23,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..config import blas
+from ..compute.machine import blas
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path, write_atomic
 from ..io.manifest import MANIFEST, record_files

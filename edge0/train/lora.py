@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import blas
+from ..compute.machine import blas
 from ..model.lora import ALPHA, FORMAT as LORA_FORMAT, RANK, Adapter
 from .loop import (World, blas_notice, card, check_out, finite_loss, heldout_windows, load_checkpoint,
                    progress_bar, save_checkpoint, schedule, windows_of, write_outputs)

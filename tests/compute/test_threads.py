@@ -7,7 +7,7 @@ import os
 import pytest
 
 from edge0.compute import kernels
-from edge0.config import allowed_cores
+from edge0.compute.machine import allowed_cores
 
 EXT = kernels.load()
 pytestmark = [pytest.mark.skipif(EXT is None, reason=f"edge0 CPU kernels {kernels.reason()}"),

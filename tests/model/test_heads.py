@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge0.compute import kernels
-from edge0.config import blas
+from edge0.compute.machine import blas
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config

@@ -15,7 +15,7 @@ linux = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /
 
 
 def blas_of_a_process(env: dict) -> str:
-    code = "from edge0.config import blas; print(blas())"
+    code = "from edge0.compute.machine import blas; print(blas())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.strip()
 

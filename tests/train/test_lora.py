@@ -11,7 +11,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig, blas
+from edge0.compute.machine import blas
+from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
