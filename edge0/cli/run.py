@@ -150,18 +150,23 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        reads = (f"every expert resident ({result['bytes_read'] / 2**20:.1f} MiB read at load)"
-                 if result["executor"] == "resident" else
-                 f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
-                 f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
-        if result.get("held_layers"):  # --placement: layers that route by their own router with every expert held
-            reads += f", layers {', '.join(map(str, result['held_layers']))} holding every expert"
-        if result.get("paused_steps") is not None:  # scheduled routing: how often the step read ahead (the gate)
-            reads += f", read ahead at {result['read_ahead_steps']} of {result['flushed_steps']} steps"
-        print(f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
-              f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, "
-              f"{reads}, peak MLX {result['peak_mlx_gib']:.2f} GiB", file=sys.stderr)
+        print(_summary(result, fig), file=sys.stderr)
     return 0
+
+
+def _summary(result: dict, fig) -> str:
+    """The line on stderr after the text: what ran, the prompt's and decode's speeds, what was read."""
+    reads = (f"every expert resident ({result['bytes_read'] / 2**20:.1f} MiB read at load)"
+             if result["executor"] == "resident" else
+             f"read {result['bytes_read'] / 2**20:.1f} MiB in {result['reads']} reads "
+             f"({100 * result['cold_fraction']:.0f}% cold), slot hit rate {100 * result['hit_rate']:.0f}%")
+    if result.get("held_layers"):  # --placement: layers that route by their own router with every expert held
+        reads += f", layers {', '.join(map(str, result['held_layers']))} holding every expert"
+    if result.get("paused_steps") is not None:  # scheduled routing: how often the step read ahead (the gate)
+        reads += f", read ahead at {result['read_ahead_steps']} of {result['flushed_steps']} steps"
+    return (f"[edge0] {result['routing']} routing, {result['executor']}: prompt {fig.prompt_tokens} tok at "
+            f"{fig.prefill_tok_s:.1f} tok/s, decode {len(fig.tokens)} tok at {fig.decode_tok_s:.2f} tok/s, "
+            f"{reads}, peak MLX {result['peak_mlx_gib']:.2f} GiB")
 
 
 def _result(engine, fig, load_s: float, memory: dict) -> dict:
