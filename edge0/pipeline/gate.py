@@ -76,9 +76,10 @@ class ReadAheadGate:
             self.probing = False
             self.ahead, self.left = not self.ahead, self.hold
 
-    def step(self) -> bool:
-        """A step just ended (in the mode `ahead` says): time it; returns whether the next step reads ahead."""
-        now = self.clock()
+    def step(self, now: float | None = None) -> bool:
+        """A step just ended (in the mode `ahead` says) at the clock's `now` (default: now, read here; the scheduler's
+        loop passes the graph-building thread's reading): time it; returns whether the next step reads ahead."""
+        now = self.clock() if now is None else now
         if self.last is not None:
             self.times[self.ahead].append(now - self.last)  # the stretch's last WINDOW steps are kept
             self.left -= 1
@@ -145,7 +146,7 @@ class NoReadAhead(ReadAheadGate):
         super().__init__()
         self.ahead, self.why = False, why
 
-    def step(self) -> bool:
+    def step(self, now: float | None = None) -> bool:
         return False
 
 
@@ -165,7 +166,7 @@ class CertainReads(ReadAheadGate):
         super().__init__()
         self.warm_pause = bundle_bytes < self.WARM_PAUSE_BYTES
 
-    def step(self) -> bool:
+    def step(self, now: float | None = None) -> bool:
         return True
 
 

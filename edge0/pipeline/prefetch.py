@@ -119,8 +119,7 @@ class PrefetchExperts:
         self.ran = self.rt.sched.step
         banked, self._banked = self._banked, None
         if banked is not None and self.waiting:
-            with self.rt.scheduling(self.layer):
-                self.plan_waiting()
+            self.rt.plan_later(self)
         predictions = self._predict(x, inds, banked) if inds.shape[-2] == 1 else []
         self.prev_inds = last_token(inds)
         self._schedule(predictions)
@@ -211,8 +210,7 @@ class PrefetchExperts:
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
         self.ran = step
         if self.waiting:
-            with rt.scheduling(self.layer):
-                self.plan_waiting()
+            rt.plan_later(self)
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = last_token(inds)
         where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
@@ -248,13 +246,15 @@ class PrefetchExperts:
         self._schedule(predictions)
         return self.staged(x, inds)
 
-    def plan_waiting(self) -> None:
-        """Plan the fills predicted for this layer's next step. Only once the layer has read its bank this
-        step: before that, its last routed set is what the coming step most likely reuses, and a fill may not
-        evict it (with 2K slots it would: K are planned for this step, K hold the last routed set)."""
-        for ids, step, rank in self.waiting:  # a guess (ranked) is speculative: the router may not follow it
+    def plan_waiting(self, waiting: list | None = None) -> None:
+        """Plan the fills predicted for this layer's next step (`waiting`: those taken from it for the loop). Only
+        once the layer has read its bank this step: before that, its last routed set is what the coming step most
+        likely reuses, and a fill may not evict it (with 2K slots it would: K are planned for this step, K hold the
+        last routed set)."""
+        if waiting is None:
+            waiting, self.waiting = self.waiting, []
+        for ids, step, rank in waiting:  # a guess (ranked) is speculative: the router may not follow it
             self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=rank is not None, rank=rank)
-        self.waiting = []
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan. Paused,
@@ -284,9 +284,8 @@ class PrefetchExperts:
             logits = blk.logits(x)  # its scores rank the held experts its fills replace
             p_inds = blk.select(logits)[0] if n is None else _likeliest(logits, n)
             out.append(Prediction(self.next, step + 1, p_inds, None, host_scores(logits)))  # (B, T, K or n)
-        elif self.predictor == "repeat":
-            with rt.scheduling(self.layer):
-                rt.sched.prefetch(self.layer, self.cache, ids)  # all held already: the reuse is the prediction
+        elif self.predictor == "repeat":  # all held already: the reuse is the prediction
+            rt.plan_later(self, lambda: rt.sched.prefetch(self.layer, self.cache, ids))
         rt.pending.extend(out)
         return out
 

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -15,13 +13,16 @@ from ..compute.experts import ExactExperts, unique_ids
 from ..compute.kernels import host_eval
 from ..compute.runtime import Runtime, build_runtime, streamed_slots
 from ..errors import Edge0Error
+from ..sched.loop import SchedLoop
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
+from . import handoff
 from .gate import CertainReads, ReadAheadGate, read_ahead_gate
+from .handoff import Handoff
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
 
 
-class PrefetchRuntime(Runtime):
+class PrefetchRuntime(Handoff, Runtime):
     """A Runtime whose decode steps are driven by the scheduler."""
 
     sched: Scheduler = None
@@ -31,13 +32,7 @@ class PrefetchRuntime(Runtime):
     guesses: int | None = None  # experts read ahead per predicted set, the predictor's likeliest (None: all K)
     pending: list  # predictions scheduled in the graph, not yet on the host (set by build_prefetch_runtime)
     _built: dict  # overlapped decode: step -> the fence epoch its graph was built in, until known evaluated
-    sched_s = 0.0  # the scheduler's time on the graph-building thread, stalls and pulls excluded
-    sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
     pull_s = 0.0  # time the graph-building thread waited for predictions to be computed
-    plan_s = 0.0  # the scheduler's time on its own thread (the planner: the step's last plans)
-    plan_cpu_s = 0.0  # of which CPU time
-    _planner: ThreadPoolExecutor | None = None  # the planner thread, started at the first flush that plans
-    _planning: Future | None = None  # its work for the step being evaluated, until settled
     # Reading ahead only while it pays. While every bundle of the last PAUSE_AFTER steps came from the page cache (and
     # the gate's warm_pause), a demand read is a cheap copy and the predictor costs more than it can hide: the layers
     # stop predicting until a read comes from the disk again. While reads come from the disk the gate (pipeline/gate.py)
@@ -139,63 +134,45 @@ class PrefetchRuntime(Runtime):
             for s in done:
                 del self._built[s]
 
-    # -- the scheduler's own thread: the step's last plans, made while MLX evaluates the step ----------------
-
-    def _plan(self, consumers: list) -> None:
-        """On the planner thread: plan the consumers' waiting fills (numpy, the pool; no MLX)."""
-        t0, cpu0 = now_us(), time.thread_time()
-        try:
-            for c in consumers:
-                c.plan_waiting()
-        finally:
-            if self.sched.step >= 1:
-                self.plan_s += (now_us() - t0) / 1e6
-                self.plan_cpu_s += time.thread_time() - cpu0
-            if self.trace is not None and self.trace.on:
-                self.trace.span("plan", "plan", t0, now_us(), thread=threading.current_thread().name,
-                                step=self.sched.step)
-
-    def settle(self) -> None:
-        """Wait for the planner thread's work (raising its error): called before the scheduler is touched."""
-        planning, self._planning = self._planning, None
-        if planning is None:
-            return
-        with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
-            planning.result()
-
-    def span(self, name: str, cat: str, t0: float, **args) -> None:
-        if self.trace is not None and self.trace.on:
-            self.trace.span(name, cat, t0, now_us(), step=self.sched.step, **args)
-
-    def scheduling(self, layer: int) -> "_Scheduling":
-        return _Scheduling(self, layer)
-
     def flush(self) -> None:
         """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
-        here; its fills are planned on the planner thread while this one waits for MLX to evaluate the step,
-        and settled before the fence moves (pipeline/steps.py), so the plans are the ones made before."""
+        here; its fills are planned on the scheduler's loop (inline: the planner thread), which also ends the step,
+        while this one waits for MLX to evaluate the step, and settled before the fence moves (pipeline/steps.py),
+        so the plans are the ones made before."""
         self._count_step()
         self.settle()
-        if not self.pending:  # nothing predicted this step (paused, or no head): no span to time
-            return
-        with self.scheduling(-1):
-            ready = self._take_pending()
-            for c in ready:
-                c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
-        if ready:
+        ready = []
+        if self.pending:  # (nothing predicted this step, paused or no head: no span to time)
+            with self.scheduling(-1):
+                ready = self._take_pending()
+                for c in ready:
+                    c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
+        if self.loop is not None and (ready or self.sched.plans or self.sched.landing):  # the loop plans and ends
+            # the step while MLX evaluates it (nothing to plan or drop, as paused: the books here cost less than a post)
+            self._advanced = True
+            now = self.gate.clock() if self.gate is not None else None
+            self.loop.post("step end", self._step_end, ready, now, step=self.sched.step)
+        elif ready:
             if self._planner is None:
                 self._planner = ThreadPoolExecutor(1, thread_name_prefix="edge0-sched")
             self._planning = self._planner.submit(self._plan, ready)
 
     def next_step(self) -> None:
+        if self._advanced:  # the loop ended the step at its flush: settle, and plan what was predicted after it
+            self._advanced = False
+            if self.pending or not self.loop.idle:
+                with self.scheduling(-1):
+                    self.pull()
+            return
         idle = not self.pending and self._planning is None  # nothing predicted or planning: no span to time
         with nullcontext() if idle else self.scheduling(-1):
             self.pull()  # whatever was predicted after the flush (settled first)
             self.sched.next_step()
             self._watch_reads()
 
-    def _watch_reads(self) -> None:
-        """At a step boundary: whether the next step's layers read ahead (PAUSE_AFTER, then the gate)."""
+    def _watch_reads(self, now: float | None = None) -> None:
+        """At a step boundary (at the clock's `now`, default the clock now): whether the next step's layers read
+        ahead (PAUSE_AFTER, then the gate)."""
         gate, pool = self.gate, self.sched.pool
         if gate is None:
             return
@@ -210,10 +187,11 @@ class PrefetchRuntime(Runtime):
             return
         if was_warm:  # the step that ended was paused by the page cache: it says nothing of either mode
             gate.restart()
-        self.paused = not gate.step()
+        self.paused = not gate.step(now)
 
     def finish(self) -> None:
         self._settle_quietly()
+        self._advanced = False
         self.pending = []
         self.sched.cancel()
         if self._built:  # overlapped steps: a step built ahead of an early stop may still be computing
@@ -224,6 +202,7 @@ class PrefetchRuntime(Runtime):
     def reset_pipeline(self) -> None:
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
         self._settle_quietly()
+        self._advanced = False
         self.pending = []
         self._built = {}
         self.sched.reset()
@@ -305,40 +284,16 @@ class PrefetchRuntime(Runtime):
                 ex.planned_by = self.executors[owner]
                 self.executors[owner].routes_ahead = True
 
-    def _settle_quietly(self) -> None:
-        """Settle, dropping the planner's error: the plans are abandoned next (a failed read emptied its slot)."""
-        try:
-            self.settle()
-        except Exception:
-            pass
-
     def close(self) -> None:
         self._settle_quietly()
         if self._planner is not None:
             self._planner.shutdown()
             self._planner = None
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
         self.sched.close()
         super().close()
-
-
-class _Scheduling:
-    """Times the scheduler's work on the graph-building thread (a `sched` span), its stalls left out."""
-
-    def __init__(self, rt: PrefetchRuntime, layer: int):
-        self.rt, self.layer = rt, layer
-
-    def __enter__(self):
-        self.t0, self.waits0 = now_us(), self.rt.sched.stats.stall_s + self.rt.pull_s
-        self.cpu0 = time.thread_time()
-
-    def __exit__(self, *exc):
-        rt = self.rt
-        spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
-        if rt.sched.step >= 1:  # decode steps, as --json's figures (step 0 is the prompt's last token)
-            rt.sched_s += spent
-            rt.sched_cpu_s += time.thread_time() - self.cpu0  # stalls and pulls wait without using the CPU
-        if rt.trace is not None and rt.trace.on:
-            rt.trace.span("sched", "sched", self.t0, self.t0 + spent * 1e6, layer=self.layer, step=rt.sched.step)
 
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
@@ -371,6 +326,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
     reader.pool.trace = trace
     rt.trace = trace
+    rt.loop = SchedLoop(trace=trace) if handoff.SCHED_LOOP else None
     rt.heads = heads
     rt.predicted_routing = predicted_routing
     rt.candidates = candidates

@@ -15,19 +15,20 @@ The rule of the pipeline, written once:
   its reads of experts the router chose are waited for, its reads not started yet of the others are taken
   back, and those already running land in the background (their slots stay `filling` until then).
 
-Threads: there is no event loop. Planning and collecting run on the graph-building thread, between
-  graphs (numpy on arrays of a few ids, the trace's `sched` span), except the step's last plans: the
-  predictions pulled just before a step is evaluated are planned on the planner thread (pipeline/runtime.py,
-  the trace's `plan` span) while the graph-building thread waits for MLX, and settled before it goes on. The
-  two never touch the scheduler at once: a hand-over, not sharing. Where no layer syncs inside a step (predicted
-  routing, every layer routed by its head or holding its experts), decode builds step s+1 while step s evaluates
-  (pipeline/steps.py): the step's last predictions are then pulled and planned on the graph-building thread once the
-  step is built, and a fill's wait for its reads overlaps the step before's compute. Workers read bytes into slots,
-  widen bf16 scales, and fill in the outcome of their task; they never touch plans or caches. A planned read that
-  cannot start now (too few free slots, QUEUE_DEPTH reads in flight) is dropped, never waited for: the layer
-  reads its experts on demand.
+Threads: the scheduler has its own event loop (sched/loop.py, the trace's `loop` lane), and one owner at a time. The
+  graph-building thread hands the step's last predictions to it at the step's end, and the loop plans their fills,
+  ends the step (`next_step`) and keeps the read-ahead gate's books while MLX evaluates it (pipeline/runtime.py);
+  the step's end settles that work before the scheduler is touched again. Inside a step, the fills a layer plans once
+  it has read its bank are planned on the loop too (the next layer settles first); consuming plans and collecting
+  (numpy on arrays of a few ids, the trace's `sched` span) run on the graph-building thread, between graphs.
+  Where no layer syncs inside a step (predicted routing, every layer routed by its head or holding its experts),
+  decode builds step s+1 while step s evaluates (decode/step.py): the step's last predictions are then pulled
+  and planned on the graph-building thread once the step is built, and a fill's wait for its reads overlaps the
+  step before's compute. Workers read bytes into slots, widen bf16 scales, and fill in the outcome of their task;
+  they never touch plans or caches. A planned read that cannot start now (too few free slots, QUEUE_DEPTH reads in
+  flight) is dropped, never waited for: the layer reads its experts on demand.
 
-Plans are plain dataclasses; only this class changes them, on one thread at a time.
+Plans are plain dataclasses; only this class changes them, on one thread at a time (the loop's or the graph's).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None, *,
+    def prefetch(self, layer: int, cache, ids: np.ndarray, step: int | None = None,
                  speculative: bool = True, rank: np.ndarray | None = None) -> LayerPlan | None:
         """Plan and submit the fill of layer's `cache` with experts `ids` (unique) for `step` (default the next).
         speculative: a prediction the router may not follow (its reads yield to certain ones, io/pool.py).

@@ -107,7 +107,7 @@ def summarize(data: dict) -> dict:
         "sched_ms_per_token": per(total.get("sched", 0.0)),
         "plan_ms_per_token": per(total.get("plan", 0.0)),
         # the scheduler's event loop (sched/loop.py): its work, and the graph-building thread's waits for it
-        "loop_ms_per_token": per(sum(e["dur"] for e in spans if e["cat"] == "loop" and in_steps(e)) / 1e3),
+        "loop_ms_per_token": per(sum(e["dur"] for e in spans if e.get("cat") == "loop" and in_steps(e)) / 1e3),
         "loop_wait_ms_per_token": per(total.get("loop wait", 0.0)),
         "loads": len(reads),
         "loads_per_step": per(len(decode_reads)),

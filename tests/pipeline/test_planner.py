@@ -1,6 +1,7 @@
-"""The scheduler's planner thread: a step's last predictions are planned there while MLX evaluates the step
-(PrefetchRuntime.flush / settle). Moving that work off the graph-building thread must change nothing but
-where it runs: the same log-probabilities, bit for bit, and the same reads, as when the plans are made on the
+"""The scheduler's event loop (or, with EDGE0_SCHED=inline, the planner thread): a step's last predictions are
+planned there while MLX evaluates the step (PrefetchRuntime.flush / settle), and on the loop each layer's fills once
+it has read its bank. Moving that work off the graph-building thread must change nothing but where it runs: the
+same log-probabilities, bit for bit, and the same reads, as when the plans are made on the
 graph-building thread; and an error raised while planning reaches the caller, after which the engine still
 generates correctly."""
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from edge0.engine import open_engine
+from edge0.pipeline import handoff
 from edge0.pipeline.runtime import PrefetchRuntime
 from edge0.sched.scheduler import Scheduler
 
@@ -46,7 +48,8 @@ def run(monkeypatch, ids, *, inline: bool, **config):
         return prefetch(self, *a, **k)
 
     monkeypatch.setattr(Scheduler, "prefetch", recorded)
-    if inline:
+    if inline:  # neither the loop nor the planner thread
+        monkeypatch.setattr(handoff, "SCHED_LOOP", False)
         monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
     with pinned_store(), open_engine(private_config(executor="staged", **config)) as engine:  # no read from the disk in either run
         rt = engine.store.runtime
@@ -87,6 +90,6 @@ def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
         assert failed
         monkeypatch.undo()
         rt = engine.store.runtime
-        assert rt._planning is None  # settled: nothing of the failed generation runs on
+        assert rt._planning is None and rt.loop.idle  # settled: nothing of the failed generation runs on
         again = forced(engine, ids)
     assert np.array_equal(again, want)

@@ -1,0 +1,105 @@
+"""The scheduler's event loop: one asyncio loop (uvloop where installed) on a thread of its own, for the runtime's
+lifetime.
+
+The graph-building thread hands work to it (`post`: one thread-safe hand-off, no wait) and waits on it only where it
+is about to touch what the loop owns (`settle`: the readiness primitive, free when the loop is done already). Work
+posted runs on the loop in order, one item at a time, so the scheduler's state has one owner at any moment: the loop
+between a post and the settle after it, the graph-building thread otherwise. A posted item's error is kept and raised
+by the next settle (a failed read reaches the step that needs it). `close` cancels what is still scheduled on the
+loop and stops its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from .scheduler import new_loop
+from .trace import NULL, now_us
+
+
+class SchedLoop:
+    """An event loop thread that runs posted work in order; `settle` waits until it has all run."""
+
+    def __init__(self, *, trace=NULL, name: str = "edge0-sched"):
+        self.trace = trace
+        self.name = name
+        self.loop = new_loop()
+        self._posted = 0  # items handed over (only the graph-building thread posts)
+        self._done = 0  # of which run (only the loop counts)
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        self.busy_s = 0.0  # the loop's time running posted work
+        self.wait_s = 0.0  # the graph-building thread's time waiting for it (`settle`)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def post(self, what: str, fn, *args, step: int = -1) -> None:
+        """Run fn(*args) on the loop, after everything posted before it; returns at once."""
+        self._posted += 1
+        self.loop.call_soon_threadsafe(self._do, what, fn, args, step)
+
+    def _do(self, what: str, fn, args: tuple, step: int) -> None:
+        t0 = now_us()
+        try:
+            fn(*args)
+        except BaseException as e:  # raised on the graph-building thread by its next settle
+            self._error = self._error or e
+        finally:
+            t1 = now_us()
+            self.busy_s += (t1 - t0) / 1e6
+            if self.trace.on:
+                self.trace.span(what, "loop", t0, t1, thread=self.name, step=step)
+            with self._idle:
+                self._done += 1
+                self._idle.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        """Whether everything posted has run (no wait needed)."""
+        return self._done == self._posted
+
+    def settle(self, step: int = -1) -> None:
+        """Wait until everything posted has run, then raise the first error of that work (once)."""
+        if self._done != self._posted:
+            t0 = now_us()
+            with self._idle:
+                self._idle.wait_for(lambda: self._done == self._posted)
+            t1 = now_us()
+            self.wait_s += (t1 - t0) / 1e6
+            if self.trace.on:
+                self.trace.span("loop wait", "stall", t0, t1, step=step)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def submit(self, coro) -> "asyncio.Future":
+        """Schedule a coroutine on the loop (reads it awaits, a dump it writes); a concurrent Future of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Cancel every task still scheduled on the loop, stop it and join its thread. Work posted and not run yet
+        runs first (it leaves the scheduler consistent)."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+
+        def stop() -> None:
+            tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            for t in tasks:
+                t.cancel()
+            if not tasks:
+                self.loop.stop()
+                done.set()
+                return
+            gathered = asyncio.gather(*tasks, return_exceptions=True)
+            gathered.add_done_callback(lambda _: (self.loop.stop(), done.set()))
+
+        self.loop.call_soon_threadsafe(stop)
+        done.wait()
+        self._thread.join()
+        self.loop.close()
