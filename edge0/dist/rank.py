@@ -24,8 +24,6 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     from ..model.load import only_layers
 
     c = resolve(config)
-    if c.lora not in (None, "none"):
-        raise Edge0Error(f"--lora {c.lora}: not served across ranks yet (pass --lora none)")
     if c.max_batch > 1:
         log.info(f"pipeline: one sequence at a time (--max-batch {c.max_batch} -> 1)")
     # every rank decides alike: no prompt cache (each rank's holds other bytes, so its evictions would differ)
@@ -36,10 +34,14 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     split = split or even_split(layers, group.size())
     mine = split[group.rank()]
     part = Part(mine, moe)
+    lora = c.lora
     with only_layers(part):
-        engine = open_engine(c, trace=trace)
+        engine = open_engine(dataclasses.replace(c, lora="none"), trace=trace)
     try:
         store = engine.store
+        if lora not in (None, "none"):
+            attach_adapter(store, lora, c.heads, mine)
+            engine.config = dataclasses.replace(engine.config, lora=lora)
         boundary = None
         if part.outgoing or part.incoming:
             boundary = Boundary(part, store.runtime, store.manifest.num_experts)
@@ -85,3 +87,21 @@ def _described(describe, stage: Stage, split: list[range]):
             "ranks": stage.size, "rank": stage.rank, "layers": [[r.start, r.stop - 1] for r in split],
             "sent_bytes": stage.bytes_sent, "received_bytes": stage.bytes_received, "messages": stage.messages}}
     return call
+
+
+def attach_adapter(store, path: str, heads, layers: range) -> None:
+    """The recovery adapter's branches of this rank's layers (engine.open_engine attaches all of them)."""
+    import re
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+
+    from ..model.lora import Adapter
+
+    adapter = Adapter.load(path, store.manifest.whole, store.config, heads_file=heads)
+    layer = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    adapter.weights = {k: v for k, v in adapter.weights.items()
+                       if (m := layer.search(k)) is None or int(m.group(1)) in layers}
+    # the model's layers by their numbers, another rank's an empty module: no projection to adapt
+    layers_of = SimpleNamespace(layers=[m if m is not None else nn.Module() for m in decoder(store.model).layers])
+    adapter.attach(layers_of, Adapter.served_dtype(store.dtype))

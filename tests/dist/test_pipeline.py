@@ -64,10 +64,11 @@ def test_lost_rank_is_an_error_not_a_hang(store):
     assert not lines(run.stdout)
 
 
-def test_edge0_launch_run_matches_edge0_run(store):
-    """The command line's path: `edge0 launch -n 2 -- run --json` prints rank 0's one JSON line, one process's tokens."""
-    argv = ["run", "--model", str(store), "--prompt", "hello world, the", "--max-tokens", "12", "--lora", "none",
-            "--executor", "staged", "--json"]
+def test_edge0_launch_run_matches_edge0_run():
+    """The command line's path on the built-in model as it runs by default (predicted routing by its heads, one
+    crossing the ranks, over resident experts, and its recovery adapter, which changes these tokens): `edge0 launch
+    -n 2 -- run --json` prints rank 0's one JSON line with one process's tokens."""
+    argv = ["run", "--prompt", "def fib(n):", "--max-tokens", "20", "--json"]
     env = {**os.environ, "EDGE0_KERNEL": "mlx"}
     one = subprocess.run([sys.executable, "-m", "edge0.cli", *argv], capture_output=True, text=True, timeout=60,
                          env=env)
@@ -76,6 +77,8 @@ def test_edge0_launch_run_matches_edge0_run(store):
     assert two.returncode == 0, two.stderr
     got = lines(two.stdout)
     assert len(got) == 1, two.stdout  # rank 1 prints nothing
-    assert got[0]["tokens"] == json.loads(one.stdout)["tokens"]
-    assert got[0]["pipeline"]["layers"] == [[0, 1], [2, 3]]
+    want = json.loads(one.stdout)
+    assert want["lora"] is not None and want["routing"] == "predicted"
+    assert got[0]["tokens"] == want["tokens"] and got[0]["lora"] == want["lora"]
+    assert got[0]["pipeline"]["layers"] == [[0, 2], [3, 5]]
     assert got[0]["pipeline"]["messages"] > 0
