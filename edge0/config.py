@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .choices import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
                       Dtype, Eviction, Executor, IoMode, KernelChoice, Placement, Predictor, ReadAhead, Routing)
 from .compute.machine import machine_cores, memory_gib
-from .errors import Edge0Error
+from .errors import Edge0Error, SettingError
 from .io.pool import IO_WORKERS  # io/ imports nothing above it, so its pool's default is defined there
 
 MAX_IO_WORKERS = 64
@@ -51,40 +51,94 @@ class EngineConfig:
     max_batch: int = 1  # sequences decoded together in one step (serve); 1: one generation at a time
 
     def check(self) -> "EngineConfig":
-        """Raise Edge0Error naming the flag of the first bad value; returns self."""
-        _choice("--routing", self.routing, ROUTINGS, optional=True)
-        _choice("--predictor", self.predictor, PREDICTORS, optional=True)
-        _choice("--executor", self.executor, EXECUTORS)
-        _choice("--io", self.io, IO_MODES)
-        _choice("--read-ahead", self.read_ahead, READ_AHEAD)
-        _choice("--placement", self.placement, PLACEMENTS)
-        _choice("--evict", self.evict, EVICTIONS)
-        _choice("--dtype", self.dtype, DTYPES)
-        _choice("--kernel", self.kernel, KERNELS, optional=True)
-        _int("--k", self.top_k, 1, None)
-        _int("--guesses", self.guesses, 1, None)
-        _int("--candidates", self.candidates, 1, None)
-        _int("--slots", self.slots, 1, None)
-        _int("--io-workers", self.io_workers, 1, MAX_IO_WORKERS)
-        _int("--kernel-threads", self.kernel_threads, 1, machine_cores(), "the machine's cores")
-        _float("--memory-budget", self.memory_budget_gib, 0.0, memory_gib(), "the machine's memory", lo_open=False)
-        _float("--prompt-cache-gib", self.prompt_cache_gib, 0.0, memory_gib(), "the machine's memory",
-               lo_open=False)
-        _int("--max-batch", self.max_batch, 1, MAX_BATCH)
-        _float("--io-throttle", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
-               why=" (omit the flag for no cap)")
-        for flag, given, banks in (("--slots", self.slots is not None, ("staged",)),
-                                   ("--placement", self.placement != "auto", ("staged",)),
-                                   ("--evict", self.evict != "lfu", ("staged", "hot"))):
+        """Raise SettingError naming the setting of the first bad value; returns self."""
+        bad = SettingError
+        _choice("{routing}", self.routing, ROUTINGS, optional=True, error=bad)
+        _choice("{predictor}", self.predictor, PREDICTORS, optional=True, error=bad)
+        _choice("{executor}", self.executor, EXECUTORS, error=bad)
+        _choice("{io}", self.io, IO_MODES, error=bad)
+        _choice("{read_ahead}", self.read_ahead, READ_AHEAD, error=bad)
+        _choice("{placement}", self.placement, PLACEMENTS, error=bad)
+        _choice("{evict}", self.evict, EVICTIONS, error=bad)
+        _choice("{dtype}", self.dtype, DTYPES, error=bad)
+        _choice("{kernel}", self.kernel, KERNELS, optional=True, error=bad)
+        _int("{top_k}", self.top_k, 1, None, error=bad)
+        _int("{guesses}", self.guesses, 1, None, error=bad)
+        _int("{candidates}", self.candidates, 1, None, error=bad)
+        _int("{slots}", self.slots, 1, None, error=bad)
+        _int("{io_workers}", self.io_workers, 1, MAX_IO_WORKERS, error=bad)
+        _int("{kernel_threads}", self.kernel_threads, 1, machine_cores(), "the machine's cores", error=bad)
+        _float("{memory_budget_gib}", self.memory_budget_gib, 0.0, memory_gib(), "the machine's memory", lo_open=False,
+               error=bad)
+        _float("{prompt_cache_gib}", self.prompt_cache_gib, 0.0, memory_gib(), "the machine's memory", lo_open=False,
+               error=bad)
+        _int("{max_batch}", self.max_batch, 1, MAX_BATCH, error=bad)
+        _float("{io_throttle_mbps}", self.io_throttle_mbps, 0.0, math.inf, "", lo_open=True,
+               why=" (omit the flag for no cap)", error=bad)
+        for name, given, banks in (("slots", self.slots is not None, ("staged",)),
+                                   ("placement", self.placement != "auto", ("staged",)),
+                                   ("evict", self.evict != "lfu", ("staged", "hot"))):
             if given and self.executor not in ("auto", *banks):  # it would be dropped without a word
-                raise Edge0Error(f"{flag} and --executor {self.executor}: {flag} arranges {' and '.join(banks)} slot "
-                                 f"banks; omit it, or use --executor {banks[0]}")
+                raise bad(f"{{{name}}} and {{executor}} {self.executor}: {{{name}}} arranges {' and '.join(banks)} "
+                          f"slot banks; omit it, or use {{executor}} {banks[0]}")
         return self
 
     def banks_asked(self) -> bool:
         """A flag that arranges slot banks was given: under --executor auto they stream (staged) instead of being
         dropped where every expert would fit in memory."""
         return self.slots is not None or self.placement != "auto" or self.evict != "lfu"
+
+
+HEADS_ROUTE_UNDER = ("auto", "staged", "resident")  # the executors under which heads route unless told otherwise
+
+
+def heads_decide(c: EngineConfig) -> bool:
+    """Whether the store's own heads, where it has them, decide c's routing: nothing names the routing, the heads
+    or the predictor, and the executor lets heads route."""
+    return c.routing is None and c.heads is None and c.predictor is None and c.executor in HEADS_ROUTE_UNDER
+
+
+def combine(c: EngineConfig, routing: Routing | None) -> tuple[Routing, Predictor | None]:
+    """c's routing and predictor, each default that follows from the other settings made explicit, every
+    combination checked (SettingError naming the settings of the first that does not go together). routing:
+    c.routing, or "predicted" where the store's own heads decide it (heads_decide; the engine looks for them)."""
+    predictor, heads = c.predictor, c.heads
+    if routing is None and heads is not None and predictor is None and c.executor in HEADS_ROUTE_UNDER:
+        routing = "predicted"  # the heads named route, as the store's own do by default
+    if heads is not None and routing == "prefetch" and predictor is None:
+        predictor = "heads"  # heads names what to read ahead with
+    if heads is not None and routing == "prefetch" and predictor != "heads":
+        raise SettingError(f"{{heads}}: {{predictor}} {predictor} does not read heads (use {{predictor}} heads)")
+    routing = routing or "native"
+    _check_routing(c, routing, predictor)
+    if routing != "native":
+        predictor = "heads" if routing == "predicted" else predictor or "next-router"
+    return routing, predictor
+
+
+def _check_routing(c: EngineConfig, routing: Routing, predictor: Predictor | None) -> None:
+    """The settings that only some routings read, and the executors each routing fills."""
+    if c.guesses is not None and routing != "prefetch":
+        raise SettingError(f"{{guesses}} {c.guesses}: only used with {{routing}} prefetch (other routings read what "
+                           "they route)")
+    if c.read_ahead != "measured" and routing == "native":
+        raise SettingError(f"{{read_ahead}} {c.read_ahead}: only used with {{routing}} prefetch or predicted")
+    if c.placement != "auto" and routing == "native":
+        raise SettingError(f"{{placement}} {c.placement}: only used with {{routing}} prefetch or predicted (and heads)")
+    if c.candidates is not None and routing != "predicted":
+        raise SettingError(f"{{candidates}} {c.candidates}: only used with {{routing}} predicted")
+    if predictor is not None and routing == "native":
+        raise SettingError(f"{{predictor}} {predictor}: only used with {{routing}} prefetch or predicted")
+    if routing == "predicted" and predictor not in (None, "heads"):
+        raise SettingError(f"{{routing}} predicted routes with trained heads; {{predictor}} {predictor} does not apply")
+    if routing == "prefetch" and c.executor not in ("auto", "staged"):
+        raise SettingError(f"{{routing}} prefetch fills staged slot banks; {{executor}} {c.executor} does not apply")
+    if routing == "predicted" and c.executor not in HEADS_ROUTE_UNDER:
+        raise SettingError(f"{{routing}} predicted fills staged slot banks (or, {{executor}} resident, routes every "
+                           f"expert in memory); {{executor}} {c.executor} does not apply")
+    if c.heads is not None and routing == "native":
+        why = "" if c.routing else f" (heads route with {{executor}} auto, staged or resident, not {c.executor})"
+        raise SettingError("{heads}: used with {routing} predicted or {routing} prefetch {predictor} heads" + why)
 
 
 @dataclass(frozen=True)
@@ -122,29 +176,30 @@ class Sampling:
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
 
 
-def _choice(flag: str, value, allowed: tuple, optional: bool = False) -> None:
+def _choice(flag: str, value, allowed: tuple, optional: bool = False, error=Edge0Error) -> None:
     if (value is None and optional) or value in allowed:
         return
-    raise Edge0Error(f"{flag} {value}: choose {', '.join(allowed)}")
+    raise error(f"{flag} {value}: choose {', '.join(allowed)}")
 
 
-def _int(flag: str, value, lo: int, hi: int | None, hi_name: str = "") -> None:
+def _int(flag: str, value, lo: int, hi: int | None, hi_name: str = "", error=Edge0Error) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Edge0Error(f"{flag} {value!r}: expected an integer")
+        raise error(f"{flag} {value!r}: expected an integer")
     if value < lo:
-        raise Edge0Error(f"{flag} {value}: must be at least {lo}")
+        raise error(f"{flag} {value}: must be at least {lo}")
     if hi is not None and value > hi:
-        raise Edge0Error(f"{flag} {value}: must be at most {hi}" + (f" ({hi_name})" if hi_name else ""))
+        raise error(f"{flag} {value}: must be at most {hi}" + (f" ({hi_name})" if hi_name else ""))
 
 
-def _float(flag: str, value, lo: float, hi: float, hi_name: str, *, lo_open: bool, why: str = "") -> None:
+def _float(flag: str, value, lo: float, hi: float, hi_name: str, *, lo_open: bool, why: str = "",
+           error=Edge0Error) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise Edge0Error(f"{flag} {value}: expected a finite number{why}")
+        raise error(f"{flag} {value}: expected a finite number{why}")
     if value < lo or (lo_open and value == lo):
-        raise Edge0Error(f"{flag} {value}: must be {'more than' if lo_open else 'at least'} {lo:g}{why}")
+        raise error(f"{flag} {value}: must be {'more than' if lo_open else 'at least'} {lo:g}{why}")
     if value > hi:
-        raise Edge0Error(f"{flag} {value}: must be at most {hi:g}" + (f" ({hi_name}, GiB)" if hi_name else "") + why)
+        raise error(f"{flag} {value}: must be at most {hi:g}" + (f" ({hi_name}, GiB)" if hi_name else "") + why)

@@ -92,14 +92,15 @@ def _no_heads(store: Path, k: int | None) -> str:
 
 def resolve(config: EngineConfig) -> EngineConfig:
     """The config with its defaults made explicit (store path, routing, predictor, heads), combinations
-    checked. Says on stderr when the routing default comes from heads found next to the store."""
+    checked (config.py's rules). Says on stderr when the routing default comes from heads found next to the store."""
+    from .config import combine, heads_decide
     from .model.lora import resolve_lora
 
     config.check()
     c = config
     path = Path(c.model) if c.model else demo_store()
-    routing, predictor, heads = c.routing, c.predictor, c.heads
-    if routing is None and heads is None and predictor is None and c.executor in ("auto", "staged", "resident"):
+    routing, heads = c.routing, c.heads
+    if heads_decide(c):
         found = _own_heads(path, c.top_k)
         if found is not None:
             routing = "predicted"
@@ -108,45 +109,16 @@ def resolve(config: EngineConfig) -> EngineConfig:
         elif others := sorted(p.name for p in path.glob("heads-k*.safetensors")):  # another K's: say why unused
             log.info(f"routing native: no prerouter heads for K = {_heads_k(path, c.top_k)}", has=", ".join(others),
                      hint="--k of those heads, or train heads for this K with `edge0 train heads`")
-    if routing is None and heads is not None and predictor is None and c.executor in ("auto", "staged", "resident"):
-        routing = "predicted"  # the heads named route, as the store's own do by default
-    if heads is not None and routing == "prefetch" and predictor is None:
-        predictor = "heads"  # --heads names what to read ahead with
-    if heads is not None and routing == "prefetch" and predictor != "heads":
-        raise Edge0Error(f"--heads: --predictor {predictor} does not read heads (use --predictor heads)")
-    routing = routing or "native"
-    if c.guesses is not None and routing != "prefetch":
-        raise Edge0Error(f"--guesses {c.guesses}: only used with --routing prefetch (other routings read what they route)")
-    if c.read_ahead != "measured" and routing == "native":
-        raise Edge0Error(f"--read-ahead {c.read_ahead}: only used with --routing prefetch or predicted")
-    if c.placement != "auto" and routing == "native":
-        raise Edge0Error(f"--placement {c.placement}: only used with --routing prefetch or predicted (and heads)")
-    if c.candidates is not None and routing != "predicted":
-        raise Edge0Error(f"--candidates {c.candidates}: only used with --routing predicted")
-    if predictor is not None and routing == "native":
-        raise Edge0Error(f"--predictor {predictor}: only used with --routing prefetch or predicted")
-    if routing == "predicted" and predictor not in (None, "heads"):
-        raise Edge0Error(f"--routing predicted routes with trained heads; --predictor {predictor} does not apply")
-    if routing == "prefetch" and c.executor not in ("auto", "staged"):
-        raise Edge0Error(f"--routing prefetch fills staged slot banks; --executor {c.executor} does not apply")
-    if routing == "predicted" and c.executor not in ("auto", "staged", "resident"):
-        raise Edge0Error(f"--routing predicted fills staged slot banks (or, --executor resident, routes every "
-                         f"expert in memory); --executor {c.executor} does not apply")
-    if heads is not None and routing == "native":
-        why = "" if c.routing else f" (heads route with --executor auto, staged or resident, not {c.executor})"
-        raise Edge0Error("--heads: used with --routing predicted or --routing prefetch --predictor heads" + why)
-    if routing != "native":
-        predictor = "heads" if routing == "predicted" else predictor or "next-router"
-        if predictor == "heads" and heads is None:
-            found = _own_heads(path, c.top_k)
-            if found is None:
-                raise Edge0Error(_no_heads(path, c.top_k))
-            heads = str(found)
+    routing, predictor = combine(c, routing)
+    if predictor == "heads" and heads is None:
+        found = _own_heads(path, c.top_k)
+        if found is None:
+            raise Edge0Error(_no_heads(path, c.top_k))
+        heads = str(found)
     own = default_heads(path, c.top_k)
     lora = resolve_lora(c.lora, path, routing=routing, top_k=c.top_k,
                         default_heads=heads is not None and own is not None and Path(heads) == own)
     return dataclasses.replace(c, model=str(path), routing=routing, predictor=predictor, heads=heads, lora=lora)
-
 
 class Engine:
     """A loaded store ready to generate; close it (or use `with`) to stop its threads and files."""

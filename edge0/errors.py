@@ -6,6 +6,24 @@ class Edge0Error(Exception):
     """Bad input or a failed precondition, worded for the user: name the file or field and what is wrong."""
 
 
+class SettingError(Edge0Error):
+    """A bad EngineConfig setting, or settings that do not go together. The message names each setting as
+    {field} (EngineConfig's field names): str() says them so, say(names) as the caller knows them (the command line:
+    its flags, edge0/cli/flags.py SETTING_FLAGS)."""
+
+    def __init__(self, template: str):
+        super().__init__(template)
+        self.template = template
+
+    def say(self, names: dict) -> str:
+        import re
+
+        return re.sub(r"\{(\w+)\}", lambda m: names.get(m[1], m[1]), self.template)
+
+    def __str__(self) -> str:
+        return self.say({})
+
+
 class ContextExceeded(Edge0Error):
     """The prompt plus max_tokens does not fit the model's context."""
 

@@ -133,3 +133,39 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch):
     assert main(["run", "--prompt", "-"]) == 2
     assert capsys.readouterr().err.strip() == "edge0: error: --prompt - (standard input): not UTF-8 text (byte 6)"
 
+
+
+def test_the_library_names_settings_and_the_command_line_says_its_flags(capsys):
+    """A combination EngineConfig refuses names its settings (the library knows no flags); `edge0 run` says the same
+    line with the flags that give them."""
+    from edge0.config import EngineConfig
+    from edge0.engine import resolve
+    from edge0.errors import SettingError
+
+    with pytest.raises(SettingError) as e:
+        resolve(EngineConfig(routing="prefetch", executor="hot"))
+    assert str(e.value) == "routing prefetch fills staged slot banks; executor hot does not apply"
+    with pytest.raises(SettingError, match=r"^top_k 0: must be at least 1$"):
+        EngineConfig(top_k=0).check()
+    assert main(["run", "--routing", "prefetch", "--executor", "hot"]) == 2
+    assert capsys.readouterr().err == ("edge0: error: --routing prefetch fills staged slot banks; --executor hot does "
+                                       "not apply\n")
+
+
+def test_every_setting_has_its_flag():
+    """SETTING_FLAGS (how the command line says a setting) covers every EngineConfig field, each a flag of run's or
+    serve's."""
+    import argparse
+    import dataclasses
+
+    from edge0.cli import run, serve
+    from edge0.cli.flags import SETTING_FLAGS
+    from edge0.config import EngineConfig
+
+    flags = set()
+    for command in (run, serve):
+        p = argparse.ArgumentParser()
+        command.add_args(p)
+        flags |= {o for a in p._actions for o in a.option_strings}
+    assert set(SETTING_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(SETTING_FLAGS.values()) <= flags

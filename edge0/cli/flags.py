@@ -14,6 +14,18 @@ from ..config import EngineConfig, Sampling
 from ..io.pool import IO_WORKERS
 from ..errors import Edge0Error
 
+# EngineConfig's settings -> the flags that give them: how a SettingError of the library is said on the command line
+SETTING_FLAGS = {
+    "model": "--model", "routing": "--routing", "predictor": "--predictor", "heads": "--heads", "guesses": "--guesses",
+    "candidates": "--candidates", "read_ahead": "--read-ahead", "lora": "--lora", "top_k": "--k",
+    "executor": "--executor", "slots": "--slots", "placement": "--placement", "evict": "--evict",
+    "memory_budget_gib": "--memory-budget", "io": "--io", "io_workers": "--io-workers",
+    "io_throttle_mbps": "--io-throttle", "verify": "--verify", "cold": "--cold", "dtype": "--dtype",
+    "kernel": "--kernel", "kernel_threads": "--kernel-threads", "model_id": "--model-id",
+    "prompt_cache_gib": "--prompt-cache-gib", "max_batch": "--max-batch",
+}
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
     """Which store and how its experts are read, routed and computed."""
     p.add_argument("--model", metavar="DIR",

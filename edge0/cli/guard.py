@@ -15,7 +15,7 @@ def guarded(fn: Callable[[], int]) -> int:
     try:
         return fn()
     except Edge0Error as e:
-        print(f"edge0: error: {e}", file=sys.stderr)
+        print(f"edge0: error: {said(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("edge0: interrupted", file=sys.stderr)
@@ -26,6 +26,17 @@ def guarded(fn: Callable[[], int]) -> int:
             raise
         print(f"edge0: error: {line}", file=sys.stderr)
         return 2
+
+
+def said(e: Edge0Error) -> str:
+    """An error's line as the command line says it: an EngineConfig setting by its flag."""
+    from ..errors import SettingError
+
+    if isinstance(e, SettingError):
+        from .flags import SETTING_FLAGS
+
+        return e.say(SETTING_FLAGS)
+    return str(e)
 
 
 def _disk_error(e: OSError) -> str | None:

@@ -134,10 +134,11 @@ def test_streamed_slots_share_what_the_held_layers_leave():
 
 
 def test_a_bad_placement_is_refused_by_name(capsys):
-    """Not a placement, or one given where nothing is placed (native routing): one line naming the flag."""
+    """Not a placement (the library names the setting), or one given where nothing is placed (native routing): one
+    line naming the flag."""
     from edge0.cli import main
 
-    with pytest.raises(Edge0Error, match="--placement"):
+    with pytest.raises(Edge0Error, match="placement uneven: choose auto, even"):
         EngineConfig(placement="uneven").check()
     assert main(["run", "--routing", "native", "--placement", "even", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
