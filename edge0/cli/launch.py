@@ -24,6 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "several machines (each with edge0 at this Python's path and the store at --model's path)")
     p.add_argument("--backend", default="ring", choices=("ring", "jaccl", "jaccl-ring"),
                    help="MLX's distributed backend: ring (TCP) or jaccl (Thunderbolt RDMA) (default ring)")
+    p.add_argument("--parallel", default="pipeline", choices=("pipeline", "experts"),
+                   help="pipeline: each rank runs a contiguous range of layers; experts: each rank runs every layer "
+                        "with a share of its experts (--routing native), one all_sum per MoE layer (default pipeline)")
     p.add_argument("--port", type=int, default=None,
                    help="the ring's first port, one more per rank (default mlx.launch's, 32323)")
     p.add_argument("ranked", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -31,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..dist import MODE_ENV
     from ..errors import Edge0Error
 
     command = args.ranked[1:] if args.ranked[:1] == ["--"] else args.ranked
@@ -46,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"--port {args.port}: from 1024 to 65000")
     where = ["-n", str(args.local_ranks)] if args.local_ranks is not None else ["--hostfile", args.hostfile]
     port = ["--starting-port", str(args.port)] if args.port is not None else []
-    cmd = [sys.executable, "-c", LAUNCHER, *where, "--backend", args.backend, *port, "--",
+    cmd = [sys.executable, "-c", LAUNCHER, *where, "--backend", args.backend, *port,
+           "--env", f"{MODE_ENV}={args.parallel}", "--",
            sys.executable, "-m", "edge0.cli", *command]
     return run_ranks(cmd)
 

@@ -19,6 +19,10 @@ from ..engine import open_engine as open_one
 from ..errors import Edge0Error
 
 
+MODE_ENV = "EDGE0_PARALLEL"  # set by `edge0 launch --parallel` for every rank
+MODES = ("pipeline", "experts")
+
+
 def world():
     """MLX's distributed group when started by mlx.launch (size > 1), else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
@@ -58,11 +62,15 @@ def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool 
     group = world()
     if group is None:
         return open_one(config, trace=trace)
-    from .rank import open_rank
+    from .rank import open_expert_rank, open_rank
 
     if quiet_others and group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
-    return open_rank(config, group, trace=trace, serving=serving)
+    mode = os.environ.get(MODE_ENV, "pipeline")
+    if mode not in MODES:
+        raise Edge0Error(f"{MODE_ENV}={mode}: choose {' or '.join(MODES)}")
+    opener = open_expert_rank if mode == "experts" else open_rank
+    return opener(config, group, trace=trace, serving=serving)
 
 
 def serving_engine(config):

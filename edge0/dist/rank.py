@@ -53,18 +53,54 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         store.model = PipelineModel(store.model, stage)
         engine.stage = stage
         engine.describe = _described(engine.describe, stage, split)
-        if serving and group.rank() == 0:
-            lead(engine, group)
-        engine.generate = _peers_kept(engine.generate, group.rank())
-        if serving and group.rank() == 0:
-            stop_when_lost(engine, group.rank())
-        same_seed(group)
+        join(engine, group, serving)
     except BaseException:
         engine.close()
         raise
     if group.rank() == 0:
         log.info("pipeline", ranks=group.size(), layers=" ".join(f"{r.start}-{r.stop - 1}" for r in split),
                  crossing_heads=len(part.outgoing))
+    return engine
+
+
+def join(engine, group, serving: bool) -> None:
+    """What every mode's rank does once its engine is open: rank 0 of a served one posts each request (dist/serve.py),
+    a lost rank is one clear error, every rank samples from one seed."""
+    if serving and group.rank() == 0:
+        lead(engine, group)
+    engine.generate = _peers_kept(engine.generate, group.rank())
+    if serving and group.rank() == 0:
+        stop_when_lost(engine, group.rank())
+    same_seed(group)
+
+
+def open_expert_rank(config, group, *, trace, serving: bool = False):
+    """This rank's engine in expert parallel (dist/experts.py): every layer, its share of every layer's experts."""
+    from .experts import shard_experts
+
+    c = resolve(config)
+    if c.routing != "native":
+        raise Edge0Error(f"expert parallel routes with the model's router: --routing {c.routing} does not apply "
+                         "(pass --routing native)")
+    if c.max_batch > 1:
+        log.info(f"expert parallel: one sequence at a time (--max-batch {c.max_batch} -> 1)")
+    # staged banks: resident experts would read every expert into every rank
+    executor = "staged" if c.executor == "auto" else c.executor
+    c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0, executor=executor)
+    engine = open_engine(c, trace=trace)
+    try:
+        traffic = shard_experts(engine, group)
+        describe = engine.describe
+        engine.describe = lambda: {**describe(), "experts_parallel": {
+            "ranks": group.size(), "rank": group.rank(), "sent_bytes": traffic.bytes_sent,
+            "messages": traffic.messages}}
+        engine.traffic = traffic
+        join(engine, group, serving)
+    except BaseException:
+        engine.close()
+        raise
+    if group.rank() == 0:
+        log.info("expert parallel", ranks=group.size(), experts="id % ranks == rank", executor=executor)
     return engine
 
 

@@ -29,9 +29,17 @@ def main(store: str, configs: list[str]) -> None:
                 if die_after and len(pieces) >= die_after:
                     os._exit(int(os.environ.get("EDGE0_TEST_EXIT_CODE", "3")))
 
-            fig = engine.generate(engine.request(engine.encode_text(PROMPT), max_tokens=16), emit=emit)
+            at_first = []  # the store's bytes read when the first token came out (the prompt's reads before)
+
+            def cancelled() -> bool:
+                if not at_first:
+                    at_first.append(engine.store.reader.stats.bytes)
+                return False
+            before = engine.store.reader.stats.bytes
+            fig = engine.generate(engine.request(engine.encode_text(PROMPT), max_tokens=16), emit=emit,
+                                  cancelled=cancelled)
             stage = getattr(engine, "stage", None)
-            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read,
+            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read, "decode_bytes": before + fig.bytes_read - at_first[0],
                               "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0}),
                   flush=True)
 

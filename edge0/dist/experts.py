@@ -1,0 +1,63 @@
+"""Expert parallel: every rank holds every layer's dense weights and a share of every layer's experts by id (id %
+ranks == rank); each computes the routed experts it holds, and the layer's expert outputs are summed over the ranks
+with one all_sum. Each rank reads only its experts from its disk, so a token's reads are spread over the hosts.
+
+The sum is of the (T, K, D) expert outputs, each row from the one rank that holds its expert and exact zeros from
+the others, then combined with the routing weights on every rank alike: the same numbers as one process (a sum of
+per-rank partial combinations would add in another order). Shapes: T tokens, K routed, D hidden.
+Routing is the model's own router (--routing native): a head's prediction would need the slots of other ranks.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..errors import Edge0Error
+
+
+class ShardedExperts:
+    """One MoE layer's executor on one rank: its own experts computed, the others' rows zero, then summed."""
+
+    def __init__(self, inner, group, num_experts: int, stats: "Traffic"):
+        self.inner, self.group, self.stats = inner, group, stats
+        rank, size = group.rank(), group.size()
+        self.owned = mx.arange(num_experts) % size == rank  # (E,)
+        self.fill = rank  # an expert this rank holds, for a row with none of its own (its rows are dropped)
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        mine = self.owned[inds]  # (..., K)
+        # in place of another rank's expert: one of this rank's in the same row (read already), else its fill
+        first = mx.take_along_axis(inds, mx.argmax(mine, axis=-1, keepdims=True), axis=-1)  # (..., 1)
+        fill = mx.where(mine.any(axis=-1, keepdims=True), first, mx.array(self.fill, dtype=inds.dtype))
+        local = mx.where(mine, inds, fill)
+        out = self.inner(x, local)  # (..., K, D): this rank reads and computes only its experts
+        out = mx.where(mine[..., None], out, mx.zeros((), dtype=out.dtype))
+        self.stats.add(out.size * out.dtype.size)
+        return mx.distributed.all_sum(out, group=self.group)
+
+
+class Traffic:
+    """What this rank's all_sums carried since it loaded."""
+
+    def __init__(self):
+        self.bytes_sent = 0  # each all_sum's payload (a ring moves about this much per rank for two ranks)
+        self.messages = 0
+
+    def add(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.messages += 1
+
+
+def shard_experts(engine, group) -> Traffic:
+    """Replace each MoE block's executor by this rank's ShardedExperts; returns their traffic counter."""
+    from ..model.routes import moe_blocks
+
+    blocks = moe_blocks(engine.store.model)
+    if not blocks or not all(hasattr(b, "executor") for b in blocks.values()):
+        raise Edge0Error(f"{engine.store.path}: expert parallel needs Edge0's MoE blocks (qwen3_moe, qwen3_5_moe, "
+                         "bailing_moe)")
+    traffic = Traffic()
+    e = engine.store.manifest.num_experts
+    for block in blocks.values():
+        block.executor = ShardedExperts(block.executor, group, e, traffic)
+    return traffic
