@@ -1,8 +1,8 @@
 """The `edge0` command: one console script, one subcommand per job (`edge0 --help`).
 
 Each subcommand is a module of this package with `add_args(parser)` and `main(args)`; this file's one table
-(COMMANDS) names them, and a command's module is imported only when that command is parsed or runs (start-up
-stays fast). Every command-line flag is defined in this package; the library takes plain values.
+(COMMANDS) names them. A command module imports what it runs inside main (building the parser, --help, stays
+fast). Every command-line flag is defined in this package; the library takes plain values.
 """
 
 from __future__ import annotations
