@@ -63,6 +63,18 @@ def test_io_imports_no_mlx_and_sched_no_mlx_arrays():
             assert not mlx, f"{name} imports {mlx}"
 
 
+# Each lower floor and what it may import besides itself: nothing above it (config.py, the engine, the commands).
+BELOW = {"edge0.io": ("edge0.errors", "edge0.log", "edge0.choices"),
+         "edge0.sched": ("edge0.errors", "edge0.log", "edge0.choices", "edge0.io"),
+         "edge0.compute": ("edge0.errors", "edge0.log", "edge0.choices", "edge0.io", "edge0.sched")}
+
+
+def test_lower_floors_import_nothing_above_them():
+    up = {m: sorted(d for d in deps if not _in(d, floor, *allowed))
+          for floor, allowed in BELOW.items() for m, deps in edge0_graph().items() if _in(m, floor)}
+    assert {m: d for m, d in up.items() if d} == {}
+
+
 def test_no_import_cycles():
     graph = edge0_graph()
     parents = {m for m in graph if any(o.startswith(m + ".") for o in graph)}  # packages: their modules' imports
