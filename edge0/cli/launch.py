@@ -27,6 +27,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", default="pipeline", choices=("pipeline", "experts"),
                    help="pipeline: each rank runs a contiguous range of layers; experts: each rank runs every layer "
                         "with a share of its experts (--routing native), one all_sum per MoE layer (default pipeline)")
+    p.add_argument("--split", default="even", metavar="even|cost|N,N,...",
+                   help="pipeline: each rank's layers: an even count, by cost (the bytes each layer keeps in memory "
+                        "plus its experts' bytes in the store, the largest rank's least), or counts (default even)")
     p.add_argument("--port", type=int, default=None,
                    help="the ring's first port, one more per rank (default mlx.launch's, 32323)")
     p.add_argument("ranked", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -35,6 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ..dist import MODE_ENV
+    from ..dist.split import SPLIT_ENV
     from ..errors import Edge0Error
 
     command = args.ranked[1:] if args.ranked[:1] == ["--"] else args.ranked
@@ -46,12 +50,14 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"-n {args.local_ranks}: from 2 to 64 ranks")
     if args.hostfile is not None and not Path(args.hostfile).is_file():
         raise Edge0Error(f"--hostfile {args.hostfile}: no such file")
+    if args.split not in ("even", "cost") and not all(n.isdigit() for n in args.split.split(",")):
+        raise Edge0Error(f"--split {args.split}: choose even, cost or layer counts such as 3,3")
     if args.port is not None and not 1024 <= args.port <= 65000:
         raise Edge0Error(f"--port {args.port}: from 1024 to 65000")
     where = ["-n", str(args.local_ranks)] if args.local_ranks is not None else ["--hostfile", args.hostfile]
     port = ["--starting-port", str(args.port)] if args.port is not None else []
     cmd = [sys.executable, "-c", LAUNCHER, *where, "--backend", args.backend, *port,
-           "--env", f"{MODE_ENV}={args.parallel}", "--",
+           "--env", f"{MODE_ENV}={args.parallel}", "--env", f"{SPLIT_ENV}={args.split}", "--",
            sys.executable, "-m", "edge0.cli", *command]
     return run_ranks(cmd)
 

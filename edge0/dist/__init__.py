@@ -31,20 +31,6 @@ def world():
     return group if group.size() > 1 else None
 
 
-def even_split(layers: int, ranks: int) -> list[range]:
-    """Contiguous ranges of `layers` decoder layers, one per rank, sizes differing by at most one (the first ranks
-    take the extra layers)."""
-    if ranks > layers:
-        raise Edge0Error(f"{ranks} ranks for a model of {layers} layers: at most one rank per layer")
-    base, extra = divmod(layers, ranks)
-    out, at = [], 0
-    for r in range(ranks):
-        n = base + (r < extra)
-        out.append(range(at, at + n))
-        at += n
-    return out
-
-
 def same_seed(group) -> None:
     """Every rank's random state from one seed drawn on rank 0: sampling at temperature draws alike everywhere."""
     seed = int.from_bytes(os.urandom(4), "little") >> 1 if group.rank() == 0 else 0

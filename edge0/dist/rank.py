@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,10 +11,11 @@ import mlx.core as mx
 from ..engine import open_engine, resolve
 from ..errors import Edge0Error
 from ..log import log
-from . import even_split, same_seed
+from . import same_seed
 from .boundary import Boundary, Part
 from .pipeline import PipelineModel, Stage, decoder
 from .serve import lead, stop_when_lost
+from .split import SPLIT_ENV, choose_split, layer_costs
 
 
 def open_rank(config, group, *, trace, split: list[range] | None = None, serving: bool = False):
@@ -31,7 +33,10 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     root = Path(c.model)
     layers = text_config(read_config(root))["num_hidden_layers"]
     moe = [e.layer for e in read_manifest(root).layers]
-    split = split or even_split(layers, group.size())
+    if split is None:
+        split, costs = choose_split(os.environ.get(SPLIT_ENV, "even"), root, layers, group.size())
+    else:
+        costs = layer_costs(root, layers)
     mine = split[group.rank()]
     part = Part(mine, moe)
     lora = c.lora
@@ -58,8 +63,9 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         engine.close()
         raise
     if group.rank() == 0:
+        mib = " ".join(f"{sum(costs[i] for i in r) / 2**20:.1f}" for r in split)
         log.info("pipeline", ranks=group.size(), layers=" ".join(f"{r.start}-{r.stop - 1}" for r in split),
-                 crossing_heads=len(part.outgoing))
+                 mib_per_rank=mib, crossing_heads=len(part.outgoing))
     return engine
 
 

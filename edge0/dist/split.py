@@ -1,0 +1,101 @@
+"""Which contiguous layers each pipeline rank runs: an even count, counts given, or by cost (the bytes a layer
+keeps in memory plus the expert bytes it streams from, from the store's own files), the largest rank's cost least.
+
+    EDGE0_SPLIT=cost | even | 3,5  (set by `edge0 launch --split`)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from ..errors import Edge0Error
+
+SPLIT_ENV = "EDGE0_SPLIT"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def even_split(layers: int, ranks: int) -> list[range]:
+    """Contiguous ranges of `layers` decoder layers, one per rank, sizes differing by at most one (the first ranks
+    take the extra layers)."""
+    return counted_split([layers // ranks + (r < layers % ranks) for r in range(ranks)], layers, ranks)
+
+
+def counted_split(counts: list[int], layers: int, ranks: int, where: str = SPLIT_ENV) -> list[range]:
+    if ranks > layers:
+        raise Edge0Error(f"{ranks} ranks for a model of {layers} layers: at most one rank per layer")
+    if len(counts) != ranks or any(n < 1 for n in counts) or sum(counts) != layers:
+        raise Edge0Error(f"{where}: {','.join(map(str, counts))} must be {ranks} counts of at least 1 layer that add "
+                         f"up to the model's {layers}")
+    out, at = [], 0
+    for n in counts:
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
+def layer_costs(root: Path, layers: int) -> list[int]:
+    """Per decoder layer: its bytes in resident.safetensors plus its experts' bytes in the store."""
+    from ..io.manifest import read_manifest
+
+    costs = [0] * layers
+    for name, size in _tensor_sizes(root / "resident.safetensors").items():
+        m = _LAYER.search(name)
+        if m is not None and int(m.group(1)) < layers:
+            costs[int(m.group(1))] += size
+    manifest = read_manifest(root)
+    for entry in manifest.layers:
+        costs[entry.layer] += manifest.bundle_bytes * manifest.num_experts
+    return costs
+
+
+def cost_split(costs: list[int], ranks: int) -> list[range]:
+    """Contiguous ranges whose largest total cost is least (linear partition, dynamic programming)."""
+    n = len(costs)
+    if ranks > n:
+        raise Edge0Error(f"{ranks} ranks for a model of {n} layers: at most one rank per layer")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(ranks + 1)]  # best[r][i]: least max cost of the first i layers on r ranks
+    cut = [[0] * (n + 1) for _ in range(ranks + 1)]
+    best[0][0] = 0
+    for r in range(1, ranks + 1):
+        for i in range(r, n + 1):
+            for j in range(r - 1, i):
+                v = max(best[r - 1][j], prefix[i] - prefix[j])
+                if v < best[r][i]:
+                    best[r][i], cut[r][i] = v, j
+    bounds, i = [], n
+    for r in range(ranks, 0, -1):
+        bounds.append(range(cut[r][i], i))
+        i = cut[r][i]
+    return bounds[::-1]
+
+
+def choose_split(spec: str, root: Path, layers: int, ranks: int) -> tuple[list[range], list[int]]:
+    """(the ranges of `spec`: even, cost or counts, and each layer's cost)."""
+    costs = layer_costs(root, layers)
+    if spec == "even":
+        return even_split(layers, ranks), costs
+    if spec == "cost":
+        return cost_split(costs, ranks), costs
+    try:
+        counts = [int(n) for n in spec.split(",")]
+    except ValueError:
+        raise Edge0Error(f"{SPLIT_ENV}={spec}: choose even, cost or layer counts such as 3,3") from None
+    return counted_split(counts, layers, ranks, f"{SPLIT_ENV}={spec}"), costs
+
+
+def _tensor_sizes(path: Path) -> dict[str, int]:
+    """{tensor name: bytes} from a safetensors file's header (nothing else read)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise Edge0Error(f"{path}: cannot read its safetensors header ({e})") from None
