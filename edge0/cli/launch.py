@@ -22,8 +22,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", default=None, metavar="FILE",
                    help="mlx.launch's host file: one entry per rank, {\"ssh\": NAME, \"ips\": [IP]}, for ranks on "
                         "several machines (each with edge0 at this Python's path and the store at --model's path)")
-    p.add_argument("--backend", default="ring", choices=("ring", "jaccl", "jaccl-ring"),
-                   help="MLX's distributed backend: ring (TCP) or jaccl (Thunderbolt RDMA) (default ring)")
+    p.add_argument("--backend", default=None, choices=("ring", "jaccl", "jaccl-ring"),
+                   help="MLX's distributed backend: ring (TCP) or jaccl (Thunderbolt RDMA) (default: the host file's, "
+                        "else ring)")
     p.add_argument("--parallel", default="pipeline", choices=("pipeline", "experts"),
                    help="pipeline: each rank runs a contiguous range of layers; experts: each rank runs every layer "
                         "with a share of its experts (--routing native), one all_sum per MoE layer (default pipeline)")
@@ -56,7 +57,8 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"--port {args.port}: from 1024 to 65000")
     where = ["-n", str(args.local_ranks)] if args.local_ranks is not None else ["--hostfile", args.hostfile]
     port = ["--starting-port", str(args.port)] if args.port is not None else []
-    cmd = [sys.executable, "-c", LAUNCHER, *where, "--backend", args.backend, *port,
+    backend = ["--backend", args.backend] if args.backend else [] if args.hostfile else ["--backend", "ring"]
+    cmd = [sys.executable, "-c", LAUNCHER, *where, *backend, *port,
            "--env", f"{MODE_ENV}={args.parallel}", "--env", f"{SPLIT_ENV}={args.split}", "--",
            sys.executable, "-m", "edge0.cli", *command]
     return run_ranks(cmd)
