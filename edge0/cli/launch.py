@@ -31,6 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="even", metavar="even|cost|N,N,...",
                    help="pipeline: each rank's layers: an even count, by cost (the bytes each layer keeps in memory "
                         "plus its experts' bytes in the store, the largest rank's least), or counts (default even)")
+    p.add_argument("--rank-timeout", type=float, default=None, metavar="S",
+                   help="serve: a generation with no token for S seconds means a rank hangs: the service stops "
+                        "(default 300)")
     p.add_argument("--port", type=int, default=None,
                    help="the ring's first port, one more per rank (default mlx.launch's, 32323)")
     p.add_argument("ranked", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -39,6 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ..dist import MODE_ENV
+    from ..dist.serve import TIMEOUT_ENV
     from ..dist.split import SPLIT_ENV
     from ..errors import Edge0Error
 
@@ -53,13 +57,17 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"--hostfile {args.hostfile}: no such file")
     if args.split not in ("even", "cost") and not all(n.isdigit() for n in args.split.split(",")):
         raise Edge0Error(f"--split {args.split}: choose even, cost or layer counts such as 3,3")
+    if args.rank_timeout is not None and not 0 < args.rank_timeout <= 86400:
+        raise Edge0Error(f"--rank-timeout {args.rank_timeout:g}: seconds, more than 0 and at most 86400")
     if args.port is not None and not 1024 <= args.port <= 65000:
         raise Edge0Error(f"--port {args.port}: from 1024 to 65000")
     where = ["-n", str(args.local_ranks)] if args.local_ranks is not None else ["--hostfile", args.hostfile]
     port = ["--starting-port", str(args.port)] if args.port is not None else []
+    timeout = ["--env", f"{TIMEOUT_ENV}={args.rank_timeout:g}"] if args.rank_timeout is not None else []
     backend = ["--backend", args.backend] if args.backend else [] if args.hostfile else ["--backend", "ring"]
     cmd = [sys.executable, "-c", LAUNCHER, *where, *backend, *port,
-           "--env", f"{MODE_ENV}={args.parallel}", "--env", f"{SPLIT_ENV}={args.split}", "--",
+           "--env", f"{MODE_ENV}={args.parallel}", "--env", f"{SPLIT_ENV}={args.split}",
+           *timeout, "--",
            sys.executable, "-m", "edge0.cli", *command]
     return run_ranks(cmd)
 

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import mlx.core as mx
 
@@ -71,10 +72,13 @@ def lead(engine, group) -> None:
     once a rank is lost: stop_when_lost)."""
     channel, generate, close = Channel(group), engine.generate, engine.close
 
+    watch = Watchdog(rank_timeout())
+
     def posted(req, emit=lambda s: None, cancelled=lambda: False):
         engine.check(req)  # a request the model refuses is refused here alone, not on every rank
-        channel.post(REQUEST, encode(req))
-        return generate(req, emit, lambda: channel.flag(cancelled()))
+        with watch:
+            channel.post(REQUEST, encode(req))
+            return generate(req, emit, lambda: watch.beat() or channel.flag(cancelled()))
 
     def closing(*args, **kwargs):
         try:
@@ -127,3 +131,46 @@ def stop_when_lost(engine, rank: int) -> None:
 
 
 STOP_AFTER_S = 2.0  # a lost rank: seconds /health answers "unhealthy" before the server stops
+TIMEOUT_ENV = "EDGE0_RANK_TIMEOUT_S"  # set by `edge0 launch --rank-timeout`
+DEFAULT_RANK_TIMEOUT_S = 300.0  # a generation with no token for this long: a rank hangs (a long prompt's first
+# token on a slow disk takes far less)
+EXIT_AFTER_S = 5.0  # after a hang is found: the graceful stop's time before the process exits regardless
+
+
+def rank_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_RANK_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise Edge0Error(f"{TIMEOUT_ENV}={raw}: seconds, more than 0")
+    return value
+
+
+class Watchdog:
+    """Rank 0 while it generates: a token (or the request's post) at least every `timeout` seconds, else a rank hangs
+    (a collective with no answer never returns): the error is logged and the process stops (SIGTERM, then exit)."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.last, self.busy = timeout, 0.0, False
+        self.thread = threading.Thread(target=self._watch, name="edge0-rank-watchdog", daemon=True)
+        self.thread.start()
+
+    def __enter__(self):
+        self.last, self.busy = time.monotonic(), True
+
+    def __exit__(self, *exc):
+        self.busy = False
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            if self.busy and time.monotonic() - self.last > self.timeout:
+                log.error(f"pipeline: no token for {self.timeout:g} s: a rank is not answering; the service stops")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(EXIT_AFTER_S)
+                os._exit(1)

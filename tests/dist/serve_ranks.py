@@ -1,5 +1,6 @@
 """One rank of the distributed serve tests (tests/dist/test_serve.py): rank 0 serves STORE on PORT and prints
-'listening URL'; the others follow it. EDGE0_TEST_DIE_RANK's rank leaves (exit 0) after EDGE0_TEST_DIE_AFTER tokens.
+'listening URL'; the others follow it. EDGE0_TEST_DIE_RANK's rank leaves (exit 0) after EDGE0_TEST_DIE_AFTER tokens, or hangs
+with EDGE0_TEST_HANG.
 
     mlx.launch -n 2 --backend ring -- python tests/dist/serve_ranks.py STORE ROUTING PORT
 """
@@ -8,6 +9,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import edge0.dist.rank  # noqa: F401 (imports the engine's open_engine before it is replaced below)
 import edge0.engine
@@ -30,6 +32,8 @@ def follow(config) -> None:
 
                 def check():
                     count[0] += 1
+                    if count[0] >= after and os.environ.get("EDGE0_TEST_HANG"):
+                        time.sleep(600)  # alive, never answering
                     if count[0] >= after:
                         os._exit(0)
                     return cancelled()

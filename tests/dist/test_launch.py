@@ -12,6 +12,8 @@ from edge0.cli import main
     (["-n", "2", "--hostfile", "hosts.json", "--", "run"], "give -n N (ranks on this machine) or --hostfile FILE"),
     (["--hostfile", "no/such/hosts.json", "--", "run"], "--hostfile no/such/hosts.json: no such file"),
     (["-n", "2", "--port", "80", "--", "run"], "--port 80: from 1024 to 65000"),
+    (["-n", "2", "--split", "2,x", "--", "run"], "--split 2,x: choose even, cost or layer counts such as 3,3"),
+    (["-n", "2", "--rank-timeout", "0", "--", "serve"], "--rank-timeout 0: seconds, more than 0 and at most 86400"),
 ])
 def test_refusals(argv, says, capsys):
     assert main(["launch", *argv]) != 0

@@ -81,3 +81,19 @@ def test_lost_rank_fails_the_request_and_stops_the_service(dist_store):
         assert "another rank stopped or failed" in out, out
     finally:
         end(proc)
+
+
+def test_hung_rank_stops_the_service(dist_store):
+    """Rank 1 stops answering (alive, asleep) mid-generation: rank 0's watchdog stops the service, nothing hangs."""
+    proc, url = start(dist_store, free_port(), env={"EDGE0_TEST_DIE_RANK": "1", "EDGE0_TEST_DIE_AFTER": "3",
+                                                    "EDGE0_TEST_HANG": "1", "EDGE0_RANK_TIMEOUT_S": "2"})
+    try:
+        try:
+            status, answer = completion(url)
+        except OSError:  # the connection closed as the server stopped
+            status, answer = None, None
+        assert status != 200, answer
+        out, _ = proc.communicate(timeout=40)
+        assert "no token for 2 s: a rank is not answering" in out, out
+    finally:
+        end(proc)
