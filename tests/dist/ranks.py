@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from mlx.utils import tree_flatten
+
 from edge0 import dist
 from edge0.config import EngineConfig
 
@@ -39,8 +41,9 @@ def main(store: str, configs: list[str]) -> None:
             fig = engine.generate(engine.request(engine.encode_text(PROMPT), max_tokens=16), emit=emit,
                                   cancelled=cancelled)
             stage = getattr(engine, "stage", None)
+            weights = sum(v.nbytes for _, v in tree_flatten(engine.store.model.parameters()))
             print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read, "decode_bytes": before + fig.bytes_read - at_first[0],
-                              "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0}),
+                              "weights": weights, "peak_mlx": fig.peak_mlx_bytes, "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0}),
                   flush=True)
 
 

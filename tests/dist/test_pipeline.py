@@ -10,7 +10,7 @@ import pytest
 
 from .common import HERE, free_port, launch_cmd
 
-CONFIGS = ("native:staged", "predicted:staged", "predicted:auto")
+CONFIGS = ("native:staged", "prefetch:staged", "predicted:staged", "predicted:auto")
 
 
 def launch(store: Path, *configs: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -50,6 +50,8 @@ def test_tokens_match_one_process(runs):
 
 def test_each_rank_reads_its_share(runs):
     one, two = runs
+    for config in CONFIGS:  # each rank holds its layers' weights only (the embedding and head on every rank)
+        assert all(two[config][r]["weights"] < one[config]["weights"] for r in (0, 1)), config
     for config in ("native:staged", "predicted:staged"):
         per_rank = [two[config][r]["bytes"] for r in (0, 1)]
         assert sum(per_rank) == one[config]["bytes"], config  # the same reads, split
