@@ -100,11 +100,21 @@ class Exit(nn.Module):
         whole = mx.distributed.all_gather(h, group=st.group)  # (size*B, T, D): every rank's, the last rank's wanted
         st.count(h.size * h.dtype.size * (st.size - 1), messages=1)
         out = whole[(st.size - 1) * b: st.size * b]
-        cache = st.cache
-        if cache and hasattr(cache[-1], "keys") and cache[-1].keys is not None:
-            cache[-1].keys = mx.depends(cache[-1].keys, out)  # a prompt chunk evaluates only the cache: the
-            # messages must be in its graph, on every rank
+        _tie(st.cache or [], out)
         return self.norm(out)
+
+
+def _tie(cache: list, out: mx.array) -> None:
+    """A prompt chunk evaluates only the cache: one of its arrays (a KV cache's keys, or a linear attention's state)
+    made to depend on the messages, on every rank, so that they are sent."""
+    for c in reversed(cache):
+        if getattr(c, "keys", None) is not None:
+            c.keys = mx.depends(c.keys, out)
+            return
+        state = getattr(c, "cache", None)
+        if isinstance(state, list) and state and state[-1] is not None:
+            state[-1] = mx.depends(state[-1], out)
+            return
 
 
 class Stage:
@@ -155,6 +165,9 @@ class PipelineModel(nn.Module):
             raise Edge0Error(f"{type(model).__module__}: edge0's pipeline needs an embedding and a final norm by their "
                              "mlx-lm names (embed_tokens or word_embeddings, norm)")
         inner.layers = [layer for layer in inner.layers[stage.layers.start:stage.layers.stop]]
+        if hasattr(inner, "fa_idx") or hasattr(inner, "ssm_idx"):  # qwen3_5: masks from this rank's first layer of a kind
+            inner.ssm_idx = next((i for i, m in enumerate(inner.layers) if m.is_linear), None)
+            inner.fa_idx = next((i for i, m in enumerate(inner.layers) if not m.is_linear), None)
         inner[embed_name] = Entry(inner[embed_name], stage)
         inner["norm"] = Exit(inner["norm"], stage)
 
@@ -163,9 +176,8 @@ class PipelineModel(nn.Module):
         return decoder(self.model).layers
 
     def make_cache(self):
-        if hasattr(self.model, "make_cache"):
-            whole = self.model.make_cache()
-            return whole[self._stage.layers.start:self._stage.layers.stop]
+        if hasattr(self.model, "make_cache"):  # its layers are this rank's already
+            return self.model.make_cache()
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.layers]

@@ -84,3 +84,18 @@ def test_edge0_launch_run_matches_edge0_run():
     assert got[0]["tokens"] == want["tokens"] and got[0]["lora"] == want["lora"]
     assert got[0]["pipeline"]["layers"] == [[0, 2], [3, 5]]
     assert got[0]["pipeline"]["messages"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "bailing_moe"])
+def test_other_families_match_one_process(dist_stores, arch):
+    """Qwen3.5's linear and full attention layers (each rank's masks from its own first layer of each kind) and
+    Bailing's embedding name and dense first layer, native and predicted routing (a head crossing the ranks)."""
+    store, configs = dist_stores(arch), ("native:staged", "predicted:staged")
+    one = subprocess.run([sys.executable, str(HERE / "ranks.py"), str(store), *configs], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "EDGE0_KERNEL": "mlx"})
+    two = launch(store, *configs)
+    want = {line["config"]: line["tokens"] for line in lines(one.stdout)}
+    got = [(line["config"], line["tokens"]) for line in lines(two.stdout)]
+    assert len(got) == 4 and len(want) == 2, two.stdout + two.stderr
+    assert want["native:staged"] != want["predicted:staged"]
+    assert all(tokens == want[config] for config, tokens in got)
