@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"open_engine": "edge0.engine", "EngineConfig": "edge0.config", "GenRequest": "edge0.generation",
-           "Figures": "edge0.generation"}
+_PUBLIC = {"open_engine": "edge0.engine", "EngineConfig": "edge0.config", "GenRequest": "edge0.decode.request",
+           "Figures": "edge0.decode.request"}
 __all__ = [*_PUBLIC, "__version__"]
 
 if TYPE_CHECKING:
     from .config import EngineConfig
     from .engine import open_engine
-    from .generation import Figures, GenRequest
+    from .decode.request import Figures, GenRequest
 
 
 def __getattr__(name: str):

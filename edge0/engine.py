@@ -1,9 +1,9 @@
-"""The engine: one opened store with its model, expert runtime, scheduler and kernel choice, and the
-one generation loop that run, serve and chat share.
+"""The engine: one opened store with its model, expert runtime, scheduler and kernel choice; it generates with
+the decode loop (edge0/decode) that run, serve and chat share.
 
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
-    from edge0.generation import GenRequest
+    from edge0.decode.request import GenRequest
 
     with open_engine(EngineConfig(model="stores/q3")) as engine:
         req = engine.request(engine.encode_text("def fib(n):"), max_tokens=32)
@@ -28,11 +28,12 @@ from .compute.executors import evict_by
 from .compute.kernel import Kernel
 from .config import EngineConfig
 from .errors import ContextExceeded, Edge0Error
-from .generation import Figures, GenRequest, generate
+from .decode.loop import generate
+from .decode.request import Figures, GenRequest
 from .log import log
 from .model.arch import text_config, vocab_size
 from .model.demo import DEMO_STORE
-from .prompt_cache import PromptCache
+from .decode.cache import PromptCache
 from .sched.trace import NULL
 
 
@@ -180,7 +181,7 @@ class Engine:
 
     def generate(self, req: GenRequest, emit: Callable[[str], None] = lambda s: None,
                  cancelled: Callable[[], bool] = lambda: False) -> Figures:
-        """Generate for `req`, calling emit(text) per decoded piece (see generation.generate)."""
+        """Generate for `req`, calling emit(text) per decoded piece (see decode/loop.py generate)."""
         with self.kernel.active():
             return generate(self, req, emit, cancelled)
 
@@ -204,7 +205,7 @@ class Engine:
         served (predicted routing at t+1 depends on t); for scoring."""
         from mlx_lm.sample_utils import make_sampler
 
-        from .pipeline.steps import generate_steps
+        from .decode.loop import generate_steps
 
         with self.kernel.active():
             steps = generate_steps(self.store.model, tokens[:1], max_tokens=len(tokens) - 1,
@@ -214,10 +215,7 @@ class Engine:
     def reset(self) -> None:
         """Bring the runtime back to a clean state after a failed generation (pending reads cancelled,
         banks consistent); raises when it cannot, and the engine should then not be used."""
-        rt = self.store.runtime
-        recover = getattr(rt, "recover", None) or getattr(rt, "finish", None)
-        if recover is not None:
-            recover()
+        self.store.runtime.recover()
 
     def describe(self) -> dict:
         """What runs: routing, predictor, heads, executor, kernel, I/O (for --json and logs)."""

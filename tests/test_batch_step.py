@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edge0.batching import BatchDecoder
+from edge0.decode.batch import BatchDecoder
 
 spec = importlib.util.spec_from_file_location("batch_step", Path(__file__).parents[1] / "tools" / "batch_step.py")
 tool = importlib.util.module_from_spec(spec)

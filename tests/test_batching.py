@@ -7,11 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from edge0.batching import BatchDecoder
+from edge0.decode.batch import BatchDecoder
 from edge0.compute import kernels
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.generation import GenRequest
+from edge0.decode.request import GenRequest
 from tests import helpers
 
 PROMPTS = ["def fibonacci(n):\n    if n", "import os", "class Stack:\n    def push(self, item", "x",
@@ -248,7 +248,7 @@ def test_a_serving_loop_that_dies_answers_its_clients_and_says_so(monkeypatch):
     """Should the batched serving loop itself raise (here: its error handling, after a failed step), no client waits
     forever: the running request and every later one get a 503 naming it, and /health says the server is unhealthy."""
     openai = pytest.importorskip("openai")
-    import edge0.serve.batched as batched
+    import edge0.serve.cycle as batched
 
     srv, client = default_server(openai)
     engine = srv.server.engine

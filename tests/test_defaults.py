@@ -65,7 +65,7 @@ def test_run_engine_generation_after_generation(solo):
     """One engine, prompts of 1 to 20 tokens one after the other, twice round: each equals its solo answer."""
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
-    from edge0.generation import GenRequest
+    from edge0.decode.request import GenRequest
 
     with open_engine(EngineConfig()) as engine:
         assert engine.config.routing == "predicted"

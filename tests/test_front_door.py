@@ -28,7 +28,7 @@ def test_the_docstring_example_runs_on_the_demo_model(capsys):
 def test_the_public_names_are_the_modules_own():
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
-    from edge0.generation import Figures, GenRequest
+    from edge0.decode.request import Figures, GenRequest
 
     assert (edge0.open_engine, edge0.EngineConfig, edge0.GenRequest, edge0.Figures) == \
         (open_engine, EngineConfig, GenRequest, Figures)
@@ -37,7 +37,8 @@ def test_the_public_names_are_the_modules_own():
 
 def test_import_edge0_does_not_load_mlx():
     code = ("import sys, edge0; assert 'mlx' not in sys.modules, 'import edge0 loaded mlx'\n"
-            "edge0.GenRequest; assert 'mlx.core' in sys.modules\n"
+            "edge0.GenRequest; assert 'mlx' not in sys.modules, 'GenRequest loaded mlx'\n"
+            "edge0.open_engine; assert 'mlx.core' in sys.modules\n"
             "try:\n    edge0.nothing\nexcept AttributeError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "module 'edge0' has no attribute 'nothing'\n"

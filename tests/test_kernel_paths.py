@@ -10,7 +10,7 @@ from edge0.compute import kernels
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
-from edge0.generation import GenRequest
+from edge0.decode.request import GenRequest
 from tests.compute.kernel_refs import IMPLS, every_isa, needs_ext, restore  # noqa: F401 (fixtures)
 from tests.test_batching import PROMPTS, _kv, run_batch
 
@@ -20,7 +20,7 @@ TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci
 @pytest.fixture
 def step_logprobs(monkeypatch):
     """Each generation's log-probabilities, step by step (a list per generation, in order)."""
-    from edge0.pipeline import steps
+    from edge0.decode import loop as steps
 
     seen, real = [], steps.generate_steps
 

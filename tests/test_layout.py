@@ -183,3 +183,46 @@ def test_each_choice_list_is_defined_once():
                 where.setdefault(ast.literal_eval(node.value), []).extend(
                     f"{name}.{t.id}" for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
     assert {v: m for v, m in where.items() if len(m) > 1 and v not in SAME_BY_CHANCE} == {}
+
+
+DECODE_LOOPS = {"generate_steps", "prefill", "_prefill", "_overlapped", "_steps"}  # the token loop's functions
+
+
+def test_one_decode_loop_and_one_serving_loop():
+    """The token loop is written once, in edge0/decode: PREFILL_STEP is defined once, there; no module outside it
+    defines a prefill or step loop or builds a step's head (step_log_softmax); serve/ has one serving loop (one
+    `while True` coroutine)."""
+    defined, loops, heads, serving = [], [], [], []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        inside = name.startswith("edge0.decode")
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            defined += [name for t in targets if isinstance(t, ast.Name) and t.id == "PREFILL_STEP"]
+            if isinstance(node, ast.FunctionDef) and node.name in DECODE_LOOPS and not inside:
+                loops.append(f"{name}.{node.name}")
+        for node in ast.walk(tree):
+            if (not inside and name != "edge0.compute.dense" and isinstance(node, ast.Call)
+                    and getattr(node.func, "attr", getattr(node.func, "id", None)) == "step_log_softmax"):
+                heads.append(name)
+            if name.startswith("edge0.serve") and isinstance(node, ast.AsyncFunctionDef) and any(
+                    isinstance(w, ast.While) and isinstance(w.test, ast.Constant) and w.test.value is True
+                    for w in ast.walk(node)):
+                serving.append(f"{name}.{node.name}")
+    assert len(defined) == 1 and defined[0].startswith("edge0.decode."), defined
+    assert loops == [] and heads == [], (loops, heads)
+    assert len(serving) == 1, serving
+
+
+def test_runtime_hooks_are_called_not_looked_up():
+    """The runtime's hooks are compute/runtime.py's Hooks (no-op defaults): nothing finds one with getattr/hasattr."""
+    hooks = next((n for n in ast.parse((ROOT / "compute" / "runtime.py").read_text()).body
+                  if isinstance(n, ast.ClassDef) and n.name == "Hooks"), None)
+    assert hooks is not None, "compute/runtime.py defines no Hooks class"
+    names = {n.name for n in hooks.body if isinstance(n, ast.FunctionDef)}
+    names |= {t.id for n in hooks.body if isinstance(n, ast.Assign) for t in n.targets}
+    found = [f"{name}: {node.func.id}(..., {node.args[1].value!r})" for name, path in modules().items()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+             and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
+    assert found == []

@@ -9,10 +9,11 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from edge0.batching import BatchDecoder
+from edge0.decode.batch import BatchDecoder
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.generation import PENALTY_TOKENS, GenRequest
+from edge0.decode.request import GenRequest
+from edge0.decode.sampling import PENALTY_TOKENS
 from edge0.model.load import cast_floats
 
 from tests.test_batching import PROMPTS

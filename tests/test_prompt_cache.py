@@ -8,8 +8,8 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.generation import GenRequest
-from edge0.prompt_cache import PromptCache
+from edge0.decode.request import GenRequest
+from edge0.decode.cache import PromptCache
 
 TURNS = ["def add(a, b):", "import os", "class Stack:"]
 

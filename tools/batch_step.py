@@ -43,7 +43,7 @@ def graph_nodes(engine, batch) -> int:
 
 
 def measure(engine, ids: list[int], size: int, args) -> dict:
-    from edge0.batching import BatchDecoder
+    from edge0.decode.batch import BatchDecoder
     from edge0.compute import kernels
 
     batch = BatchDecoder(engine, size)

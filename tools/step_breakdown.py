@@ -101,7 +101,7 @@ def breakdown(args) -> int:
     from edge0.compute import kernels
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
-    from edge0.pipeline.steps import generate_steps
+    from edge0.decode.loop import generate_steps
 
     ext = kernels.load()
     if ext is None:

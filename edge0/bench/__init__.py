@@ -321,7 +321,8 @@ def mlx_lm_arm(path: str, replay_path: str, dtype: str) -> None:
 
     from ..model.load import cast_floats, compute_dtype
     from ..engine import memory_figures
-    from ..pipeline.steps import StepTimes, generate_steps
+    from ..decode.loop import generate_steps
+    from ..decode.step import StepTimes
 
     model, tok = load(path)
     cast_floats(model, compute_dtype(dtype))

@@ -22,7 +22,7 @@ from .flags import add_serving_flags, serve_configs
 
 if TYPE_CHECKING:  # the engine (and MLX) load when a chat starts, not when the parser is built
     from ..engine import Engine
-    from ..generation import Figures, GenRequest
+    from ..decode.request import Figures, GenRequest
 
 HELP = "/stats  figures of the last answer (and toggle them after every answer)\n" \
        "/reset  start a new conversation\n/quit   leave (or Ctrl-D)"
@@ -66,7 +66,7 @@ class Conversation:
 
     def turn(self, text: str) -> None:
         """The user says text; the answer streams to out."""
-        from ..generation import GenRequest
+        from ..decode.request import GenRequest
 
         engine, samp, out = self.engine, self.samp, self.out
         self.messages.append({"role": "user", "content": text})

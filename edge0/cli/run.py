@@ -104,7 +104,7 @@ def _prompt(engine, args, replay: dict | None) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     from ..dist import open_engine  # under mlx.launch: this rank's share of a pipeline
     from ..engine import memory_figures
-    from ..generation import GenRequest
+    from ..decode.request import GenRequest
     from ..model.traced import attach_routes, save_routes
     from ..sched.trace import NULL, Trace
 

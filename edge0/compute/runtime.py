@@ -22,8 +22,69 @@ PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of 
 # which costs more than the products of small experts gain; large bundles gain, the whole-layer prefill banks' too.
 
 
+class Hooks:
+    """What the decode loop (edge0/decode) calls on a store's runtime at each point of a generation; each a no-op here,
+    as for a model run without a store's runtime. A scheduled pipeline overrides what it needs (pipeline/runtime.py).
+
+    A generation: begin, prefill (sync after each chunk, end_prefill), then per step: flush, the step evaluated,
+    settle, sync, next_step (or step_built where steps overlap), and finish (recover if it raised). A batch also
+    moves its rows' routing history: snapshot, join, keep_rows."""
+
+    trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
+    generation = 0  # bumped by begin(): a step generator of an older generation must not touch the runtime
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Decode may build step n+1's graph while step n evaluates (decode/step.py): nothing syncs with the host."""
+        return True
+
+    def overlaps_batch(self, rows: int) -> bool:
+        """Whether a batch of `rows` sequences decodes as one does (overlaps_steps; decode/batch.py)."""
+        return self.overlaps_steps
+
+    def begin(self) -> int:
+        """Start a generation; returns its number."""
+        self.generation += 1
+        return self.generation
+
+    def recover(self) -> None:
+        """Back to a state a generation can start from, whatever the last one left (idempotent)."""
+
+    def finish(self) -> None:
+        """A generation ended: nothing of it left in flight."""
+
+    def sync(self) -> None:
+        """Every graph built so far is evaluated (after a prefill chunk or a step)."""
+
+    def end_prefill(self) -> None:
+        """The prompt is in the KV cache; decode steps follow."""
+
+    def flush(self) -> None:
+        """Before a step's evaluation: work that may overlap it starts (scheduled routing's last predictions)."""
+
+    def settle(self) -> None:
+        """After a step's evaluation: what flush started is done."""
+
+    def next_step(self) -> None:
+        """A step is evaluated; the next one begins."""
+
+    def step_built(self) -> None:
+        """Overlapped decode: a step's graph is built (and queued), the one before it may still be evaluating."""
+        self.next_step()
+
+    def snapshot(self, ahead: int = 0) -> dict:
+        """The routing state of a batch's rows; none here."""
+        return {}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """A batch keeps only these rows."""
+
+    def join(self, histories: list) -> None:
+        """A batch's rows are these (snapshot, rows) parts, in order."""
+
+
 @dataclass
-class Runtime:
+class Runtime(Hooks):
     """What the executors of one loaded store share."""
 
     executor: str  # "exact" | "staged" | "hot" | "resident"
@@ -44,38 +105,28 @@ class Runtime:
 
     @property
     def overlaps_steps(self) -> bool:
-        """Decode may build step n+1's graph while step n evaluates, one sequence's (pipeline/steps.py) or a
-        batch's (batching.py): no layer's executor syncs with the host inside a step (every expert resident)."""
+        """No layer's executor syncs with the host inside a step (every expert resident)."""
         return self.executor == "resident"
 
-    def overlaps_batch(self, rows: int) -> bool:
-        """Whether a batch of `rows` sequences decodes as one does (overlaps_steps; batching.py)."""
-        return self.overlaps_steps
-
-    def step_built(self) -> None:
-        """Overlapped decode: a step's graph is built (and queued), the one before it may still be evaluating."""
-        self.next_step()
-
-    trace = None  # the timeline recorder of the run (sched.trace.NULL when off), set by whoever builds it
-    generation = 0  # bumped by begin(): a step generator of an older generation must not touch the runtime
-
     def begin(self) -> int:
-        """Start a generation (generate_steps calls it before prefill): nothing of an earlier generation is
-        carried but fully written slots. Returns the generation's number."""
+        """Start a generation (before prefill): nothing of an earlier generation is carried but fully written
+        slots. Returns the generation's number."""
         self.recover()
-        self.generation += 1
-        return self.generation
+        return super().begin()
 
     def recover(self) -> None:
         """Bring the runtime back to a state a generation can start from, whatever the last one left: no read
         in flight, no pending prefill bank, every slot writable. Called after a generation raised
-        (generate_steps does it) and by begin(); idempotent; a read's error is not raised again here.
+        (decode/loop.py does it) and by begin(); idempotent; a read's error is not raised again here.
         Slots a failed read was filling were emptied where it failed (SlotCache.forget)."""
         self.reset_pipeline()
         mx.synchronize()  # a graph the failed step async_eval'd may still be reading the banks
         if self.prefill is not None:
             self.prefill.abandon()
         self.fence.sync()  # every graph built before now is evaluated or abandoned: its slots may be written
+
+    def sync(self) -> None:
+        self.fence.sync()
 
     def reset_pipeline(self) -> None:
         """Drop the scheduled pipeline's state (none for native executors)."""
@@ -84,25 +135,8 @@ class Runtime:
         if self.prefill is not None:
             self.prefill.release()
 
-    # Hooks of a scheduled pipeline; the native executors need none.
-    def snapshot(self, ahead: int = 0) -> dict:
-        """The routing state of a batch's rows (pipeline/runtime.py); none here."""
-        return {}
-
-    def keep_rows(self, rows: list[int]) -> None:
-        pass
-
-    def join(self, histories: list) -> None:
-        pass
-
-    def next_step(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
     def link(self, blocks: dict) -> None:
-        pass
+        """The model's MoE blocks, for a scheduled pipeline to route (none here)."""
 
     def close(self) -> None:
         if self.prefill is not None:

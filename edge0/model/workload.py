@@ -212,7 +212,7 @@ def same_logits(base: Path, out: Path, replay: dict, steps: int = 4) -> float:
     """Largest |difference| of the log-probabilities of the two stores (exact path) over a short replay."""
     from mlx_lm.sample_utils import make_sampler
 
-    from ..pipeline.steps import generate_steps
+    from ..decode.loop import generate_steps
     from .load import load_store
 
     got = []

@@ -1,5 +1,5 @@
-"""The request queue of `edge0 serve`: first come, first served, one generation at a time, and the
-counters behind /metrics. Errors are OpenAI-shaped."""
+"""The request queue of `edge0 serve`, its one serving loop (first come, first served, into a batch of --max-batch
+sequences; 1: one generation at a time) and the counters behind /metrics. Errors are OpenAI-shaped."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from aiohttp import web
 
 from ..engine import Engine
 from ..errors import ApiError
-from ..generation import Figures, GenRequest
+from ..decode.request import Figures, GenRequest
 from ..log import log, log_failure
+from .cycle import Batch, Solo
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
@@ -35,7 +36,7 @@ def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", "server_shutting_down", retry_after=RETRY_AFTER_S)
 
 
-# -- the queue: FIFO, one generation at a time ------------------------------------------------------
+# -- the queue: FIFO into the decoder's room ---------------------------------------------------------
 
 
 @dataclass
@@ -151,12 +152,7 @@ class JobQueue:
             self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
             mx.clear_cache()  # what loading the engine left there
         max_batch = getattr(getattr(self.engine, "config", None), "max_batch", 1)
-        if max_batch > 1:
-            from .batched import serve_batched
-
-            serving = serve_batched(self, max_batch)
-        else:
-            serving = self._serve()
+        serving = self._serve(Batch(self.engine, max_batch) if max_batch > 1 else Solo(self.engine))
         self.task = asyncio.get_running_loop().create_task(serving)
         self.task.add_done_callback(self._stopped)
 
@@ -198,8 +194,37 @@ class JobQueue:
         return ApiError(503, f"the server is unhealthy: {self.unhealthy}; see its log", "engine_unhealthy",
                         retry_after=RETRY_AFTER_S)
 
-    async def _serve(self) -> None:
+    async def _serve(self, decoder: "Solo | Batch") -> None:
+        """The one serving loop, whatever --max-batch: take waiting jobs into the decoder's room (waiting for one
+        while none runs), run one cycle on the worker (cycle.py), answer the jobs it finished or refused. After an
+        error every job of the cycle fails (each client gets a 500), once the engine is reset."""
+        loop = asyncio.get_running_loop()
         while True:
+            newcomers = await self._take(decoder.room, block=not decoder.jobs)
+            self._running([*decoder.jobs, *newcomers])
+            try:
+                refused, finished = await loop.run_in_executor(self.worker, decoder.cycle, newcomers, loop)
+            except Exception as e:  # reported to the clients as a 500; the engine is reset first
+                failed = [job for job in decoder.abandon(e) if all(job is not n for n in newcomers)] + newcomers
+                self.unhealthy = f"a generation failed ({type(e).__name__})"
+                await self._reset()  # before the clients hear of the failure: their next request finds it reset
+                for job in failed:
+                    self.metrics.failed += 1
+                    job.events.put_nowait(("error", e))
+                self._running(decoder.jobs)
+                continue
+            for job, e in refused:
+                job.events.put_nowait(("error", e))
+            for job, fig in finished:
+                self.metrics.add(fig)
+                # emit's call_soon_threadsafe callbacks were queued before this point: the text comes first
+                job.events.put_nowait(("error", shutting_down()) if job.shutdown else ("done", fig))
+            self._running(decoder.jobs)
+
+    async def _take(self, room: int, *, block: bool) -> list[Job]:
+        """Waiting jobs for the decoder's free room; waits for one when block (nothing runs)."""
+        taken = []
+        while len(taken) < room and (not self.waiting.empty() or (block and not taken)):
             job = await self.waiting.get()
             if job.cancel.is_set():  # the client left while waiting
                 self.metrics.cancelled += 1
@@ -211,33 +236,18 @@ class JobQueue:
                 job.events.put_nowait(("error", shutting_down()))
                 continue
             self.turns += 1
-            self.running, job.started, job.turn = job, time.perf_counter(), self.turns
-            self.active, self.batch_size = [job], 1
+            job.started, job.turn = time.perf_counter(), self.turns
+            taken.append(job)
+        return taken
+
+    def _running(self, jobs: list[Job]) -> None:
+        """The jobs generating now (the cycle's, answered should the loop itself fail)."""
+        self.active, self.batch_size = list(jobs), len(jobs)
+        self.running = self.active[0] if self.active else None
+        if self.running is None:
+            self.idle.set()
+        else:
             self.idle.clear()
-            try:
-                await self._generate(job)
-            finally:
-                self.running, self.active, self.batch_size = None, [], 0
-                self.idle.set()
-
-    async def _generate(self, job: Job) -> None:
-        loop = asyncio.get_running_loop()
-
-        def emit(text: str) -> None:  # worker thread -> loop
-            loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
-
-        try:
-            fig = await loop.run_in_executor(self.worker, self.engine.generate, job.req, emit, job.cancel.is_set)
-        except Exception as e:  # reported to the client as a 500; the engine is reset before the next job
-            log_failure("generation failed", e)
-            self.metrics.failed += 1
-            self.unhealthy = f"a generation failed ({type(e).__name__})"
-            await self._reset()  # before the client hears of the failure: its next request finds the engine reset
-            job.events.put_nowait(("error", e))
-            return
-        self.metrics.add(fig)
-        # emit's call_soon_threadsafe callbacks were queued before this point: the text comes first
-        job.events.put_nowait(("error", shutting_down()) if job.shutdown else ("done", fig))
 
     async def _reset(self) -> bool:
         """Reset the engine after a failed generation, on the worker; whether it is healthy again. Not retried

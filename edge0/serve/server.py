@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ..errors import Edge0Error
 from ..engine import Engine
-from ..generation import Figures, GenRequest
+from ..decode.request import Figures, GenRequest
 from ..log import log
 from . import messages
 from .guard import (Bodies, Connection, Front, Runner, check_key, check_text, http_logger, max_token_bytes,

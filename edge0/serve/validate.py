@@ -13,7 +13,7 @@ import re
 
 from ..errors import ContextExceeded, Edge0Error
 from ..flags import not_utf8
-from ..generation import GenRequest
+from ..decode.request import GenRequest
 from .jobs import ApiError
 
 # Bookkeeping fields with no effect on the answer: accepted (type-checked) and ignored.

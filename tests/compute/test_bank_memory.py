@@ -40,7 +40,8 @@ def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
     to WholeLayer): by its end every decode bank has its memory, and decode gives the tokens of banks allocated late."""
     from edge0.compute.executors import WholeLayer
     from edge0.engine import EngineConfig, open_engine
-    from edge0.generation import GenRequest, generate
+    from edge0.decode.loop import generate
+    from edge0.decode.request import GenRequest
 
     seen, release = [], WholeLayer.release
 

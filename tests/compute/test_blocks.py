@@ -24,7 +24,7 @@ TEXT = Path(json.__file__).parent / "decoder.py"  # real text: varied routing, u
 def _run(engine, ids: list[int], fused: bool, monkeypatch) -> tuple[np.ndarray, dict]:
     """Log-probabilities of 48 decode steps forced along `ids`, with the one-call blocks or without them; and how
     often each one-call block ran."""
-    from edge0.pipeline.steps import generate_steps
+    from edge0.decode.loop import generate_steps
 
     ran = {"attention": 0, "moe": 0}
     attention_block, add_norm = dense.attention_block, blocks.SoftmaxMoeBlock.add_norm
@@ -278,7 +278,7 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
     from edge0.compute.qmm import KernelQuantizedLinear
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
-    from edge0.generation import GenRequest
+    from edge0.decode.request import GenRequest
 
     ext = kernels.load()
     with open_engine(EngineConfig(kernel="edge0", prompt_cache_gib=0)) as engine:

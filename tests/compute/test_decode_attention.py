@@ -241,7 +241,8 @@ def test_overlapped_decode_of_the_built_in_model_writes_its_cache_in_place():
 
     from edge0.model.demo import DEMO_PROMPT, DEMO_STORE
     from edge0.model.load import load_store
-    from edge0.pipeline.steps import generate_steps, overlaps
+    from edge0.decode.loop import generate_steps
+    from edge0.decode.step import overlaps
 
     kernel = use_kernel("edge0")
     runs = []

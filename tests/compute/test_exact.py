@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.model.load import cast_floats, load_store
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 
 from tests.conftest import ARCHS
 from tests.helpers import run_json
@@ -72,7 +72,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 from edge0.model.load import load_store
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 store, executor, text = sys.argv[1:]
 before = mx.get_active_memory()
 s = load_store(store, dtype="float32", executor=executor)

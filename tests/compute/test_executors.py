@@ -381,7 +381,7 @@ def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch
     from edge0.engine import EngineConfig, open_engine
     from edge0.io.manifest import read_manifest
     from edge0.model.demo import DEMO_STORE
-    from edge0.pipeline.steps import generate_steps
+    from edge0.decode.loop import generate_steps
 
     ext = kernels.load()
     if ext is None or not ext.packed_on() or ext.impl() != "avx512":

@@ -96,7 +96,7 @@ def test_greedy_decoding_agrees_with_mlx(models, arch, isa):
     """The same prompt and forced tokens: per step, edge0's argmax equals MLX's on >= 90% of 64 steps and
     the log-probabilities are within relative L2 1e-2 (norms, RoPE, attention and products on edge0's kernels)."""
     from edge0.model.load import load_store
-    from edge0.pipeline.steps import generate_steps
+    from edge0.decode.loop import generate_steps
 
     kernels.set_isa(isa)
 

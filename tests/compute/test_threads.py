@@ -29,7 +29,7 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
 
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
-    from edge0.pipeline import steps
+    from edge0.decode import loop as steps
 
     n = len(CORES)  # n decode threads + the graph-building thread: one more thread than cores
     kernels.set_num_threads(n)
@@ -80,12 +80,11 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
     a generation does, and leaves the worker thread's cores as they were."""
     import asyncio
 
-    from edge0.batching import BatchDecoder
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
-    from edge0.serve.batched import _cycle
+    from edge0.serve.cycle import Batch
 
-    class Job:  # what _cycle reads of a queued job
+    class Job:  # what a cycle reads of a queued job
         def __init__(self, req):
             self.req, self.events = req, asyncio.Queue()
             self.cancel = type("Flag", (), {"is_set": staticmethod(lambda: False)})
@@ -93,14 +92,16 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
     n = len(CORES)
     with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", kernel_threads=n,
                                   prompt_cache_gib=0)) as engine:
-        batch = BatchDecoder(engine, 2)
+        decoder = Batch(engine, 2)
+        batch = decoder.batch
         seen, step = [], batch.step
         monkeypatch.setattr(batch, "step", lambda: seen.append(os.sched_getaffinity(0)) or step())
         before = os.sched_getaffinity(0)
         loop = asyncio.new_event_loop()
         try:
-            admitted, refused, _ = _cycle(batch, [Job(engine.request([1, 2, 3, 4], max_tokens=4))], loop)
-            _cycle(batch, [], loop)
+            refused, _ = decoder.cycle([Job(engine.request([1, 2, 3, 4], max_tokens=4))], loop)
+            admitted = decoder.jobs
+            decoder.cycle([], loop)
         finally:
             loop.close()
     assert len(admitted) == 1 and not refused

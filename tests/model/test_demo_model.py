@@ -13,7 +13,7 @@ from edge0 import eval as ev
 from edge0.config import EngineConfig
 from edge0.model.demo import DEMO_DIR, DEMO_FP, DEMO_PROMPT, DEMO_STORE
 from edge0.model.load import cast_floats, load_store
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 from edge0.train import base
 from edge0.train.corpus import token_stream
 

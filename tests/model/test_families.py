@@ -21,7 +21,7 @@ from edge0.model.consistency import config_problems
 from edge0.model.load import cast_floats, load_store
 from edge0.model.routers import ROUTERS
 from edge0.model.routes import moe_blocks
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 from edge0.sched.trace import Trace
 from edge0.train.heads import train_heads
 

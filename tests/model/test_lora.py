@@ -111,7 +111,7 @@ def test_training_graph_is_the_served_graph(served):
     with open_engine(EngineConfig(model=str(store), kernel="mlx", lora=str(rand))) as e:
         from mlx_lm.sample_utils import make_sampler
 
-        from edge0.pipeline.steps import generate_steps
+        from edge0.decode.loop import generate_steps
 
         for row, seq in enumerate(seqs):
             with e.kernel.active():

@@ -11,7 +11,7 @@ from edge0.compute import kernels
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.io.reader import BundleReader
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 
 STEPS = 8
 GREEDY = make_sampler(temp=0.0)

@@ -30,7 +30,7 @@ def test_served_features_are_the_training_features(monkeypatch):
         with engine.kernel.active():
             from mlx_lm.sample_utils import make_sampler
 
-            from edge0.pipeline.steps import generate_steps
+            from edge0.decode.loop import generate_steps
 
             for _ in generate_steps(engine.store.model, ids[:prompt], max_tokens=len(ids) - prompt,
                                     sampler=make_sampler(0.0), runtime=engine.store.runtime, forced=ids[prompt:]):

@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 from edge0.compute import kernels
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.pipeline.steps import generate_steps
+from edge0.decode.loop import generate_steps
 
 GREEDY = make_sampler(temp=0.0)
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\nprint("

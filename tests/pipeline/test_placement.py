@@ -10,7 +10,7 @@ from edge0.compute.runtime import streamed_slots
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
-from edge0.generation import GenRequest
+from edge0.decode.request import GenRequest
 from edge0.pipeline.gate import CertainReads, ReadAheadGate
 from edge0.pipeline.prefetch import PrefetchExperts
 

@@ -12,7 +12,7 @@ from edge0.model.demo import DEMO_STORE
 from edge0.model.heads import Head, HeadSet
 from edge0.io.manifest import read_manifest
 from edge0.pipeline.resident import PredictedResidentRuntime
-from edge0.pipeline.steps import overlaps
+from edge0.decode.step import overlaps
 
 from .test_identity import real_text
 

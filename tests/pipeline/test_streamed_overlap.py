@@ -8,13 +8,14 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from edge0.batching import BatchDecoder
+from edge0.decode.batch import BatchDecoder
 from edge0.compute.banks import Fence
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
-from edge0.generation import GenRequest
+from edge0.decode.request import GenRequest
 from edge0.pipeline.runtime import PrefetchRuntime
-from edge0.pipeline.steps import generate_steps, overlaps
+from edge0.decode.loop import generate_steps
+from edge0.decode.step import overlaps
 
 from .test_identity import real_text
 from .test_overlap import Counting

@@ -26,7 +26,7 @@ from edge0.cli.run import add_args as add_run_flags, main as run  # noqa: E402
 from edge0.cli.chat import add_args as add_chat_flags  # noqa: E402
 from edge0.cli.flags import serve_configs  # noqa: E402
 from edge0.cli.serve import add_args as add_serve_flags  # noqa: E402
-from edge0.generation import StopFilter  # noqa: E402
+from edge0.decode.text import StopFilter  # noqa: E402
 from edge0.serve.server import BackgroundServer  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n"]

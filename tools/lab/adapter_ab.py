@@ -41,7 +41,7 @@ def main() -> int:
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
-    from edge0.generation import GenRequest
+    from edge0.decode.request import GenRequest
     from edge0.model.lora import Adapter, LoRABranch, LoRALinear, adapted, put_projection
 
     def place(model, name: str, m) -> None:

@@ -39,7 +39,7 @@ def main() -> int:
     from edge0.config import EngineConfig
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
-    from edge0.generation import GenRequest
+    from edge0.decode.request import GenRequest
     from edge0.pipeline.prefetch import PrefetchExperts
 
     if kernels.load() is None:

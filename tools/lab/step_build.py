@@ -46,7 +46,7 @@ def measure(a) -> tuple[list[float], dict]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    import edge0.pipeline.steps as steps
+    import edge0.decode.step as steps
     from edge0.cli.run import read_replay
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine

@@ -1,5 +1,8 @@
 """Continuous batching: up to max_batch sequences decode together, one model step per token for all of them.
 
+A step, as vLLM v1's: plan (StepPlan, host only) -> execute (build, queue or evaluate) -> update from its output
+(tokens to the host, to their sequences' Tally; the finished leave).
+
 A new sequence's prompt is prefilled alone (through the prompt cache) at a step boundary, then its KV
 cache joins the batch's (mlx-lm's BatchKVCache, left-padded); a finished or cancelled sequence leaves at
 the next boundary without stalling the others. One step feeds each sequence its next input token, so the
@@ -10,7 +13,7 @@ consumer layer with its own router.
 
 Where no layer syncs with the host inside a step (every expert resident, or streamed predicted routing where
 every layer is routed by its head or holds its experts, and each streamed bank holds two steps' candidates of
-every row: `runtime.overlaps_batch`) the batch decodes as one sequence alone does (pipeline/steps.py): step
+every row: `runtime.overlaps_batch`) the batch decodes as one sequence alone does (decode/step.py): step
 n+1's graph is built from step n's unevaluated tokens and queued before those reach the host. A sequence that
 finishes at step n has had step n+1 computed for nothing; its row of that step leaves with it (its KV cache, kept
 for the prompt cache, is trimmed by that token). A newcomer waits for the step built ahead to be taken first
@@ -27,13 +30,14 @@ from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from .compute.dense import step_log_softmax
-from .compute.kernels import host_eval
-from .generation import Figures, GenRequest, Penalties, TextOut, _counters
-
-PREFILL_STEP = 2048  # prompt tokens per prefill chunk, as mlx-lm
+from ..compute.kernels import host_eval
+from .loop import counters
+from .prefill import prefill
+from .request import Figures, GenRequest
+from .sampling import RowSampler
+from .step import forward
+from .text import Tally, TextOut
 
 
 @dataclass
@@ -41,35 +45,27 @@ class Sequence:
     """One request in the batch."""
 
     req: GenRequest
-    emit: Callable[[str], None]
-    cancelled: Callable[[], bool]
-    text: TextOut
-    fig: Figures
-    key: mx.array  # this sequence's random state (sampling with temperature)
+    tally: Tally  # its tokens into its figures and text; when and why it finishes
+    sample: RowSampler  # (1, V) -> (1,), its own random key
     next_input: int  # the token the next step feeds
     fed: list[int] = field(default_factory=list)  # tokens in its KV cache
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     done: bool = False
-    penalties: Penalties | None = None  # its logit bias and presence and frequency penalties, if any
+    owner: object = None  # whoever asked for it (the server's job)
 
-    def sample(self, logprobs: mx.array) -> mx.array:
-        """(1, V) -> (1,): greedy at temperature 0, else top-k / top-p filtered categorical with its own key; the
-        request's bias and penalties first."""
-        if self.penalties is None:
-            return self._sample(logprobs)
-        return self.penalties.took(self._sample(self.penalties(logprobs)))
+    @property
+    def fig(self) -> Figures:
+        return self.tally.fig
 
-    def _sample(self, logprobs: mx.array) -> mx.array:
-        r = self.req
-        if r.temp == 0:
-            return mx.argmax(logprobs, axis=-1)
-        if r.top_k:
-            logprobs = apply_top_k(logprobs, r.top_k)
-        if 0 < r.top_p < 1:
-            logprobs = apply_top_p(logprobs, r.top_p)
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1 / r.temp), key=sub)
+
+@dataclass
+class StepPlan:
+    """One batch step, planned on the host before any graph is built."""
+
+    rows: int  # sequences in the step
+    overlap: bool  # build the next step from this one's unevaluated tokens (runtime.overlaps_batch)
+    built: mx.array | None  # (rows,) this step's tokens, built ahead by the step before; None: built now
 
 
 class BatchDecoder:
@@ -100,17 +96,17 @@ class BatchDecoder:
             rt.begin()  # an idle batch: nothing of earlier generations is carried
         before = rt.snapshot()
         rt.join([])  # the newcomer routes on its own: no history, nothing decided ahead
-        counters = _counters(engine.store)
+        before_reads = counters(engine.store)
         seed = req.seed if req.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         t0 = time.perf_counter()
         with engine.kernel.active():
             cache, cached = engine.cached_prefix(req)
-            seq = Sequence(req, emit, cancelled, TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit),
-                           Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), mx.random.key(seed),
-                           req.prompt[-1], fed=list(req.prompt[:-1]), started=t0, penalties=Penalties.of(req))
-            self._prefill(req.prompt[cached:-1], cache)
+            text = TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit)
+            tally = Tally(req, engine.eos, text, Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), cancelled)
+            seq = Sequence(req, tally, RowSampler(req, seed), req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
+            prefill(engine.store.model, req.prompt[cached:-1], cache, rt)
             first = self._first_step(seq, cache)
-        _charge([seq], counters, _counters(engine.store))
+        _charge([seq], before_reads, counters(engine.store))
         self._take(seq, first, time.perf_counter())
         if seq.done:
             self.early.append(seq)
@@ -124,24 +120,12 @@ class BatchDecoder:
 
     def _first_step(self, seq: Sequence, cache: list) -> int:
         """The sequence's last prompt token through the model alone; its first token."""
-        rt = self.engine.store.runtime
-        logits = self.engine.store.model(mx.array([[seq.next_input]], dtype=mx.uint32), cache=cache)
-        token = seq.sample(step_log_softmax(logits)[0])
+        logprobs, _ = forward(self.engine.store.model, mx.array([[seq.next_input]], dtype=mx.uint32), cache)
+        token = seq.sample(logprobs)
         mx.eval(token)
-        rt.fence.sync()
+        self.engine.store.runtime.sync()
         seq.fed.append(seq.next_input)
         return int(token.item())  # SYNC: the first token, once per sequence
-
-    def _prefill(self, tokens: list[int], cache: list) -> None:
-        model, rt = self.engine.store.model, self.engine.store.runtime
-        y = mx.array(tokens, dtype=mx.uint32)
-        while y.size:
-            n = min(PREFILL_STEP, y.size)
-            model(y[:n][None], cache=cache)
-            mx.eval([c.state for c in cache])
-            rt.fence.sync()
-            y = y[n:]
-        rt.end_prefill()
 
     def _merge(self, cache: list) -> None:
         """Join a sequence's KV cache (one row) to the batch's."""
@@ -157,26 +141,38 @@ class BatchDecoder:
         early, self.early = self.early, []
         if not self.seqs:
             return early
-        rt = self.engine.store.runtime
-        overlap = self.decodes_ahead and rt.overlaps_batch(len(self.seqs)) and can_trim_prompt_cache(self.cache)
-        counters = _counters(self.engine.store)
-        sampled, self.ahead = self.ahead, None
+        plan = self._plan()
+        before_reads = counters(self.engine.store)
         with self.engine.kernel.active():
-            if sampled is None:
-                sampled = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
-                if overlap:
-                    rt.step_built()
-                    mx.async_eval(sampled)
-                else:
-                    host_eval(sampled)
-                    rt.fence.sync()
-                    rt.next_step()
-            if overlap:  # the next step from this one's tokens, queued before they reach the host
-                self.ahead = self._build(sampled[:, None])
-                rt.step_built()  # what it decided ahead is for the step built next; its slots stay fenced
-                mx.async_eval(self.ahead)
-        _charge(self.seqs, counters, _counters(self.engine.store))
+            sampled = self._execute(plan)
+        _charge(self.seqs, before_reads, counters(self.engine.store))
         return early + self._take_step(sampled)
+
+    def _plan(self) -> StepPlan:
+        """What this step runs (host only): the step built ahead, if any, and whether to build the next one ahead."""
+        overlap = self.decodes_ahead and self.engine.store.runtime.overlaps_batch(len(self.seqs)) \
+            and can_trim_prompt_cache(self.cache)
+        built, self.ahead = self.ahead, None
+        return StepPlan(len(self.seqs), overlap, built)
+
+    def _execute(self, plan: StepPlan) -> mx.array:
+        """The plan's step (built now, or ahead by the step before) and, overlapping, the next one queued from its
+        unevaluated tokens before those reach the host; this step's tokens (B,)."""
+        rt, sampled = self.engine.store.runtime, plan.built
+        if sampled is None:
+            sampled = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
+            if plan.overlap:
+                rt.step_built()
+                mx.async_eval(sampled)
+            else:
+                host_eval(sampled)
+                rt.sync()
+                rt.next_step()
+        if plan.overlap:
+            self.ahead = self._build(sampled[:, None])
+            rt.step_built()  # what it decided ahead is for the step built next; its slots stay fenced
+            mx.async_eval(self.ahead)
+        return sampled
 
     def settle(self) -> None:
         """Take the step built ahead, if any (its tokens to the host, finished sequences out), so that the batch
@@ -188,13 +184,13 @@ class BatchDecoder:
     def _build(self, inputs: mx.array) -> mx.array:
         """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
         _share_offsets(self.cache)
-        logprobs = step_log_softmax(self.engine.store.model(inputs, cache=self.cache))[0]  # (B, V)
-        if all(s.req.temp == 0 and s.penalties is None for s in self.seqs):
+        logprobs, _ = forward(self.engine.store.model, inputs, self.cache)  # (B, V)
+        if all(s.sample.greedy for s in self.seqs):
             return mx.argmax(logprobs, axis=-1)
         return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)
 
     def _take_step(self, sampled: mx.array) -> list[Sequence]:
-        """A step's tokens to the host and to their sequences; the finished ones leave."""
+        """Update from a step's output: its tokens to the host and to their sequences; the finished ones leave."""
         seqs = self.seqs
         tokens = sampled.tolist()  # SYNC: the batch's tokens to the host, once per step
         now = time.perf_counter()
@@ -208,22 +204,13 @@ class BatchDecoder:
 
     def _take(self, s: Sequence, t: int, now: float) -> None:
         """Sequence s sampled token t."""
-        fig = s.fig
         if s.first_token is None:
             s.first_token = now
-            fig.prefill_s = now - s.started  # until the first token, as a generation alone counts it
-        if t in self.engine.eos and not s.req.ignore_eos:
-            fig.finish_reason, s.done = "stop", True
-            return
-        fig.completion_tokens += 1
-        fig.tokens.append(t)
+            s.fig.prefill_s = now - s.started  # until the first token, as a generation alone counts it
         s.next_input = t
-        if s.text.add(t):
-            fig.finish_reason, s.done = "stop", True
-        elif fig.completion_tokens >= s.req.max_tokens:
-            fig.finish_reason, s.done = "length", True
-        elif s.cancelled():
-            fig.finish_reason, s.done = "cancelled", True
+        reason = s.tally.take(t)
+        if reason is not None:
+            s.fig.finish_reason, s.done = reason, True
 
     def _leave(self, finished: list[Sequence]) -> None:
         keep = [i for i, s in enumerate(self.seqs) if not s.done]
@@ -242,13 +229,9 @@ class BatchDecoder:
     def _finish(self, finished: list[Sequence], cache: list | None) -> None:
         """Their last figures and text; their KV caches into the prompt cache."""
         for s in finished:
-            if s.text.finish():
-                s.fig.finish_reason = "stop"
-            s.fig.text = s.text.text
-            s.fig.decode_s = time.perf_counter() - (s.first_token or time.perf_counter())
-            n = len(s.fig.tokens) - 1
-            s.fig.decode_tok_s = n / s.fig.decode_s if n > 0 and s.fig.decode_s else 0.0
-            s.fig.prefill_tok_s = (s.fig.prompt_tokens - s.fig.cached_tokens) / s.fig.prefill_s if s.fig.prefill_s else 0.0
+            s.tally.close(s.fig.finish_reason)
+            s.fig.timed(s.fig.prompt_tokens - s.fig.cached_tokens, s.fig.prefill_s,
+                        time.perf_counter() - (s.first_token or time.perf_counter()))
             s.fig.peak_mlx_bytes = mx.get_peak_memory()
             if cache is not None:
                 self._keep_cache(s, self.seqs.index(s))
@@ -265,7 +248,7 @@ class BatchDecoder:
 
     def abandon(self) -> list[Sequence]:
         """After an error: every sequence leaves (the caller answers them); the runtime is recovered."""
-        seqs, self.seqs, self.cache, self.ahead = self.seqs, [], None, None
+        seqs, self.seqs, self.cache, self.ahead, self.early = self.seqs, [], None, None, []
         self.engine.store.runtime.recover()
         return seqs
 

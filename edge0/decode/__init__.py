@@ -1,0 +1,17 @@
+"""The decode loop, written once: what `edge0 run`, `edge0 serve` and `edge0 chat` generate with.
+
+    request.py   GenRequest, Figures, the finish reasons (plain dataclasses)
+    sampling.py  mlx-lm's samplers and logits processors; a request's penalties
+    text.py      the streaming detokenizer, stop strings, Tally (when and why a sequence ends)
+    prefill.py   PREFILL_STEP and the prompt's chunks into the KV cache
+    step.py      the decode step of a sequence alone, one at a time or overlapped
+    loop.py      one generation: the runtime's generation around the steps, then its figures
+    batch.py     continuous batching: sequences join and leave a batch's steps at step boundaries
+    cache.py     the prompt cache: earlier generations' KV caches, reused by a shared prefix
+
+The runtime's hooks it calls are compute/runtime.py's Hooks, no-ops by default.
+"""
+
+from .request import CANCELLED, LENGTH, STOP, Figures, GenRequest
+
+__all__ = ["GenRequest", "Figures", "STOP", "LENGTH", "CANCELLED"]

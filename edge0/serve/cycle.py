@@ -1,0 +1,74 @@
+"""What the serving loop (jobs.py JobQueue._serve) runs on the worker thread, one cycle at a time.
+
+Solo (--max-batch 1): a cycle is one whole generation (engine.generate). Batch (--max-batch N): a cycle admits the
+newcomers (prefill, edge0/decode/batch.py) and takes one decode step for all; a finished or cancelled job leaves at
+the next boundary. Both answer cycle(newcomers) -> (refused, finished) and abandon(error) after one; the loop does
+the rest (taking jobs, answering them, the metrics, the reset after an error).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..compute.kernels import graph_thread
+from ..decode.batch import BatchDecoder
+from ..errors import Edge0Error
+from ..log import log_failure
+
+
+def emitter(job, loop) -> Callable[[str], None]:
+    """emit(text) for job's generation: worker thread -> the loop."""
+    return lambda text: loop.call_soon_threadsafe(job.events.put_nowait, ("text", text))
+
+
+class Solo:
+    """One generation at a time: the jobs' FIFO."""
+
+    room = 1  # jobs a cycle takes
+    jobs: tuple = ()  # jobs carried from one cycle to the next: none
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def cycle(self, newcomers: list, loop) -> tuple[list, list]:
+        """The newcomer's whole generation (any error fails it: the loop resets the engine)."""
+        (job,) = newcomers
+        return [], [(job, self.engine.generate(job.req, emitter(job, loop), job.cancel.is_set))]
+
+    def abandon(self, e: Exception) -> list:
+        """After the cycle raised e (logged): no job is carried."""
+        log_failure("generation failed", e)
+        return []
+
+
+class Batch:
+    """Continuous batching: the jobs' sequences decode together, joining and leaving at step boundaries."""
+
+    def __init__(self, engine, max_batch: int):
+        self.batch = BatchDecoder(engine, max_batch)
+
+    @property
+    def room(self) -> int:
+        return self.batch.room
+
+    @property
+    def jobs(self) -> list:
+        return [s.owner for s in self.batch.seqs]
+
+    def cycle(self, newcomers: list, loop) -> tuple[list, list]:
+        """Admit the newcomers (a refused one, e.g. too long, is answered alone), then one step (off the stream's core
+        where it keeps one, as a generation's graph-building thread is)."""
+        refused = []
+        with graph_thread():
+            for job in newcomers:
+                try:
+                    self.batch.admit(job.req, emitter(job, loop), job.cancel.is_set).owner = job
+                except Edge0Error as e:
+                    refused.append((job, e))
+            finished = self.batch.step()  # also reports the newcomers done at their first token
+        return refused, [(s.owner, s.fig) for s in finished]
+
+    def abandon(self, e: Exception) -> list:
+        """After the cycle raised e (logged): the jobs that were in the batch (the runtime is recovered)."""
+        log_failure("a batched step failed", e)
+        return [s.owner for s in self.batch.abandon()]
