@@ -15,13 +15,20 @@ from .common import HERE, free_port, launch_cmd
 PROMPT = "hello world, the"  # tests/dist/ranks.py's
 
 
-def start(store, port: int, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(launch_cmd("serve_ranks.py", str(store), "predicted", str(port), env=env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start(store, port: int, env: dict | None = None, cli: bool = False) -> tuple[subprocess.Popen, str]:
+    """The ranks of tests/dist/serve_ranks.py, or (cli) of `edge0 launch -n 2 -- serve`; (launcher, rank 0's URL)."""
+    if cli:
+        cmd = [sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()), "--", "serve",
+               "--model", str(store), "--port", str(port), "--routing", "predicted", "--executor", "staged",
+               "--lora", "none"]
+    else:
+        cmd = launch_cmd("serve_ranks.py", str(store), "predicted", str(port), env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "EDGE0_KERNEL": "mlx"})
     deadline = time.monotonic() + 60
     for line in proc.stdout:
-        if line.startswith("listening"):
-            return proc, line.split()[1]
+        if line.startswith("listening") or " on http://" in line:
+            return proc, (line.split()[1] if line.startswith("listening") else line.split(" on ")[1].split("/v1")[0])
         assert time.monotonic() < deadline, "no server after 60 s"
     raise AssertionError(f"the ranks ended before listening (rc {proc.wait()})")
 
@@ -38,11 +45,15 @@ def end(proc: subprocess.Popen) -> None:
 def rank0(proc: subprocess.Popen) -> int:
     """The pid of rank 0 among the launcher's children."""
     for _ in range(50):
-        out = subprocess.run(["pgrep", "-f", str(HERE / "serve_ranks.py")], capture_output=True, text=True).stdout
+        out = subprocess.run(["pgrep", "-f", "serve"], capture_output=True, text=True).stdout
         for pid in out.split():
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if b"MLX_RANK=0\0" in f.read():
-                    return int(pid)
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if b"MLX_RANK=0\0" in env and os.getsid(int(pid)) == proc.pid:
+                return int(pid)
         time.sleep(0.1)
     raise AssertionError("no rank 0")
 
@@ -54,17 +65,18 @@ def completion(url: str, max_tokens: int = 16) -> tuple[int, dict]:
 
 
 def test_served_text_is_one_process_text_and_stop_ends_every_rank(dist_store):
+    """`edge0 launch -n 2 -- serve` as a user starts it."""
     one = subprocess.run([sys.executable, str(HERE / "ranks.py"), str(dist_store), "predicted:staged"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "EDGE0_KERNEL": "mlx"})
     want = json.loads(one.stdout.splitlines()[-1])["text"]
-    proc, url = start(dist_store, free_port())
+    proc, url = start(dist_store, free_port(), cli=True)
     try:
         status, answer = completion(url)
         assert status == 200, answer
         assert answer["choices"][0]["text"] == want
         os.kill(rank0(proc), signal.SIGINT)
         out, _ = proc.communicate(timeout=30)  # every rank ends: rank 1 was told to stop
-        assert "stopped" in out
+        assert proc.returncode == 0 and "shutting down" in out, out
         assert "exited with code" not in out and "was killed" not in out, out
     finally:
         end(proc)
