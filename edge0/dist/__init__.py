@@ -14,6 +14,7 @@ import os
 import sys
 
 import mlx.core as mx
+import structlog
 
 from ..engine import open_engine as open_one
 from ..errors import Edge0Error
@@ -52,6 +53,8 @@ def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool 
 
     if quiet_others and group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
+    if group.rank() != 0:  # its log lines say whose they are (rank 0's are the service's)
+        structlog.contextvars.bind_contextvars(rank=group.rank())
     mode = os.environ.get(MODE_ENV, "pipeline")
     if mode not in MODES:
         raise Edge0Error(f"{MODE_ENV}={mode}: choose {' or '.join(MODES)}")
