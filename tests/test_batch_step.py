@@ -19,7 +19,7 @@ def test_batch_step_ahead_times_both_ways_of_a_streamed_batch(monkeypatch, capsy
     step = BatchDecoder.step
 
     def recorded(self):
-        modes.append(self.decodes_ahead and self.ahead is not None)  # decoding ahead: the step before built this one
+        modes.append(self.ahead is not None)  # decoding ahead: the step before built this one
         return step(self)
 
     monkeypatch.setattr(BatchDecoder, "step", recorded)

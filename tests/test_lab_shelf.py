@@ -48,7 +48,7 @@ def test_minus_m_lab_collects_every_lab_test_file():
 
 
 # CSRC's A/B scripts of the C++ switches, reworked with them; every other script takes its medians from the harness
-OWN_MEDIANS = {"batch_step.py", "layout_ab.py", "switch_ab.py"}
+OWN_MEDIANS = {"batch_step.py"}
 
 
 def test_the_scripts_in_use_take_their_rounds_and_medians_from_the_harness():

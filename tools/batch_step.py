@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from json import decoder
 
 
@@ -43,6 +44,7 @@ def graph_nodes(engine, batch) -> int:
 
 
 def measure(engine, ids: list[int], size: int, args) -> dict:
+    from edge0.bench.switches import one_step_at_a_time
     from edge0.decode.batch import BatchDecoder
     from edge0.compute import kernels
 
@@ -65,12 +67,12 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
     for r in range(args.rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:  # rotated: neither always runs first
             if arm is not None:
-                getattr(batch, "settle", lambda: None)()  # the step built ahead ran with the arm before
-                batch.decodes_ahead = arm == "on"
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                batch.step()
-            rounds[arm].append((time.perf_counter() - t0) / args.steps)
+                batch.settle()  # the step built ahead ran with the arm before
+            with one_step_at_a_time(engine.store.runtime) if arm == "off" else nullcontext():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    batch.step()
+                rounds[arm].append((time.perf_counter() - t0) / args.steps)
     getattr(batch, "settle", lambda: None)()
     step = statistics.median(rounds[arms[0]])
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}

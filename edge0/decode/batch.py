@@ -77,7 +77,6 @@ class BatchDecoder:
         self.cache: list | None = None  # the batch's KV caches, one per layer
         self.early: list[Sequence] = []  # done at their first token, at admission: reported by the next step
         self.ahead: mx.array | None = None  # (B,) tokens of a step built ahead for self.seqs, not yet on the host
-        self.decodes_ahead = True  # build steps ahead where the runtime allows (False: one at a time, to compare)
 
     @property
     def room(self) -> int:
@@ -150,7 +149,7 @@ class BatchDecoder:
 
     def _plan(self) -> StepPlan:
         """What this step runs (host only): the step built ahead, if any, and whether to build the next one ahead."""
-        overlap = self.decodes_ahead and self.engine.store.runtime.overlaps_batch(len(self.seqs)) \
+        overlap = self.engine.store.runtime.overlaps_batch(len(self.seqs)) \
             and can_trim_prompt_cache(self.cache)
         built, self.ahead = self.ahead, None
         return StepPlan(len(self.seqs), overlap, built)
