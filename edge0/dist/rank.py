@@ -31,6 +31,7 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     # every rank decides alike: no prompt cache (each rank's holds other bytes, so its evictions would differ)
     c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0)
     root = Path(c.model)
+    same_store(group, root)
     layers = text_config(read_config(root))["num_hidden_layers"]
     moe = [e.layer for e in read_manifest(root).layers]
     if split is None:
@@ -69,6 +70,22 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     return engine
 
 
+def same_store(group, root: Path) -> None:
+    """Every rank opens the same model: its edge0.json and config.json alike on every host (a copy per host may differ,
+    and ranks of different models would exchange hidden states of other shapes)."""
+    import zlib
+
+    try:
+        crc = zlib.crc32((root / "edge0.json").read_bytes() + (root / "config.json").read_bytes())
+    except OSError:
+        crc = 0  # no store here: load_store says so
+    got = mx.distributed.all_gather(mx.array([crc], dtype=mx.uint32), group=group, stream=mx.cpu).tolist()
+    other = next((r for r, c in enumerate(got) if c != got[0]), None)
+    if other is not None:
+        raise Edge0Error(f"{root}: rank {other}'s store differs from rank 0's (edge0.json or config.json); every rank "
+                         "needs the same store (a copy on each host, or one shared path)")
+
+
 def join(engine, group, serving: bool) -> None:
     """What every mode's rank does once its engine is open: rank 0 of a served one posts each request (dist/serve.py),
     a lost rank is one clear error, every rank samples from one seed."""
@@ -93,6 +110,7 @@ def open_expert_rank(config, group, *, trace, serving: bool = False):
     # staged banks: resident experts would read every expert into every rank
     executor = "staged" if c.executor == "auto" else c.executor
     c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0, executor=executor)
+    same_store(group, Path(c.model))
     engine = open_engine(c, trace=trace)
     try:
         traffic = shard_experts(engine, group)

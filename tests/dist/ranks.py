@@ -20,6 +20,7 @@ def main(store: str, configs: list[str]) -> None:
     rank = int(os.environ.get("MLX_RANK", "0"))
     dies = os.environ.get("EDGE0_TEST_DIE_RANK") == str(rank)  # this rank exits mid-generation (killed-rank test)
     die_after = int(os.environ.get("EDGE0_TEST_DIE_AFTER", "0")) if dies else 0
+    store = os.environ.get(f"EDGE0_TEST_STORE_{rank}", store)  # a rank given another store (mismatch test)
     for spec in configs:
         routing, executor = spec.split(":")
         config = EngineConfig(model=store, routing=routing, executor=executor, lora="none")

@@ -99,3 +99,12 @@ def test_other_families_match_one_process(dist_stores, arch):
     assert len(got) == 4 and len(want) == 2, two.stdout + two.stderr
     assert want["native:staged"] != want["predicted:staged"]
     assert all(tokens == want[config] for config, tokens in got)
+
+
+def test_ranks_of_different_stores_refuse(dist_stores):
+    """Rank 1 opens another model: every rank stops at once with one line naming it (no exchange of mismatched
+    hidden states, no hang)."""
+    run = launch(dist_stores("qwen3_moe"), "native:staged", env={"EDGE0_TEST_STORE_1": str(dist_stores("bailing_moe"))},
+                 timeout=60)
+    assert "rank 1's store differs from rank 0's" in run.stdout + run.stderr, run.stdout + run.stderr
+    assert not lines(run.stdout)
