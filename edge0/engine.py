@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from .compute import kernels
 from .compute.executors import evict_by
-from .compute.kernel import Kernel
+from .compute.kernel_choice import Kernel
 from .config import EngineConfig
 from .errors import ContextExceeded, Edge0Error
 from .decode.loop import generate
@@ -272,7 +272,7 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
         evict_by(store.runtime.executors, c.evict)
         store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
         if c.top_k is not None:
-            from .model.routes import moe_blocks
+            from .model.route_stats import moe_blocks
 
             for block in moe_blocks(store.model).values():
                 block.top_k = c.top_k

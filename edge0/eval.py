@@ -162,7 +162,7 @@ def routing_stats(model, windows: list[np.ndarray]) -> dict:
     load) / E (1.0 when perfectly balanced); overlap: mean |S_t & S_t+1| / K between consecutive
     tokens of a window (K/E if routing were independent across tokens).
     """
-    from edge0.model.routes import recorded_routes
+    from edge0.model.route_stats import recorded_routes
 
     E = model.args.num_experts
     K = model.args.num_experts_per_tok

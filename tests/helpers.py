@@ -7,7 +7,7 @@ _tokens: list = []  # kernels made current by use_kernel, undone after each test
 
 def use_kernel(name: str):
     """Make `name` the current kernel for the rest of the test; returns the Kernel."""
-    from edge0.compute.kernel import Kernel, _active
+    from edge0.compute.kernel_choice import Kernel, _active
 
     k = Kernel.choose(name)
     _tokens.append(_active.set(k))
@@ -15,7 +15,7 @@ def use_kernel(name: str):
 
 
 def undo_kernels() -> None:
-    from edge0.compute.kernel import _active
+    from edge0.compute.kernel_choice import _active
 
     while _tokens:
         _active.reset(_tokens.pop())

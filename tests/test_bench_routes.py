@@ -1,4 +1,4 @@
-"""`edge0 bench --routes FILE` (bench/routes.py): every Edge0 arm forced from the trace, the routes table with the
+"""`edge0 bench --routes FILE` (bench/route_arms.py): every Edge0 arm forced from the trace, the routes table with the
 trace's own hit rates for each arm's memory, and refusals before anything is written."""
 
 import json

@@ -131,7 +131,7 @@ def test_an_adapter_holding_nan_is_refused_at_load(tmp_path):
 def test_training_stops_when_its_loss_is_no_longer_a_number(models, tmp_path):
     """A learning rate that is a number but far too large: the heads blow up within a few updates; the run stops
     there instead of writing NaN heads."""
-    from edge0.train.heads import train_heads
+    from edge0.train.head_phase import train_heads
 
     text = tmp_path / "t.py"
     text.write_text("def f(x):\n    return x + 1\n" * 200)

@@ -28,7 +28,7 @@ from .arms import ARMS, arm_flags, check_slots, split_arm, streams_staged
 from .cap import GIB, ArmRun, MemoryCap, launch
 from .harness import schedule
 from .replay import given_replay, make_replay, text_replay
-from .routes import check_routes, route_flags, routes_section
+from .route_arms import check_routes, route_flags, routes_section
 from .table import LLAMA_ARM, is_llama, summarize, table
 from ..choices import READ_AHEAD
 from ..compute.machine import blas

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute import kernels, qmm
-from ..compute.kernel import Kernel
+from ..compute.kernel_choice import Kernel
 
 GROUP = 64
 BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # edge0's: bf16 scales and biases (MLX's float32 ones: 0.5 + 2 * 4 / GROUP)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .routes import route_flags
+from .route_arms import route_flags
 from ..errors import Edge0Error
 
 

@@ -67,7 +67,7 @@ def _heads_args(p: argparse.ArgumentParser) -> None:
 
 
 def _heads(args: argparse.Namespace) -> int:
-    from ..train.heads import train_heads
+    from ..train.head_phase import train_heads
     from ..train.loop import World
 
     report = train_heads(args.model, args.out, data=args.data, heldout=args.heldout, top_k=args.k, steps=args.steps,
@@ -82,7 +82,7 @@ def _heads(args: argparse.Namespace) -> int:
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
-    from ..train.lora import LOSSES, Hyper
+    from ..train.lora_phase import LOSSES, Hyper
 
     h = Hyper()
     p.add_argument("--model", required=True, metavar="DIR", help="the Edge0 store the adapter serves")
@@ -127,7 +127,7 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
 def _check_lora(args: argparse.Namespace) -> None:
     """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
     from ..flags import check_seed, positive, refuse_together, routed_k, whole
-    from ..train.lora import Hyper
+    from ..train.lora_phase import Hyper
 
     if args.loss == "ce" and args.top != Hyper().top:  # --top sizes the teacher's KL, which ce alone never takes
         refuse_together("--top", "--loss ce", "--top is the KL's teacher tokens (--loss kd or ce+kd)")
@@ -144,7 +144,7 @@ def _check_lora(args: argparse.Namespace) -> None:
 
 def _lora(args: argparse.Namespace) -> int:
     from ..train.loop import World
-    from ..train.lora import train_lora
+    from ..train.lora_phase import train_lora
 
     _check_lora(args)
     r = train_lora(args.model, args.out, teacher=args.teacher, data=args.data, heldout=args.heldout, heads=args.heads,

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import BankBusy
 from ..io.reader import DIRECT_ALIGN
-from .kernel import current
+from .kernel_choice import current
 
 MLX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models import base, qwen3_moe
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .kernel import current, remembered
+from .kernel_choice import current, remembered
 from .qmm import KernelQuantizedLinear, fits, swap_classes
 
 _mlx_attention = base.scaled_dot_product_attention  # mlx-lm's own, for everything else

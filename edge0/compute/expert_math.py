@@ -7,7 +7,7 @@ SwitchMLP with ReLU^2; Step-3.5: clamped per layer; Granite: an 8-bit down proje
 here, op for op as mlx-lm's SwitchGLU / SwitchMLP with QuantizedSwitchLinear do, with the family's
 own activation module. The
 MoE block's expert adapter (model/experts.py) makes its ExpertFn current while its executor builds
-the graph, as compute/kernel.py does for the kernel choice, so no executor needs to know the family.
+the graph, as compute/kernel_choice.py does for the kernel choice, so no executor needs to know the family.
 
 Shapes: T tokens (any leading dims), K routed, D hidden, H expert hidden.
 """

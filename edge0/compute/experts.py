@@ -14,7 +14,7 @@ from mlx_lm.models.activations import swiglu
 
 from . import expert_math
 from .banks import MLX_DTYPES, aligned_zeros, scales_as_stored
-from .kernel import current
+from .kernel_choice import current
 from .kernels import host_eval
 from .qmm import gather_glu, gather_qmm
 

@@ -1,7 +1,7 @@
 """The one call site of every quantized product (routed experts and dense quantized linears), so a
 faster kernel replaces MLX's in one place.
 
-The kernel is the one current for the graph being built (compute/kernel.py). Products the edge0
+The kernel is the one current for the graph being built (compute/kernel_choice.py). Products the edge0
 kernel does not cover (other bits or modes, bf16 activations, several rows per expert in one x row)
 run on MLX's kernels in either case.
 Shapes: R output rows, D inputs, N outputs, K routed, E experts.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernel import current, remembered
+from .kernel_choice import current, remembered
 
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.bfloat16)  # bfloat16 as stored: the kernel widens each where it uses it, exactly

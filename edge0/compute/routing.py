@@ -11,7 +11,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from .kernel import current
+from .kernel_choice import current
 
 
 def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:

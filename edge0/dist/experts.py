@@ -50,7 +50,7 @@ class Traffic:
 
 def shard_experts(engine, group) -> Traffic:
     """Replace each MoE block's executor by this rank's ShardedExperts; returns their traffic counter."""
-    from ..model.routes import moe_blocks
+    from ..model.route_stats import moe_blocks
 
     blocks = moe_blocks(engine.store.model)
     if not blocks or not all(hasattr(b, "executor") for b in blocks.values()):

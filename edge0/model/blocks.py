@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..compute import expert_math
-from ..compute.kernel import current, remembered
+from ..compute.kernel_choice import current, remembered
 from ..compute.kernels import queue
 from ..compute.qmm import KernelQuantizedLinear, fits, glu_parts
 from ..compute.routing import (choose_among, combine, combine_compiled, sigmoid_group_topk, sigmoid_group_weights,

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..compute.dense import linear
-from ..compute.kernel import current
+from ..compute.kernel_choice import current
 from ..errors import Edge0Error
 from ..io.atomic import atomic_path
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import Edge0Error
 from ..io.routetrace import RouteTrace, check_fits, write_trace
-from .routes import moe_blocks
+from .route_stats import moe_blocks
 
 
 def attach_routes(engine, trace: RouteTrace | None, req, *, routes_file: str | None,

@@ -183,7 +183,7 @@ def base_heads(base: Path, work: Path, *, steps: int, seed: int, progress: bool,
         if report:
             shutil.copy2(report_path, Path(str(path) + ".json"))
         return path, report
-    from ..train.heads import train_heads
+    from ..train.head_phase import train_heads
 
     report = train_heads(base, path, steps=steps, seed=seed, progress=progress,
                          consumers=[e.layer for e in m.layers])

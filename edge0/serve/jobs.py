@@ -25,7 +25,7 @@ RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server sto
 SERVE_MLX_CACHE_BYTES = 0
 
 
-def error_response(status: int, message: str, code: str | None = None, type: str | None = None, *,
+def openai_error(status: int, message: str, code: str | None = None, type: str | None = None, *,
                    param: str | None = None, retry_after: int | None = None) -> web.Response:
     e = ApiError(status, message, code, type, param=param, retry_after=retry_after)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None

@@ -47,7 +47,7 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_response(e: ApiError) -> web.Response:
+def anthropic_error(e: ApiError) -> web.Response:
     status = OVERLOADED if e.code == "queue_full" else e.status
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     return web.json_response(error_body(status, e.message), status=status, headers=headers)
@@ -57,7 +57,7 @@ def _bad(name: str, why: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, f"'{name}': {why}", code, param=name)
 
 
-def check_fields(body: dict) -> None:
+def check_message_fields(body: dict) -> None:
     """Unknown fields, then known fields asking for what this server does not do."""
     unknown = [k for k in body if k not in FIELDS]
     if unknown:
@@ -156,7 +156,7 @@ def prompt(engine, body: dict) -> list[int]:
 
 def messages_request(engine, body: dict, defaults: dict):
     """The GenRequest of a checked /v1/messages body (max_tokens required, as Anthropic has it)."""
-    check_fields(body)
+    check_message_fields(body)
     if body.get("max_tokens") is None:
         raise ApiError(400, "'max_tokens': required, the most tokens to generate", "missing_field",
                        param="max_tokens")

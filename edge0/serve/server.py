@@ -31,8 +31,8 @@ from ..log import log
 from . import messages
 from .guard import (Bodies, Connection, Front, Runner, check_key, check_text, http_logger, max_token_bytes,
                     read_body)
-from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, error_response
-from .validate import check_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
+from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, openai_error
+from .validate import check_completion_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
 
 SHUTDOWN_TIMEOUT_S = 10.0  # how long stopping waits for the handlers once their generations are cancelled
 
@@ -95,8 +95,8 @@ class Api:
     def _error(request: web.Request, e: ApiError) -> web.Response:
         """An error in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere."""
         if request.path == messages.ROUTE:
-            return messages.error_response(e)
-        return error_response(e.status, e.message, e.code, e.type, param=e.param, retry_after=e.retry_after)
+            return messages.anthropic_error(e)
+        return openai_error(e.status, e.message, e.code, e.type, param=e.param, retry_after=e.retry_after)
 
     # -- GET ------------------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class Api:
             return body, await loop.run_in_executor(self.prep, make, body)
 
     def _request(self, body: dict, prompt_of, chat: bool) -> GenRequest:
-        check_fields(body, chat=chat)
+        check_completion_fields(body, chat=chat)
         return gen_request(self.engine, body, prompt_of(self.engine, body), self.defaults)
 
     def _parse(self, raw: bytes) -> dict:

@@ -81,7 +81,7 @@ def _unsupported(name: str, why: str) -> ApiError:
     return ApiError(400, f"'{name}': {why}", "unsupported_value", param=name)
 
 
-def check_fields(body: dict, *, chat: bool) -> None:
+def check_completion_fields(body: dict, *, chat: bool) -> None:
     """Unknown fields, then known fields asking for what this server does not do."""
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = [k for k in body if k not in known]

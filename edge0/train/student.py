@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..compute.kernel import Kernel
+from ..compute.kernel_choice import Kernel
 from ..errors import Edge0Error
 from ..model.heads import HeadSet, multi_hot
 from ..model.lora import Adapter, adapted, heads_fingerprint

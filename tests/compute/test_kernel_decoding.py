@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.compute import kernels, qmm
-from edge0.compute.kernel import current
+from edge0.compute.kernel_choice import current
 from edge0.errors import Edge0Error
 from tests.compute.kernel_refs import (  # restore: the settings put back after each test (autouse)
     EXT, IMPLS, needs_ext, quantized, rel, restore)

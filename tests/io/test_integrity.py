@@ -196,7 +196,7 @@ def test_an_unrecorded_file_is_a_warning(store, capsys):
 
 
 def test_train_heads_records_its_output_in_the_store(store, tmp_path):
-    from edge0.train.heads import train_heads
+    from edge0.train.head_phase import train_heads
 
     text = tmp_path / "t.py"
     text.write_text("def f(x):\n    return [x * i for i in range(10)]\n" * 40)

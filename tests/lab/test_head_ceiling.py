@@ -13,7 +13,7 @@ from edge0.model.demo import DEMO_STORE
 from edge0.model.heads import HeadSet
 from edge0.model.load import load_store
 from edge0.train.corpus import token_stream
-from edge0.train.heads import _windows, recall, window_targets
+from edge0.train.head_phase import _windows, recall, window_targets
 from edge0.train.student import mlx_kernel
 
 pytestmark = pytest.mark.lab  # a finished study's tool: run with -m lab

@@ -20,10 +20,10 @@ from edge0.model.arch import FAMILIES, read_config, text_config
 from edge0.model.consistency import config_problems
 from edge0.model.load import cast_floats, load_store
 from edge0.model.routers import ROUTERS
-from edge0.model.routes import moe_blocks
+from edge0.model.route_stats import moe_blocks
 from edge0.decode.loop import generate_steps
 from edge0.sched.trace import Trace
-from edge0.train.heads import train_heads
+from edge0.train.head_phase import train_heads
 
 from tests.helpers import use_kernel
 

@@ -15,7 +15,7 @@ from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
 from edge0.model.heads import HeadSet, features
-from edge0.train.heads import train_heads
+from edge0.train.head_phase import train_heads
 from tests import helpers
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from edge0.config import EngineConfig
 from edge0.engine import open_engine
 from edge0.model.heads import Head, HeadSet, features
-from edge0.train.heads import head_loss, window_features, window_targets
+from edge0.train.head_phase import head_loss, window_features, window_targets
 
 from tests.pipeline.test_identity import real_text
 

@@ -15,7 +15,7 @@ from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.routetrace import RouteTrace, read_trace, write_trace
 from edge0.model.blocks import _routing
-from edge0.model.routes import moe_blocks
+from edge0.model.route_stats import moe_blocks
 from edge0.model.traced import TracedRouting
 from tests.helpers import run_json
 

@@ -20,7 +20,7 @@ from edge0.model.arch import read_config
 from edge0.model.heads import HeadSet
 from edge0.model.lora import Adapter
 from edge0.train.distill import forward_kl, reverse_kl, train_distill
-from edge0.train.lora import train_lora
+from edge0.train.lora_phase import train_lora
 
 SMALL = dict(steps=4, batch=2, seq_len=32, samples=4, eval_every=2, eval_windows=1, progress=False)
 
@@ -155,7 +155,7 @@ def test_phase2_distills_the_teacher_with_loss_kd(phase, tmp_path):
     from mlx.utils import tree_flatten, tree_map
 
     from edge0.model.arch import vocab_size
-    from edge0.train.lora import teacher_kl_loss
+    from edge0.train.lora_phase import teacher_kl_loss
     from edge0.train.student import load_student, new_adapter
     from edge0.train.teacher import load_teacher, logprobs
 

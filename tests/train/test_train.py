@@ -156,7 +156,7 @@ def test_bad_steps_and_existing_exports_are_refused(tmp_path):
 
 
 def test_heads_flags_checked_before_training(models, tmp_path):
-    from edge0.train.heads import train_heads
+    from edge0.train.head_phase import train_heads
 
     store = models("qwen3_moe")
     kw = dict(hidden=16, eval_windows=1, progress=False, seq_len=64)
@@ -172,7 +172,7 @@ def test_heads_flags_checked_before_training(models, tmp_path):
 
 
 def test_heads_resume_with_other_flags_is_one_message(models, tmp_path):
-    from edge0.train.heads import train_heads
+    from edge0.train.head_phase import train_heads
 
     store = models("qwen3_moe")
     out = tmp_path / "h.safetensors"

@@ -42,7 +42,7 @@ def owner_of(variant: str, consumer: int, layers: list[int]) -> int:
 
 def record(store, windows: list, layers: list[int]) -> list[dict]:
     """Per window: {layer: (MoE input (T, D), router logits (T, E), routed ids (T, K))} as numpy, and "ids"."""
-    from edge0.train.heads import window_targets
+    from edge0.train.head_phase import window_targets
 
     out = []
     for w in windows:
@@ -130,9 +130,9 @@ def main() -> int:
 def run(a) -> int:
     from edge0.errors import Edge0Error
     from edge0.model.load import load_store
-    from edge0.model.routes import moe_blocks
+    from edge0.model.route_stats import moe_blocks
     from edge0.train.corpus import token_stream, train_stream
-    from edge0.train.heads import _windows
+    from edge0.train.head_phase import _windows
     from edge0.train.student import mlx_kernel
 
     variants = a.variants.split(",")

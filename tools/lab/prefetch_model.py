@@ -37,7 +37,7 @@ def routes(store_dir: str, replay: str, heads_file: str | None):
     from edge0.errors import Edge0Error
     from edge0.model.heads import HeadSet
     from edge0.model.load import load_store
-    from edge0.train.heads import window_features, window_targets
+    from edge0.train.head_phase import window_features, window_targets
 
     store = load_store(store_dir, dtype="float32", executor="resident")
     try:

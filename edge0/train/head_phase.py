@@ -27,7 +27,7 @@ from ..compute.machine import blas
 from ..errors import Edge0Error
 from ..flags import check_seed, positive, routed_k, whole
 from ..model.heads import FORMAT as HEADS_FORMAT, HIDDEN, HeadSet, multi_hot
-from ..model.routes import recorded_routes
+from ..model.route_stats import recorded_routes
 from .loop import (World, blas_notice, check_out, finite_loss, load_checkpoint, progress_bar, save_checkpoint,
                    write_outputs)
 from .student import mlx_kernel
