@@ -82,7 +82,7 @@ def scales_as_stored(compute_dtype) -> bool:
 class Fence:
     """Epochs of graph building. `sync()` is called right after an mx.eval that evaluated everything
     built so far (the model's graph is one chain: each layer's output depends on every earlier layer). Decode that
-    builds a step while the one before evaluates (pipeline/steps.py) begins each step's epoch with `advance()` and
+    builds a step while the one before evaluates (decode/step.py) begins each step's epoch with `advance()` and
     learns what is evaluated from the values the host takes (`complete`)."""
 
     def __init__(self):
