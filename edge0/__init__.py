@@ -1,6 +1,7 @@
 """Edge0: serve Mixture-of-Experts models whose weights do not fit in memory.
 
-The public API, here on the built-in demo model (`EngineConfig(model="stores/q3")` opens a store of your own):
+The public API, here on the built-in demo model (`EngineConfig(model="stores/q3")` opens a store of your own; its
+settings nest by concern: `EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(slots=16))`):
 
     from edge0 import EngineConfig, GenRequest, open_engine
 
@@ -21,11 +22,12 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _PUBLIC = {"open_engine": "edge0.engine", "EngineConfig": "edge0.config", "GenRequest": "edge0.decode.request",
-           "Figures": "edge0.decode.request"}
+           "Figures": "edge0.decode.request",
+           **{c: "edge0.config" for c in ("RoutingConfig", "IOConfig", "KernelConfig", "ServingConfig")}}
 __all__ = [*_PUBLIC, "__version__"]
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
+    from .config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
     from .engine import open_engine
     from .decode.request import Figures, GenRequest
 

@@ -98,41 +98,42 @@ def resolve(config: EngineConfig) -> EngineConfig:
     from .model.lora import resolve_lora
 
     config.check()
-    c = config
+    c, r = config, config.routing
     path = Path(c.model) if c.model else demo_store()
-    routing, heads = c.routing, c.heads
+    routing, heads = r.mode, r.heads
     if heads_decide(c):
-        found = _own_heads(path, c.top_k)
+        found = _own_heads(path, r.top_k)
         if found is not None:
             routing = "predicted"
             log.info("routing predicted by the prerouter heads", heads=str(found),
                      hint="--routing native to use the model's own router")
         elif others := sorted(p.name for p in path.glob("heads-k*.safetensors")):  # another K's: say why unused
-            log.info(f"routing native: no prerouter heads for K = {_heads_k(path, c.top_k)}", has=", ".join(others),
+            log.info(f"routing native: no prerouter heads for K = {_heads_k(path, r.top_k)}", has=", ".join(others),
                      hint="--k of those heads, or train heads for this K with `edge0 train heads`")
     routing, predictor = combine(c, routing)
     if predictor == "heads" and heads is None:
-        found = _own_heads(path, c.top_k)
+        found = _own_heads(path, r.top_k)
         if found is None:
-            raise Edge0Error(_no_heads(path, c.top_k))
+            raise Edge0Error(_no_heads(path, r.top_k))
         heads = str(found)
-    own = default_heads(path, c.top_k)
-    lora = resolve_lora(c.lora, path, routing=routing, top_k=c.top_k,
+    own = default_heads(path, r.top_k)
+    lora = resolve_lora(r.lora, path, routing=routing, top_k=r.top_k,
                         default_heads=heads is not None and own is not None and Path(heads) == own)
-    return dataclasses.replace(c, model=str(path), routing=routing, predictor=predictor, heads=heads, lora=lora)
+    return dataclasses.replace(c, model=str(path), routing=dataclasses.replace(
+        r, mode=routing, predictor=predictor, heads=heads, lora=lora))
 
 class Engine:
     """A loaded store ready to generate; close it (or use `with`) to stop its threads and files."""
 
     def __init__(self, config: EngineConfig, store, kernel: Kernel):
         self.config, self.store, self.kernel = config, store, kernel
-        self.model_id = config.model_id or model_name(store.path)
+        self.model_id = config.serving.model_id or model_name(store.path)
         self.tokenizer = store.tokenizer
         self.eos = set(self.tokenizer.eos_token_ids)
         self.context = text_config(store.config).get("max_position_embeddings")
         self.vocab = vocab_size(store.config)  # valid token ids: [0, vocab)
-        self.top_k = config.top_k or store.manifest.top_k
-        gib = config.prompt_cache_gib
+        self.top_k = config.routing.top_k or store.manifest.top_k
+        gib = config.serving.prompt_cache_gib
         self.prompt_cache = PromptCache(int(gib * 2**30)) if gib else None
 
     def __enter__(self) -> "Engine":
@@ -219,18 +220,19 @@ class Engine:
 
     def describe(self) -> dict:
         """What runs: routing, predictor, heads, executor, kernel, I/O (for --json and logs)."""
-        c, rt = self.config, self.store.runtime
-        return {"routing": c.routing, "predictor": c.predictor if c.routing != "native" else None,
-                "heads": c.heads if c.predictor == "heads" else None,
-                "lora": None if c.lora in (None, "none") else c.lora, "top_k": self.top_k,
+        c, r, rt = self.config, self.config.routing, self.store.runtime
+        return {"routing": r.mode, "predictor": r.predictor if r.mode != "native" else None,
+                "heads": r.heads if r.predictor == "heads" else None,
+                "lora": None if r.lora in (None, "none") else r.lora, "top_k": self.top_k,
                 "executor": rt.executor,
                 "slots": rt.banks[0].slots if rt.banks and rt.executor in ("staged", "hot") else None,
                 "held_layers": sorted(rt.held) if rt.held else None, "overlaps_steps": rt.overlaps_steps,
                 "whole_layer_prefill": rt.prefill is not None, "io": self.store.reader.io,
-                "io_throttle_mbps": c.io_throttle_mbps, "kernel": self.kernel.name,
+                "io_throttle_mbps": c.io.throttle_mbps, "kernel": self.kernel.name,
                 "kernel_threads": self.kernel.ext.num_threads() if self.kernel.edge0 else None,
-                "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."), "memory_budget_gib":
-                c.memory_budget_gib, "model": str(self.store.path), "expert_gib": self.store.manifest.expert_bytes / 2**30}
+                "dtype": str(self.store.dtype or "source").removeprefix("mlx.core."),
+                "memory_budget_gib": c.io.memory_budget_gib, "model": str(self.store.path),
+                "expert_gib": self.store.manifest.expert_bytes / 2**30}
 
     def request(self, prompt: list[int], **fields) -> GenRequest:
         return GenRequest(prompt=list(prompt), **fields)
@@ -242,40 +244,41 @@ def open_engine(config: EngineConfig, *, trace=NULL) -> Engine:
     from .model.load import load_store
 
     c = resolve(config)
-    kernel = Kernel.choose(c.kernel)
-    if c.kernel_threads:
-        kernels.set_num_threads(c.kernel_threads)
+    r, io = c.routing, c.io
+    kernel = Kernel.choose(c.kernel.name)
+    if c.kernel.threads:
+        kernels.set_num_threads(c.kernel.threads)
     path = Path(c.model)
     slots = _slots(c, path)
-    if c.cold and path.is_dir():
+    if io.cold and path.is_dir():
         for f in path.rglob("*.safetensors"):
             evict(f)
     with kernel.active():
-        executor = "staged" if c.executor == "auto" and c.banks_asked() else c.executor
-        store = load_store(path, dtype=c.dtype, verify=c.verify, executor=executor, slots=slots,
-                           memory_budget=c.memory_budget_gib, io=c.io, io_throttle=c.io_throttle_mbps,
-                           build=_prefetch_builder(c, trace, slots) if c.routing != "native" else None,
-                           using=[f for f in (c.heads, c.lora) if f not in (None, "none")])
-    if not c.kernel_threads:  # the default for this runtime: both of 2 cores where no expert is read in decode
+        executor = "staged" if io.executor == "auto" and io.banks_asked() else io.executor
+        store = load_store(path, dtype=c.kernel.dtype, verify=io.verify, executor=executor, slots=slots,
+                           memory_budget=io.memory_budget_gib, io=io.mode, io_throttle=io.throttle_mbps,
+                           build=_prefetch_builder(c, trace, slots) if r.mode != "native" else None,
+                           using=[f for f in (r.heads, r.lora) if f not in (None, "none")])
+    if not c.kernel.threads:  # the default for this runtime: both of 2 cores where no expert is read in decode
         kernels.set_num_threads(kernels.default_threads(resident=store.runtime.executor == "resident"),
                                 kernels.default_prompt_threads())
     try:
-        if c.executor == "auto" and store.runtime.executor == "resident":
+        if io.executor == "auto" and store.runtime.executor == "resident":
             log.info("executor resident: every expert in memory", gib=round(store.runtime.resident_expert_bytes / 2**30, 3),
                      hint="--executor staged streams them from the store instead")
-        if c.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
+        if r.lora != "none":  # the adapter's branches, only when there is one: no cost otherwise
             from .model.lora import Adapter
 
-            adapter = Adapter.load(c.lora, store.manifest, store.config, heads_file=c.heads)
+            adapter = Adapter.load(r.lora, store.manifest, store.config, heads_file=r.heads)
             adapter.attach(store.model, Adapter.served_dtype(store.dtype))
         store.runtime.trace = trace
-        evict_by(store.runtime.executors, c.evict)
-        store.reader.pool.configure(workers=c.io_workers, trace=trace)  # every read of the store goes through it
-        if c.top_k is not None:
+        evict_by(store.runtime.executors, io.evict)
+        store.reader.pool.configure(workers=io.workers, trace=trace)  # every read of the store goes through it
+        if r.top_k is not None:
             from .model.route_stats import moe_blocks
 
             for block in moe_blocks(store.model).values():
-                block.top_k = c.top_k
+                block.top_k = r.top_k
     except BaseException:
         store.close()
         raise
@@ -288,25 +291,27 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
     from .model.heads import HeadSet
     from .pipeline.runtime import build_prefetch_runtime
 
+    r, budget = c.routing, c.io.memory_budget_gib
+
     def build(reader, cdtype):
         heads = None
-        if c.predictor == "heads":
-            heads = HeadSet.load(c.heads, reader.manifest, read_config(Path(c.model)), top_k=c.top_k).served()
-        resident = c.routing == "predicted" and _resident(c, reader.manifest, cdtype)
-        candidates = _candidates(c, reader.manifest, resident) if c.routing == "predicted" else None
+        if r.predictor == "heads":
+            heads = HeadSet.load(r.heads, reader.manifest, read_config(Path(c.model)), top_k=r.top_k).served()
+        resident = r.mode == "predicted" and _resident(c, reader.manifest, cdtype)
+        candidates = _candidates(c, reader.manifest, resident) if r.mode == "predicted" else None
         if resident:
             from .pipeline.resident import build_predicted_resident
 
-            if c.read_ahead != "measured":
-                log.info(f"--read-ahead {c.read_ahead}: every expert is resident, nothing is read ahead",
+            if r.read_ahead != "measured":
+                log.info(f"--read-ahead {r.read_ahead}: every expert is resident, nothing is read ahead",
                          hint="--executor staged streams the experts")
 
             return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates,
-                                            memory_budget_gib=c.memory_budget_gib)
-        return build_prefetch_runtime(reader, cdtype, predictor=c.predictor, memory_budget_gib=c.memory_budget_gib,
-                                      slots=slots, trace=trace, heads=heads, guesses=c.guesses, top_k=c.top_k,
-                                      predicted_routing=c.routing == "predicted", candidates=candidates,
-                                      read_ahead=c.read_ahead, placement=c.placement)
+                                            memory_budget_gib=budget)
+        return build_prefetch_runtime(reader, cdtype, predictor=r.predictor, memory_budget_gib=budget,
+                                      slots=slots, trace=trace, heads=heads, guesses=r.guesses, top_k=r.top_k,
+                                      predicted_routing=r.mode == "predicted", candidates=candidates,
+                                      read_ahead=r.read_ahead, placement=c.io.placement)
     return build
 
 
@@ -314,8 +319,8 @@ def _candidates(c: EngineConfig, manifest, resident: bool) -> int:
     """The experts a head names ahead for its consumer under predicted routing, the consumer's router choosing K:
     --candidates, else 2K over resident experts (nothing is read, so more candidates cost nothing) and K when
     streamed (each candidate is read)."""
-    k, e = c.top_k or manifest.top_k, manifest.num_experts
-    m = c.candidates or (min(2 * k, e) if resident else k)
+    k, e = c.routing.top_k or manifest.top_k, manifest.num_experts
+    m = c.routing.candidates or (min(2 * k, e) if resident else k)
     if not k <= m <= e:
         raise Edge0Error(f"--candidates {m}: must be between K = {k} and the model's {e} experts")
     return m
@@ -326,9 +331,10 @@ def _resident(c: EngineConfig, manifest, cdtype) -> bool:
     (compute/runtime.py auto_executor): nothing to read during decode, so nothing to schedule."""
     from .compute.runtime import auto_executor
 
-    if c.executor != "auto" or c.banks_asked():
-        return c.executor == "resident"
-    budget = None if c.memory_budget_gib is None else int(c.memory_budget_gib * 2**30)
+    io = c.io
+    if io.executor != "auto" or io.banks_asked():
+        return io.executor == "resident"
+    budget = None if io.memory_budget_gib is None else int(io.memory_budget_gib * 2**30)
     return auto_executor(manifest, cdtype, budget) == "resident"
 
 
@@ -337,17 +343,18 @@ def _slots(c: EngineConfig, path: Path) -> int | None:
     E); a batch of B sequences gets 2K per sequence by default, up to E. None: the executors' default."""
     from .io.manifest import read_manifest
 
+    top_k, slots, batch = c.routing.top_k, c.io.slots, c.serving.max_batch
     if not (path / "edge0.json").exists():
-        return c.slots  # not a store: load_store says so
+        return slots  # not a store: load_store says so
     m = read_manifest(path)
-    e, k = m.num_experts, c.top_k or m.top_k
-    if c.top_k is not None and c.top_k > e:
-        raise Edge0Error(f"--k {c.top_k}: must be between 1 and the model's {e} experts")
-    if c.slots is not None and c.slots > e:
-        raise Edge0Error(f"--slots {c.slots}: at most the model's {e} experts (more slots never hold more)")
-    if c.slots is None and c.max_batch > 1:
-        return min(e, 2 * k * c.max_batch)
-    return c.slots
+    e, k = m.num_experts, top_k or m.top_k
+    if top_k is not None and top_k > e:
+        raise Edge0Error(f"--k {top_k}: must be between 1 and the model's {e} experts")
+    if slots is not None and slots > e:
+        raise Edge0Error(f"--slots {slots}: at most the model's {e} experts (more slots never hold more)")
+    if slots is None and batch > 1:
+        return min(e, 2 * k * batch)
+    return slots
 
 
 def memory_figures() -> dict:

@@ -7,9 +7,9 @@ class Edge0Error(Exception):
 
 
 class SettingError(Edge0Error):
-    """A bad EngineConfig setting, or settings that do not go together. The message names each setting as
-    {field} (EngineConfig's field names): str() says them so, say(names) as the caller knows them (the command line:
-    its flags, edge0/cli/flags.py SETTING_FLAGS)."""
+    """A bad EngineConfig setting, or settings that do not go together. The message names each setting as {path}
+    (EngineConfig's field paths: model, routing.mode, io.slots): str() says them so, say(names) as the caller knows
+    them (the command line: its flags, edge0/cli/flags.py SETTING_FLAGS)."""
 
     def __init__(self, template: str):
         super().__init__(template)
@@ -18,7 +18,7 @@ class SettingError(Edge0Error):
     def say(self, names: dict) -> str:
         import re
 
-        return re.sub(r"\{(\w+)\}", lambda m: names.get(m[1], m[1]), self.template)
+        return re.sub(r"\{([\w.]+)\}", lambda m: names.get(m[1], m[1]), self.template)
 
     def __str__(self) -> str:
         return self.say({})

@@ -49,8 +49,8 @@ def _load_served(config) -> Loaded:
 
     engine = open_engine(config)
     c = engine.config
-    stepwise = c.routing != "native"  # native (at any K): one forward pass gives the same log-probabilities
-    return Loaded(engine.store.model, Path(c.model), f"store, routing {c.routing}", engine.close,
+    stepwise = c.routing.mode != "native"  # native (at any K): one forward pass gives the same log-probabilities
+    return Loaded(engine.store.model, Path(c.model), f"store, routing {c.routing.mode}", engine.close,
                   (lambda w: engine.forced_logprobs([int(t) for t in w])) if stepwise else None, engine.kernel)
 
 
@@ -102,10 +102,10 @@ def evaluate(model_dir: str | os.PathLike, data: str | os.PathLike | None = None
     config: the EngineConfig a store is scored with (default: the store's served defaults, as `edge0 run`
     runs it, with `dtype`); an mlx-lm checkpoint is loaded resident.
     """
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig
 
     if (Path(model_dir) / "edge0.json").exists() or config is not None:
-        config = config or EngineConfig(dtype=dtype)
+        config = config or EngineConfig(kernel=KernelConfig(dtype=dtype))
         student = _load_served(dataclasses.replace(config, model=str(model_dir)))
     else:
         student = load_any(model_dir, dtype)

@@ -9,7 +9,7 @@ import pytest
 
 from edge0.decode.batch import BatchDecoder
 from edge0.compute import kernels
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.decode.request import GenRequest
 from tests import helpers
@@ -65,9 +65,10 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
     routing, _, executor = (routing or "").partition("-")
     executor, _, placement = executor.partition("/")
     executor, _, slots = executor.partition(":")
-    with open_engine(EngineConfig(routing=routing or None, executor=executor or "auto", max_batch=4, kernel=kernel,
-                                  slots=int(slots) if slots else None, placement=placement or "auto",
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode=routing or None),
+                                  io=IOConfig(executor=executor or "auto", slots=int(slots) if slots else None,
+                                              placement=placement or "auto"), kernel=KernelConfig(name=kernel),
+                                  serving=ServingConfig(max_batch=4, prompt_cache_gib=0))) as engine:
         held = routing == "predicted" and executor == "staged" and placement != "even"
         assert engine.describe()["held_layers"] == ([0, 1, 5] if held else None)
         if slots:  # no layer syncs inside a step: the batch builds step n+1 while step n evaluates (3 rows, not 4)
@@ -85,8 +86,8 @@ def test_batched_sequences_answer_as_alone(routing, kernel, stagger):
 # heads: a reply's KV entries are computed with the experts the heads chose while decoding it, where a prompt
 # prefills the same tokens with the router's own (log-probabilities apart by up to ~1), so a next turn from a kept
 # cache is compared with the same turn from a cache kept by the sequence decoded alone, not with a fresh prefill.
-AHEAD = [({}, 4)] + [({"routing": "predicted", "executor": "staged", "slots": 28, "kernel": "edge0"}, 3)] * (
-    kernels.available())
+STAGED_EDGE0 = {"routing.mode": "predicted", "io.executor": "staged", "io.slots": 28, "kernel.name": "edge0"}
+AHEAD = [({}, 4)] + [(STAGED_EDGE0, 3)] * kernels.available()
 
 
 def _kv(cache: list) -> list:
@@ -102,7 +103,7 @@ def test_a_batch_decoding_ahead_keeps_each_finished_sequences_exact_kv_cache(con
     decoded alone, and a next turn from either answers alike."""
     lengths = {p: 3 + i for i, p in enumerate(PROMPTS[:rows])}  # they finish one per step
     p = PROMPTS[2]
-    with open_engine(EngineConfig(max_batch=rows, **config)) as engine:
+    with open_engine(EngineConfig.of({"serving.max_batch": rows, **config})) as engine:
         assert engine.store.runtime.overlaps_batch(rows)  # the batch decodes ahead
         ahead = []
         batched = run_batch(engine, PROMPTS[:rows], max_batch=rows, stagger=False, max_tokens=lengths, ahead=ahead)
@@ -115,7 +116,7 @@ def test_a_batch_decoding_ahead_keeps_each_finished_sequences_exact_kv_cache(con
         follow = engine.encode_text(p) + batched[p].tokens + engine.encode_text(" = 1")
         again = engine.generate(GenRequest(prompt=follow, max_tokens=N))
         assert again.cached_tokens > len(batched[p].tokens)  # the kept cache served it
-    with open_engine(EngineConfig(**config)) as alone:
+    with open_engine(EngineConfig.of(config)) as alone:
         first = alone.generate(GenRequest(prompt=alone.encode_text(p), max_tokens=lengths[p]))
         assert first.tokens == batched[p].tokens
         (own,) = alone.prompt_cache.entries.values()
@@ -126,8 +127,8 @@ def test_a_batch_decoding_ahead_keeps_each_finished_sequences_exact_kv_cache(con
 @pytest.mark.parametrize("executor", ["auto", "staged"])
 def test_default_kernels_batch_every_request_to_its_end(executor):
     """The default (the demo's experts fit: resident, nothing read per step) and the streamed pipeline."""
-    with open_engine(EngineConfig(max_batch=4, executor=executor)) as engine:
-        assert engine.config.routing == "predicted"
+    with open_engine(EngineConfig(io=IOConfig(executor=executor), serving=ServingConfig(max_batch=4))) as engine:
+        assert engine.config.routing.mode == "predicted"
         streamed = engine.store.runtime.executor == "staged"
         batched = run_batch(engine, PROMPTS, max_batch=4, stagger=True)
     assert streamed == (executor == "staged")
@@ -292,7 +293,8 @@ def test_a_batchs_step_graph_is_as_small_as_one_sequences():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     args = argparse.Namespace(prompt_tokens=16, steps=2, rounds=1, profile=True)
-    with open_engine(EngineConfig(kernel="edge0", max_batch=4, prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(max_batch=4, prompt_cache_gib=0))) as engine:
         ids = engine.encode_text(" ".join(PROMPTS) * 4)
         one, four = (tool.measure(engine, ids, size, args) for size in (1, 4))
     assert one["nodes"] == four["nodes"]
@@ -308,7 +310,8 @@ def test_a_batched_step_advances_the_positions_once_for_every_layer():
 
     from edge0.bench.kernels import node_counts
 
-    with open_engine(EngineConfig(kernel="edge0", max_batch=4, prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(max_batch=4, prompt_cache_gib=0))) as engine:
         layers = len(engine.store.model.layers)
         batch = BatchDecoder(engine, 4)
         lengths = {p: n for p, n in zip(PROMPTS[:3], (6, 20, 20))}  # the first leaves after 6 tokens

@@ -1,12 +1,13 @@
 """edge0/bench/switches.py: an A/B arm turns a product behaviour off from outside and puts it back."""
 
 from edge0.bench.switches import one_step_at_a_time
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, ServingConfig
 from edge0.engine import open_engine
 
 
 def test_one_step_at_a_time_stops_a_batch_overlapping_and_puts_the_runtime_back():
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:  # the built-in model: its batch decodes ahead
+    # the built-in model: its batch decodes ahead
+    with open_engine(EngineConfig(serving=ServingConfig(prompt_cache_gib=0))) as engine:
         rt = engine.store.runtime
         assert rt.overlaps_batch(2)
         with one_step_at_a_time(rt):

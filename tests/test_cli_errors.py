@@ -138,23 +138,23 @@ def test_standard_input_that_is_not_text_is_one_line(capsys, monkeypatch):
 def test_the_library_names_settings_and_the_command_line_says_its_flags(capsys):
     """A combination EngineConfig refuses names its settings (the library knows no flags); `edge0 run` says the same
     line with the flags that give them."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, RoutingConfig
     from edge0.engine import resolve
     from edge0.errors import SettingError
 
     with pytest.raises(SettingError) as e:
-        resolve(EngineConfig(routing="prefetch", executor="hot"))
-    assert str(e.value) == "routing prefetch fills staged slot banks; executor hot does not apply"
-    with pytest.raises(SettingError, match=r"^top_k 0: must be at least 1$"):
-        EngineConfig(top_k=0).check()
+        resolve(EngineConfig(routing=RoutingConfig(mode="prefetch"), io=IOConfig(executor="hot")))
+    assert str(e.value) == "routing.mode prefetch fills staged slot banks; io.executor hot does not apply"
+    with pytest.raises(SettingError, match=r"^routing.top_k 0: must be at least 1$"):
+        EngineConfig(routing=RoutingConfig(top_k=0)).check()
     assert main(["run", "--routing", "prefetch", "--executor", "hot"]) == 2
     assert capsys.readouterr().err == ("edge0: error: --routing prefetch fills staged slot banks; --executor hot does "
                                        "not apply\n")
 
 
 def test_every_setting_has_its_flag():
-    """SETTING_FLAGS (how the command line says a setting) covers every EngineConfig field, each a flag of run's or
-    serve's."""
+    """SETTING_FLAGS (how the command line says a setting) covers every EngineConfig setting, by its path through the
+    nested sections (routing.mode, io.slots), each a flag of run's or serve's."""
     import argparse
     import dataclasses
 
@@ -167,5 +167,51 @@ def test_every_setting_has_its_flag():
         p = argparse.ArgumentParser()
         command.add_args(p)
         flags |= {o for a in p._actions for o in a.option_strings}
-    assert set(SETTING_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    def paths(value, prefix=""):
+        return {p for f in dataclasses.fields(value) for p in (
+            paths(getattr(value, f.name), f"{prefix}{f.name}.") if dataclasses.is_dataclass(getattr(value, f.name))
+            else [prefix + f.name])}
+
+    assert set(SETTING_FLAGS) == paths(EngineConfig()) and len(SETTING_FLAGS) == 25
+    assert {"model", "routing.mode", "io.slots", "kernel.threads", "serving.max_batch"} <= set(SETTING_FLAGS)
     assert set(SETTING_FLAGS.values()) <= flags
+
+
+def test_every_flag_reaches_its_setting():
+    """serve's flags, each given a value other than its default, land in the nested settings they name (the CLI reads
+    them through SETTING_FLAGS and EngineConfig.of)."""
+    import argparse
+
+    from edge0.cli import serve
+    from edge0.cli.flags import engine_config
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
+
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    args = p.parse_args(
+        "--model m --routing prefetch --predictor heads --heads h --guesses 2 --candidates 3 --read-ahead always "
+        "--lora none --k 2 --executor staged --slots 5 --placement even --evict lru --memory-budget 0.5 --io mmap "
+        "--io-workers 3 --io-throttle 50 --verify --cold --dtype float32 --kernel mlx --kernel-threads 1 "
+        "--model-id x --prompt-cache-gib 0 --max-batch 2".split())
+    assert engine_config(args) == EngineConfig(
+        model="m", routing=RoutingConfig(mode="prefetch", predictor="heads", heads="h", guesses=2, candidates=3,
+                                         read_ahead="always", lora="none", top_k=2),
+        io=IOConfig(executor="staged", slots=5, placement="even", evict="lru", memory_budget_gib=0.5, mode="mmap",
+                    workers=3, throttle_mbps=50.0, verify=True, cold=True),
+        kernel=KernelConfig(name="mlx", threads=1, dtype="float32"),
+        serving=ServingConfig(model_id="x", prompt_cache_gib=0.0, max_batch=2))
+
+
+def test_a_config_of_setting_paths_is_the_nested_one():
+    """EngineConfig.of takes settings by path, the rest defaults; a path outside the sections is refused by name."""
+    from edge0.config import EngineConfig, IOConfig, RoutingConfig
+
+    assert EngineConfig.of({"model": "m", "routing.mode": "native", "io.slots": 4}) == EngineConfig(
+        model="m", routing=RoutingConfig(mode="native"), io=IOConfig(slots=4))
+    assert EngineConfig.of({}) == EngineConfig()
+    with pytest.raises(TypeError, match="no settings section 'memory'"):
+        EngineConfig.of({"memory.slots": 4})
+    with pytest.raises(TypeError, match="slot"):
+        EngineConfig.of({"io.slot": 4})
+    with pytest.raises(TypeError, match=r"^EngineConfig routing='predicted': expected RoutingConfig\(\.\.\.\)"):
+        EngineConfig(routing="predicted")  # the flat spelling

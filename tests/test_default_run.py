@@ -45,11 +45,12 @@ def test_the_summary_line_says_what_was_read():
 
 def test_naming_the_default_executor_keeps_the_default_routing():
     """`--executor resident` is what auto chooses for the demo store: naming it changes nothing (it ran native)."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig
     from edge0.engine import resolve
 
-    auto, named = resolve(EngineConfig()), resolve(EngineConfig(executor="resident"))
-    assert (named.routing, named.heads, named.lora) == (auto.routing, auto.heads, auto.lora) == (
+    auto, named = resolve(EngineConfig()), resolve(EngineConfig(io=IOConfig(executor="resident")))
+    auto, named = auto.routing, named.routing
+    assert (named.mode, named.heads, named.lora) == (auto.mode, auto.heads, auto.lora) == (
         "predicted", auto.heads, auto.lora) and auto.heads and auto.lora != "none"
     r = run_json("--max-tokens", "6", "--ignore-eos", "--executor", "resident")
     assert r["routing"] == "predicted" and r["tokens"] == run_json("--max-tokens", "6", "--ignore-eos")["tokens"]

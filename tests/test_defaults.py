@@ -68,7 +68,7 @@ def test_run_engine_generation_after_generation(solo):
     from edge0.decode.request import GenRequest
 
     with open_engine(EngineConfig()) as engine:
-        assert engine.config.routing == "predicted"
+        assert engine.config.routing.mode == "predicted"
         for prompt in PROMPTS + PROMPTS[::-1]:
             fig = engine.generate(GenRequest(prompt=engine.encode_text(prompt), max_tokens=N, seed=0))
             assert fig.text == solo[prompt], prompt

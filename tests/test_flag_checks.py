@@ -153,13 +153,13 @@ def test_every_bench_flag_is_read_by_a_named_benchmark():
 @pytest.mark.parametrize("flags", [["--slots", "8"], ["--placement", "even"], ["--evict", "lru"]])
 def test_a_bank_flag_under_the_auto_executor_streams_instead_of_being_dropped(flags):
     """The demo's experts fit, so auto keeps them resident; a flag that arranges slot banks asks for them instead."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig
     from edge0.engine import open_engine
 
     with open_engine(EngineConfig()) as plain:
         assert plain.store.runtime.executor == "resident"
     values = dict(zip((f.lstrip("-") for f in flags[::2]), flags[1::2]))
-    config = EngineConfig(slots=int(values["slots"]) if "slots" in values else None,
-                          placement=values.get("placement", "auto"), evict=values.get("evict", "lfu"))
+    config = EngineConfig(io=IOConfig(slots=int(values["slots"]) if "slots" in values else None,
+                                      placement=values.get("placement", "auto"), evict=values.get("evict", "lfu")))
     with open_engine(config) as engine:
         assert engine.store.runtime.executor == "staged"

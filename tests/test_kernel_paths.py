@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge0.compute import kernels
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, KernelConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.decode.request import GenRequest
@@ -35,7 +35,7 @@ def step_logprobs(monkeypatch):
 
 
 # the default (predicted routing, every expert resident), and the streamed pipeline of issue 58's failing case
-CONFIGS = [{}, {"routing": "predicted", "executor": "staged", "slots": 28}]
+CONFIGS = [{}, {"routing.mode": "predicted", "io.executor": "staged", "io.slots": 28}]
 
 
 @needs_ext
@@ -45,13 +45,13 @@ def test_a_prompt_continued_from_a_kept_prefix_has_the_bits_of_the_whole_prompt(
     fresh engine prefills 38 at once (other row tiles, attention over a cached prefix): the same log-probabilities,
     bit for bit, at every step."""
     assert kernels.isa() == every_isa
-    with open_engine(EngineConfig(kernel="edge0", **config)) as engine:
+    with open_engine(EngineConfig.of({"kernel.name": "edge0", **config})) as engine:
         prompt = engine.encode_text(TEXT)
         assert len(prompt) > 30
         engine.generate(GenRequest(prompt=prompt[:13], max_tokens=1))  # keeps the 13 tokens, all prefilled
         again = engine.generate(GenRequest(prompt=prompt, max_tokens=6))
         assert again.cached_tokens == 13
-    with open_engine(EngineConfig(kernel="edge0", prompt_cache_gib=0, **config)) as fresh:
+    with open_engine(EngineConfig.of({"kernel.name": "edge0", "serving.prompt_cache_gib": 0, **config})) as fresh:
         whole = fresh.generate(GenRequest(prompt=prompt, max_tokens=6))
     assert again.tokens == whole.tokens
     assert len(step_logprobs) == 3
@@ -63,10 +63,10 @@ def test_a_batchs_sequences_keep_the_bits_of_each_alone(every_isa):
     """Four sequences joining one per step (rows of 1 to 4 in the products, the heads and attention): each gets its
     tokens alone, and leaves the prompt cache the KV entries it leaves alone, bit for bit."""
     lengths = {p: 5 + i for i, p in enumerate(PROMPTS[:4])}
-    with open_engine(EngineConfig(kernel="edge0", max_batch=4)) as engine:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0"), serving=ServingConfig(max_batch=4))) as engine:
         batched = run_batch(engine, PROMPTS[:4], max_batch=4, stagger=True, max_tokens=lengths)
         kept = {tokens: _kv(cache) for tokens, cache in engine.prompt_cache.entries.items()}
-    with open_engine(EngineConfig(kernel="edge0")) as alone:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0"))) as alone:
         solo = {p: alone.generate(GenRequest(prompt=alone.encode_text(p), max_tokens=n)).tokens
                 for p, n in lengths.items()}
         own = {tokens: _kv(cache) for tokens, cache in alone.prompt_cache.entries.items()}

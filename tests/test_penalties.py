@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from edge0.decode.batch import BatchDecoder
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.decode.request import GenRequest
 from edge0.decode.sampling import PENALTY_TOKENS
@@ -35,8 +35,8 @@ def test_penalized_tokens_match_mlx_lm(models):
                                         frequency_context_size=PENALTY_TOKENS)
     steps = generate_step(mx.array(prompt), model, sampler=make_sampler(0.0), logits_processors=processors)
     want = [t for (t, _), _ in zip(steps, range(STEPS))]
-    config = EngineConfig(model=str(store), routing="native", executor="exact", kernel="mlx", dtype="float32",
-                          prompt_cache_gib=0)
+    config = EngineConfig(model=str(store), routing=RoutingConfig(mode="native"), io=IOConfig(executor="exact"),
+                          kernel=KernelConfig(name="mlx", dtype="float32"), serving=ServingConfig(prompt_cache_gib=0))
     with open_engine(config) as engine:
         got = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True, **PENALTIES)).tokens
         plain = engine.generate(GenRequest(prompt=prompt, max_tokens=STEPS, ignore_eos=True)).tokens
@@ -56,7 +56,7 @@ def test_penalized_tokens_match_mlx_lm(models):
 def test_batched_penalized_sequences_answer_as_alone(stagger):
     """The default engine (predicted routing, its kernels), a batch of 4 where half the requests carry penalties
     (the batch's greedy shortcut then off) and sequences join together or one per step: each equals its solo run."""
-    with open_engine(EngineConfig(max_batch=4, prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(serving=ServingConfig(max_batch=4, prompt_cache_gib=0))) as engine:
         reqs = [GenRequest(prompt=engine.encode_text(p), max_tokens=16, **(PENALTIES if i % 2 else {}))
                 for i, p in enumerate(PROMPTS)]
         solo = [engine.generate(r).tokens for r in reqs]
@@ -75,13 +75,13 @@ def test_batched_penalized_sequences_answer_as_alone(stagger):
 
 
 def engine_ids(text: str) -> list[int]:
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(serving=ServingConfig(prompt_cache_gib=0))) as engine:
         return engine.encode_text(text)
 
 
 def engine_text(ids: list[int], **fields) -> str:
     """The default engine's greedy text for ids (EOS ignored, STEPS tokens)."""
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(serving=ServingConfig(prompt_cache_gib=0))) as engine:
         return engine.generate(GenRequest(prompt=ids, max_tokens=STEPS, ignore_eos=True, **fields)).text
 
 
@@ -127,7 +127,7 @@ def test_run_takes_the_penalties_as_flags():
     from tests.helpers import run_json
 
     prompt = PROMPTS[0]
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(serving=ServingConfig(prompt_cache_gib=0))) as engine:
         want = engine.generate(GenRequest(prompt=engine.encode_text(prompt), max_tokens=STEPS, ignore_eos=True,
                                           **PENALTIES)).tokens
     got = run_json("--prompt", prompt, "--max-tokens", str(STEPS), "--ignore-eos", "--presence-penalty", "1.5",
@@ -143,6 +143,6 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused():
     """The engine's own check, for callers other than the server (which refuses it first, as a 400)."""
     from edge0.errors import Edge0Error
 
-    with open_engine(EngineConfig(prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(serving=ServingConfig(prompt_cache_gib=0))) as engine:
         with pytest.raises(Edge0Error, match=f"logit_bias: token id {engine.vocab} is outside the model's vocabulary"):
             engine.generate(GenRequest(prompt=[1, 2], max_tokens=2, logit_bias={5: 1.0, engine.vocab: 1.0}))

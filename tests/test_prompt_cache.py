@@ -92,9 +92,9 @@ def test_recurrent_states_are_counted():
     assert pc.nbytes == 3 * 8 * 4 + 4 * 16 * 2
 
 
-def conversation(**config) -> list:
+def conversation(config: dict) -> list:
     out = []
-    with open_engine(EngineConfig(**config)) as engine:
+    with open_engine(EngineConfig.of(config)) as engine:
         messages = []
         for q in TURNS:
             messages.append({"role": "user", "content": q})
@@ -108,7 +108,8 @@ def conversation(**config) -> list:
 def test_chat_turns_reuse_the_prefix_with_the_same_answers(routing):
     """Exact routings (the model's router decides): the cached turn answers token for token as uncached.
     Predicted routing is run below: its heads may flip a near-tie when the prefill is split elsewhere."""
-    cached, plain = conversation(routing=routing), conversation(routing=routing, prompt_cache_gib=0)
+    cached, plain = conversation({"routing.mode": routing}), conversation({"routing.mode": routing,
+                                                                           "serving.prompt_cache_gib": 0})
     assert [f.tokens for f in cached] == [f.tokens for f in plain]
     assert cached[0].cached_tokens == 0 and all(f.cached_tokens > 0 for f in cached[1:])
     assert all(f.cached_tokens == 0 for f in plain)
@@ -116,7 +117,7 @@ def test_chat_turns_reuse_the_prefix_with_the_same_answers(routing):
 
 
 def test_default_routing_reuses_the_prefix():
-    figs = conversation()
+    figs = conversation({})
     assert figs[1].cached_tokens > 0 and figs[2].cached_tokens > figs[1].cached_tokens
     assert all(f.completion_tokens > 0 for f in figs)
 

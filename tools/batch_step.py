@@ -124,13 +124,14 @@ def main() -> int:
 
 
 def run(args, sizes: list[int]) -> int:
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import open_engine
 
     out = []
-    config = EngineConfig(model=args.store, max_batch=max(sizes), prompt_cache_gib=0, routing=args.routing,
-                          executor=args.executor, slots=args.slots, io=args.io, io_throttle_mbps=args.io_throttle,
-                          kernel_threads=args.kernel_threads).check()
+    config = EngineConfig(model=args.store, routing=RoutingConfig(mode=args.routing),
+                          io=IOConfig(executor=args.executor, slots=args.slots, mode=args.io,
+                                      throttle_mbps=args.io_throttle), kernel=KernelConfig(threads=args.kernel_threads),
+                          serving=ServingConfig(max_batch=max(sizes), prompt_cache_gib=0)).check()
     with open_engine(config) as engine:
         ids = engine.encode_text(inspect.getsource(decoder))
         if len(ids) < 50 * (max(sizes) - 1) + args.prompt_tokens:

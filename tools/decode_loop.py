@@ -17,7 +17,7 @@ import sys
 def main() -> int:
     from edge0.cli.run import read_replay
     from edge0.bench.harness import median, run_rounds
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, RoutingConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
     from edge0.errors import Edge0Error
 
@@ -33,8 +33,8 @@ def main() -> int:
         forced = replay.get("tokens", [])[:a.tokens]
         if len(forced) < 2:
             raise Edge0Error(f"--replay {a.replay}: needs at least 2 forced tokens")
-        with open_engine(EngineConfig(model=a.store or str(demo_store()), routing=a.routing,
-                                      prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=a.store or str(demo_store()), routing=RoutingConfig(mode=a.routing),
+                                      serving=ServingConfig(prompt_cache_gib=0))) as engine:
             def generation(arm, r):
                 req = engine.request(replay["prompt"], max_tokens=len(forced), forced=forced, ignore_eos=True)
                 return {"decode_tok_s": engine.generate(req).decode_tok_s}

@@ -19,13 +19,14 @@ from pathlib import Path
 def outputs(store: str, replay: dict, greedy: int) -> dict:
     import numpy as np
 
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, RoutingConfig, ServingConfig
     from edge0.engine import default_heads, open_engine
 
     routings = (["predicted"] if default_heads(Path(store), None) else []) + ["native"]
     out = {}
     for routing in routings:
-        with open_engine(EngineConfig(model=store, routing=routing, prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=store, routing=RoutingConfig(mode=routing),
+                                      serving=ServingConfig(prompt_cache_gib=0))) as engine:
             out[f"{routing}_logprobs"] = np.array(engine.forced_logprobs(replay["prompt"] + replay.get("tokens", [])))
             figures = engine.generate(engine.request(replay["prompt"], max_tokens=greedy, ignore_eos=True))
             out[f"{routing}_tokens"] = np.array(figures.tokens)

@@ -99,7 +99,7 @@ def breakdown(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from edge0.compute import kernels
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import open_engine
     from edge0.decode.loop import generate_steps
 
@@ -107,8 +107,10 @@ def breakdown(args) -> int:
     if ext is None:
         sys.exit(f"edge0 kernels {kernels.reason()}: nothing to break down")
     prompt, forced = read_replay(args.replay) if args.replay else (None, None)
-    config = EngineConfig(model=args.store, routing=args.routing, kernel="edge0", kernel_threads=args.threads,
-                          executor=args.executor, slots=args.slots, prompt_cache_gib=0, lora=args.lora)
+    config = EngineConfig(model=args.store, routing=RoutingConfig(mode=args.routing, lora=args.lora),
+                          io=IOConfig(executor=args.executor, slots=args.slots),
+                          kernel=KernelConfig(name="edge0", threads=args.threads),
+                          serving=ServingConfig(prompt_cache_gib=0))
     with open_engine(config) as engine:
         if prompt is None:
             prompt = engine.encode_text(Path(argparse.__file__).read_text())[:256]

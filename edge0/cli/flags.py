@@ -14,15 +14,18 @@ from ..config import EngineConfig, Sampling
 from ..io.pool import IO_WORKERS
 from ..errors import Edge0Error
 
-# EngineConfig's settings -> the flags that give them: how a SettingError of the library is said on the command line
+# EngineConfig's settings (their paths) -> the flags that give them: how engine_config reads the flags, and how a
+# SettingError of the library is said on the command line
 SETTING_FLAGS = {
-    "model": "--model", "routing": "--routing", "predictor": "--predictor", "heads": "--heads", "guesses": "--guesses",
-    "candidates": "--candidates", "read_ahead": "--read-ahead", "lora": "--lora", "top_k": "--k",
-    "executor": "--executor", "slots": "--slots", "placement": "--placement", "evict": "--evict",
-    "memory_budget_gib": "--memory-budget", "io": "--io", "io_workers": "--io-workers",
-    "io_throttle_mbps": "--io-throttle", "verify": "--verify", "cold": "--cold", "dtype": "--dtype",
-    "kernel": "--kernel", "kernel_threads": "--kernel-threads", "model_id": "--model-id",
-    "prompt_cache_gib": "--prompt-cache-gib", "max_batch": "--max-batch",
+    "model": "--model", "routing.mode": "--routing", "routing.predictor": "--predictor", "routing.heads": "--heads",
+    "routing.guesses": "--guesses", "routing.candidates": "--candidates", "routing.read_ahead": "--read-ahead",
+    "routing.lora": "--lora", "routing.top_k": "--k",
+    "io.executor": "--executor", "io.slots": "--slots", "io.placement": "--placement", "io.evict": "--evict",
+    "io.memory_budget_gib": "--memory-budget", "io.mode": "--io", "io.workers": "--io-workers",
+    "io.throttle_mbps": "--io-throttle", "io.verify": "--verify", "io.cold": "--cold",
+    "kernel.name": "--kernel", "kernel.threads": "--kernel-threads", "kernel.dtype": "--dtype",
+    "serving.model_id": "--model-id", "serving.prompt_cache_gib": "--prompt-cache-gib",
+    "serving.max_batch": "--max-batch",
 }
 
 
@@ -130,17 +133,10 @@ def add_serving_flags(p: argparse.ArgumentParser, *, seed_help: str) -> None:
     add_log_flags(p)
 
 
-def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The EngineConfig of `add_engine_flags`' flags, checked."""
-    return EngineConfig(
-        model=args.model, routing=args.routing, predictor=args.predictor, heads=args.heads, lora=args.lora, top_k=args.k,
-        guesses=args.guesses, candidates=args.candidates, read_ahead=args.read_ahead,
-        executor=args.executor, slots=args.slots, placement=args.placement, evict=args.evict,
-        memory_budget_gib=args.memory_budget,
-        io=args.io, io_workers=args.io_workers, io_throttle_mbps=args.io_throttle, verify=args.verify, cold=args.cold,
-        dtype=args.dtype, kernel=args.kernel, kernel_threads=args.kernel_threads,
-        model_id=getattr(args, "model_id", None), prompt_cache_gib=args.prompt_cache_gib,
-        max_batch=getattr(args, "max_batch", 1), **overrides).check()
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of `add_engine_flags`' flags (and serve's --model-id and --max-batch where given), checked."""
+    dests = {path: flag.removeprefix("--").replace("-", "_") for path, flag in SETTING_FLAGS.items()}
+    return EngineConfig.of({path: getattr(args, d) for path, d in dests.items() if hasattr(args, d)}).check()
 
 
 def sampling(args: argparse.Namespace) -> Sampling:

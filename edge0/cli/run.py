@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
     trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
     with open_engine(config, trace=trace) as engine:
         if trace.on:
-            trace.meta.update(routing=engine.config.routing, predictor=engine.config.predictor)
+            trace.meta.update(routing=engine.config.routing.mode, predictor=engine.config.routing.predictor)
         load_s = time.perf_counter() - t0
         samp.check_context(engine.context)  # serve's check too: one range for the flag
         req = GenRequest(prompt=_prompt(engine, args, replay), max_tokens=samp.max_tokens, temp=samp.temp,

@@ -26,10 +26,10 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     from ..model.load import only_layers
 
     c = resolve(config)
-    if c.max_batch > 1:
-        log.info(f"pipeline: one sequence at a time (--max-batch {c.max_batch} -> 1)")
+    if c.serving.max_batch > 1:
+        log.info(f"pipeline: one sequence at a time (--max-batch {c.serving.max_batch} -> 1)")
     # every rank decides alike: no prompt cache (each rank's holds other bytes, so its evictions would differ)
-    c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0)
+    c = dataclasses.replace(c, serving=dataclasses.replace(c.serving, max_batch=1, prompt_cache_gib=0))
     root = Path(c.model)
     same_store(group, root)
     layers = text_config(read_config(root))["num_hidden_layers"]
@@ -40,14 +40,15 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         costs = layer_costs(root, layers)
     mine = split[group.rank()]
     part = Part(mine, moe)
-    lora = c.lora
+    lora = c.routing.lora
     with only_layers(part):
-        engine = open_engine(dataclasses.replace(c, lora="none"), trace=trace)
+        engine = open_engine(dataclasses.replace(c, routing=dataclasses.replace(c.routing, lora="none")), trace=trace)
     try:
         store = engine.store
         if lora not in (None, "none"):
-            attach_adapter(store, lora, c.heads, mine)
-            engine.config = dataclasses.replace(engine.config, lora=lora)
+            attach_adapter(store, lora, c.routing.heads, mine)
+            served = engine.config
+            engine.config = dataclasses.replace(served, routing=dataclasses.replace(served.routing, lora=lora))
         boundary = None
         if part.outgoing or part.incoming:
             boundary = Boundary(part, store.runtime, store.manifest.num_experts)
@@ -102,14 +103,15 @@ def open_expert_rank(config, group, *, trace, serving: bool = False):
     from .experts import shard_experts
 
     c = resolve(config)
-    if c.routing != "native":
-        raise Edge0Error(f"expert parallel routes with the model's router: --routing {c.routing} does not apply "
+    if c.routing.mode != "native":
+        raise Edge0Error(f"expert parallel routes with the model's router: --routing {c.routing.mode} does not apply "
                          "(pass --routing native)")
-    if c.max_batch > 1:
-        log.info(f"expert parallel: one sequence at a time (--max-batch {c.max_batch} -> 1)")
+    if c.serving.max_batch > 1:
+        log.info(f"expert parallel: one sequence at a time (--max-batch {c.serving.max_batch} -> 1)")
     # staged banks: resident experts would read every expert into every rank
-    executor = "staged" if c.executor == "auto" else c.executor
-    c = dataclasses.replace(c, max_batch=1, prompt_cache_gib=0, executor=executor)
+    executor = "staged" if c.io.executor == "auto" else c.io.executor
+    c = dataclasses.replace(c, serving=dataclasses.replace(c.serving, max_batch=1, prompt_cache_gib=0),
+                            io=dataclasses.replace(c.io, executor=executor))
     same_store(group, Path(c.model))
     engine = open_engine(c, trace=trace)
     try:

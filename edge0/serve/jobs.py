@@ -151,7 +151,7 @@ class JobQueue:
         if mx.default_device().type == mx.DeviceType.cpu:  # a GPU's allocations cost more: keep MLX's pool there
             self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
             mx.clear_cache()  # what loading the engine left there
-        max_batch = getattr(getattr(self.engine, "config", None), "max_batch", 1)
+        max_batch = self.engine.config.serving.max_batch if hasattr(self.engine, "config") else 1
         serving = self._serve(Batch(self.engine, max_batch) if max_batch > 1 else Solo(self.engine))
         self.task = asyncio.get_running_loop().create_task(serving)
         self.task.add_done_callback(self._stopped)

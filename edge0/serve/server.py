@@ -144,7 +144,7 @@ class Api:
             ("resident_expert_bytes", "gauge", "expert bytes held in slot banks and prefill banks now",
              getattr(self.engine.store.runtime, "resident_expert_bytes", 0)),
             ("memory_budget_bytes", "gauge", "--memory-budget (0: none given)",
-             int((self.engine.config.memory_budget_gib or 0) * 2**30)),
+             int((self.engine.config.io.memory_budget_gib or 0) * 2**30)),
         ]:
             out += [f"# HELP edge0_{name} {text}", f"# TYPE edge0_{name} {kind}", f"edge0_{name} {value}"]
         return "\n".join(out) + "\n"

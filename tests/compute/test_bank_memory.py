@@ -39,7 +39,8 @@ def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
     """A prompt read whole layer by layer queues the decode banks' memory after its own banks (build_runtime hands them
     to WholeLayer): by its end every decode bank has its memory, and decode gives the tokens of banks allocated late."""
     from edge0.compute.executors import WholeLayer
-    from edge0.engine import EngineConfig, open_engine
+    from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
+    from edge0.engine import open_engine
     from edge0.decode.loop import generate
     from edge0.decode.request import GenRequest
 
@@ -54,7 +55,8 @@ def test_the_decode_banks_are_allocated_while_the_prompt_computes(monkeypatch):
     for early in (True, False):
         if not early:
             monkeypatch.setattr(Bank, "prepare", lambda self: None)
-        with open_engine(EngineConfig(routing="native", executor="staged", lora="none", prompt_cache_gib=0)) as e:
+        with open_engine(EngineConfig(routing=RoutingConfig(mode="native", lora="none"), io=IOConfig(executor="staged"),
+                                      serving=ServingConfig(prompt_cache_gib=0))) as e:
             runtime = e.store.runtime
             assert runtime.banks and not any(b.prepared for b in runtime.banks)
             req = GenRequest(prompt=list(range(100, 164)), max_tokens=12, ignore_eos=True)

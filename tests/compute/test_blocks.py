@@ -46,7 +46,7 @@ def _run(engine, ids: list[int], fused: bool, monkeypatch) -> tuple[np.ndarray, 
     return out, ran
 
 
-@pytest.mark.parametrize("config", [{}, {"lora": "none"}, {"routing": "native"}])
+@pytest.mark.parametrize("config", [{}, {"routing.lora": "none"}, {"routing.mode": "native"}])
 def test_a_step_of_one_call_blocks_is_the_bits_of_the_step_built_call_by_call(config, monkeypatch):
     """The default (predicted routing, the heads deciding in the graph, the adapter), predicted without the adapter,
     and native routing: every decode step's log-probabilities equal the step built one call at a time, bit for bit,
@@ -54,7 +54,8 @@ def test_a_step_of_one_call_blocks_is_the_bits_of_the_step_built_call_by_call(co
     from edge0.config import EngineConfig
     from edge0.engine import demo_store, open_engine
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0, **config)) as engine:
+    with open_engine(EngineConfig.of({"model": str(demo_store()), "kernel.name": "edge0", "serving.prompt_cache_gib": 0,
+                                      **config})) as engine:
         ids = engine.encode_text(TEXT.read_text()[:2000])
         got, ran = _run(engine, ids, True, monkeypatch)
         want, apart = _run(engine, ids, False, monkeypatch)
@@ -83,12 +84,13 @@ def test_the_blocks_arguments_follow_replaced_weights(monkeypatch):
     """The one-call blocks remember their checked arguments per module; an adapter's weights or a norm's weight
     replaced (a training step, load_weights) are taken at the next step, as the step built call by call takes
     them."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
     use_kernel("edge0")
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
-                                  prompt_cache_gib=0)) as engine, engine.kernel.active():
+    with open_engine(EngineConfig(model=str(demo_store()), routing=RoutingConfig(mode="native"),
+                                  kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine, engine.kernel.active():
         model = engine.store.model
         cache = [KVCache() for _ in model.layers]
         mx.eval(model(mx.array([engine.encode_text("def f(x):\n    return")], dtype=mx.uint32), cache=cache))
@@ -108,11 +110,12 @@ def test_a_decode_step_is_one_node_for_each_layers_attention_and_one_for_its_moe
     projection with the adapter's branches, served in bfloat16, the add-norm) and one Edge0MoeBlock (router, top-k,
     experts, the adapter's branch beside the block, add-norm); no other node of a layer."""
     from edge0.bench.kernels import node_counts
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
     from edge0.model.lora import adapted
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine, \
+    with open_engine(EngineConfig(model=str(demo_store()), kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine, \
             engine.kernel.active():
         model, cache = engine.store.model, None
         served = adapted(model)
@@ -132,10 +135,11 @@ def test_the_layer_blocks_hold_their_weights_and_list_for_mlx_only_what_it_must_
     weights, the adapter's) themselves: MLX sees, of the arrays with no node, only the cache's two buffers (which it
     must see to pass them on to the node's outputs), and the cache's buffers are passed on, never copied."""
     from edge0.bench.kernels import listed_inputs
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine, \
+    with open_engine(EngineConfig(model=str(demo_store()), kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine, \
             engine.kernel.active():
         model, ids = engine.store.model, engine.encode_text("def f(x):\n    return")
         cache = [KVCache() for _ in model.layers]
@@ -159,10 +163,11 @@ def test_the_layer_blocks_hold_their_weights_and_list_for_mlx_only_what_it_must_
 ])
 def test_moe_block_refuses_bad_arguments_with_one_clear_error(bad, match):
     """ext.moe_block names what is wrong (the extension's message), never a crash in the kernel."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(model=str(demo_store()), kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         block = engine.store.model.model.layers[0].mlp
         args = blocks._moe_args(EXT, block, block.executor.resident, mx.ones((256,)), mx.zeros((1, 1, 256)))
         router, router_gs, parts, gs = args
@@ -178,11 +183,12 @@ def test_moe_block_over_a_slot_bank_reads_each_expert_where_the_table_puts_it():
     """Edge0MoeBlock over a bank of S slots holding some experts in another order, with the table of each one's slot:
     the node of every expert resident, bit for bit, for candidates the bank holds (one row and a batch's); a table
     that puts the experts elsewhere changes the answer (the table is read)."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(model=str(demo_store()), routing=RoutingConfig(mode="native"),
+                                  kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         block = engine.store.model.model.layers[1].mlp
         resident = block.executor.resident
         norm = mx.random.uniform(0.5, 1.5, (256,), key=mx.random.key(3))
@@ -210,12 +216,13 @@ def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
     """step_log_softmax: the LM head's product and the log-softmax of the step's one position in one node, with the
     bits of the product, the slice and log_softmax run apart, for one sequence and a batch; (V,) the first row."""
     from edge0.bench.kernels import node_counts
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
     use_kernel("edge0")
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(model=str(demo_store()), routing=RoutingConfig(mode="native"),
+                                  kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         head = engine.store.model["lm_head"]
         for rows in (1, 3):
             x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
@@ -241,11 +248,12 @@ def test_a_steps_log_probabilities_are_one_node_running_the_lm_head():
 ])
 def test_attention_block_refuses_bad_arguments_with_one_clear_error(bad, match):
     """ext.attention_block checks what the nodes it stands for would check, each with one message."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", routing="native",
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(model=str(demo_store()), routing=RoutingConfig(mode="native"),
+                                  kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         layer = engine.store.model.model.layers[0]
         attn, post = layer["self_attn"], layer["post_attention_layernorm"]
         x = mx.zeros((1, 1, 256))
@@ -276,12 +284,13 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
 
     from edge0.compute.banks import Bank
     from edge0.compute.qmm import KernelQuantizedLinear
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, ServingConfig
     from edge0.engine import open_engine
     from edge0.decode.request import GenRequest
 
     ext = kernels.load()
-    with open_engine(EngineConfig(kernel="edge0", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         model = engine.store.model  # loaded, nothing run yet: the copies are made
         linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear) and m.bits == 4]
         assert linears and all(ext.packed(m["weight"], m["scales"], m["biases"], m.group_size) for m in linears)
@@ -299,13 +308,15 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, Bank)}
     # a budget that holds the experts once but not twice: resident, and no copy beside them
-    with open_engine(EngineConfig(kernel="edge0", memory_budget_gib=0.015, prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(io=IOConfig(memory_budget_gib=0.015), kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         assert engine.store.runtime.executor == "resident"
         assert engine.generate(req).tokens == packed_tokens
         banks = [m.executor.resident for _, m in engine.store.model.named_modules() if hasattr(m, "executor")]
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
     # bfloat16 activations: the kernel's products never run (MLX's do), so the load makes no copy for them
-    with open_engine(EngineConfig(kernel="edge0", dtype="bfloat16", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(kernel=KernelConfig(name="edge0", dtype="bfloat16"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         model = engine.store.model
         linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear) and m.bits == 4]
         banks = [m.executor.resident for _, m in model.named_modules() if hasattr(m, "executor")]
@@ -313,7 +324,8 @@ def test_the_default_run_packs_fixed_weights_and_no_bank_of_small_bundles():
         assert banks and not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
         engine.generate(req)  # nor do their first products
         assert not any(ext.packed(*t, r.quant.group_size) for r in banks for t in _triples(r.bank))
-    with open_engine(EngineConfig(kernel="edge0", executor="staged", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(io=IOConfig(executor="staged"), kernel=KernelConfig(name="edge0"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         assert engine.generate(req).tokens == packed_tokens
         decode = {id(b) for b in engine.store.runtime.banks}  # bundles under PACK_BANK_BYTES: refilled, not packed
         assert decode and all(b.packed == 0 for b in engine.store.runtime.banks)

@@ -339,7 +339,8 @@ def test_a_bank_keeps_its_packed_copy_in_step_with_its_fills(slots, monkeypatch)
     gives the resident experts' log-probabilities bit for bit, and so does the row layout (packed copies off); a copy
     left stale by a refill would not."""
     from edge0.compute import runtime
-    from edge0.engine import EngineConfig, open_engine
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
+    from edge0.engine import open_engine
     from edge0.io.manifest import read_manifest
     from edge0.model.demo import DEMO_STORE
 
@@ -352,8 +353,9 @@ def test_a_bank_keeps_its_packed_copy_in_step_with_its_fills(slots, monkeypatch)
     n = m.top_k if slots == "K" else m.num_experts
     out = {}
     for name, ex in (("resident", "resident"), ("staged", "staged")):
-        c = EngineConfig(routing="native", executor=ex, slots=n if ex == "staged" else None, kernel="edge0",
-                         lora="none")
+        c = EngineConfig(routing=RoutingConfig(mode="native", lora="none"),
+                         io=IOConfig(executor=ex, slots=n if ex == "staged" else None),
+                         kernel=KernelConfig(name="edge0"))
         with open_engine(c) as e:
             out[name] = np.array(e.forced_logprobs(tokens))
             if ex == "staged":
@@ -378,7 +380,8 @@ def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch
 
     from edge0.compute import runtime
     from edge0.compute.executors import WholeLayer
-    from edge0.engine import EngineConfig, open_engine
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
+    from edge0.engine import open_engine
     from edge0.io.manifest import read_manifest
     from edge0.model.demo import DEMO_STORE
     from edge0.decode.loop import generate_steps
@@ -398,7 +401,8 @@ def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch
     for big in (False, True):
         if big:
             monkeypatch.setattr(runtime, "PACK_BANK_BYTES", read_manifest(DEMO_STORE).bundle_bytes - 1)
-        c = EngineConfig(routing="native", executor="staged", kernel="edge0", lora="none", prompt_cache_gib=0)
+        c = EngineConfig(routing=RoutingConfig(mode="native", lora="none"), io=IOConfig(executor="staged"),
+                         kernel=KernelConfig(name="edge0"), serving=ServingConfig(prompt_cache_gib=0))
         with open_engine(c) as e:
             assert (e.store.runtime.prefill.pack_group_size is not None) == big
             with e.kernel.active():
@@ -408,5 +412,6 @@ def test_whole_layer_prefill_packs_its_banks_where_bundles_are_large(monkeypatch
         assert packed and all(n == (3 if big else 0) for n in packed), packed
         packed.clear()
     assert np.array_equal(out[True], out[False])
-    with open_engine(EngineConfig(routing="native", executor="staged", kernel="edge0", dtype="bfloat16")) as e:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged"),
+                                  kernel=KernelConfig(name="edge0", dtype="bfloat16"))) as e:
         assert e.store.runtime.prefill.pack_group_size is None  # MLX's products run bfloat16: a copy none would use

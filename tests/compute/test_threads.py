@@ -27,7 +27,7 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
     on the others, and a generation's graph-building thread there too while it decodes (its own cores after)."""
     from mlx_lm.sample_utils import make_sampler
 
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
     from edge0.decode import loop as steps
 
@@ -36,8 +36,8 @@ def test_two_threads_more_than_the_cores_keep_the_streams_core_for_the_stream(th
     assert EXT.thread_cpus() == ([CORES[-1]], list(CORES[:-1]))
     before = os.sched_getaffinity(0)
     seen = []
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", kernel_threads=n,
-                                  prompt_cache_gib=0)) as engine, engine.kernel.active():
+    with open_engine(EngineConfig(model=str(demo_store()), kernel=KernelConfig(name="edge0", threads=n),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine, engine.kernel.active():
         for _ in steps.generate_steps(engine.store.model, [1, 2, 3, 4], max_tokens=3, sampler=make_sampler(0.0),
                                       runtime=engine.store.runtime):
             seen.append(os.sched_getaffinity(0))
@@ -60,13 +60,13 @@ def test_an_engine_takes_both_of_two_cores_where_every_expert_is_resident(thread
     """Without --kernel-threads an engine sets its decode threads for its runtime: on 2 cores both where every expert
     is resident (nothing is read in decode: no I/O pool to leave a core to), one where experts stream; the stream
     then keeps its core (the first case) or nothing is placed (the second)."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
 
     got = {}
     for executor in ("resident", "staged"):
-        with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", executor=executor,
-                                      prompt_cache_gib=0)):
+        with open_engine(EngineConfig(model=str(demo_store()), io=IOConfig(executor=executor),
+                                      kernel=KernelConfig(name="edge0"), serving=ServingConfig(prompt_cache_gib=0))):
             got[executor] = (EXT.num_threads(), EXT.thread_cpus()[0])
     want = {ex: kernels.default_threads(resident=ex == "resident") for ex in got}
     assert {ex: n for ex, (n, _) in got.items()} == want
@@ -80,7 +80,7 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
     a generation does, and leaves the worker thread's cores as they were."""
     import asyncio
 
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, KernelConfig, ServingConfig
     from edge0.engine import demo_store, open_engine
     from edge0.serve.cycle import Batch
 
@@ -90,8 +90,8 @@ def test_a_served_batch_builds_its_steps_off_the_streams_core(threads, monkeypat
             self.cancel = type("Flag", (), {"is_set": staticmethod(lambda: False)})
 
     n = len(CORES)
-    with open_engine(EngineConfig(model=str(demo_store()), kernel="edge0", kernel_threads=n,
-                                  prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(model=str(demo_store()), kernel=KernelConfig(name="edge0", threads=n),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         decoder = Batch(engine, 2)
         batch = decoder.batch
         seen, step = [], batch.step

@@ -11,7 +11,7 @@ import sys
 from mlx.utils import tree_flatten
 
 from edge0 import dist
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig
 
 PROMPT = "hello world, the"
 
@@ -23,7 +23,8 @@ def main(store: str, configs: list[str]) -> None:
     store = os.environ.get(f"EDGE0_TEST_STORE_{rank}", store)  # a rank given another store (mismatch test)
     for spec in configs:
         routing, executor = spec.split(":")
-        config = EngineConfig(model=store, routing=routing, executor=executor, lora="none")
+        config = EngineConfig(model=store, routing=RoutingConfig(mode=routing, lora="none"),
+                              io=IOConfig(executor=executor))
         with dist.open_engine(config, quiet_others=False) as engine:
             pieces = []
 

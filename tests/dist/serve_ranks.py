@@ -14,7 +14,7 @@ import time
 import edge0.dist.rank  # noqa: F401 (imports the engine's open_engine before it is replaced below)
 import edge0.engine
 from edge0 import dist
-from edge0.config import EngineConfig, Sampling
+from edge0.config import EngineConfig, IOConfig, RoutingConfig, Sampling
 
 edge0.engine.open_engine = dist.serving_engine  # what `edge0 serve` opens under mlx.launch
 
@@ -58,7 +58,7 @@ async def serve(config, port: int) -> None:
 
 
 def main(store: str, routing: str, port: int) -> None:
-    config = EngineConfig(model=store, routing=routing, executor="staged", lora="none")
+    config = EngineConfig(model=store, routing=RoutingConfig(mode=routing, lora="none"), io=IOConfig(executor="staged"))
     if dist.world().rank() != 0:
         follow(config)
         return

@@ -41,7 +41,7 @@ def test_adapter_ab_prints_the_three_arms_and_leaves_the_served_adapter(monkeypa
                          rf"none [\d.]+ tok/s \(1.000x none\)", out), out
     assert set(swaps) == {"mlx.core.bfloat16", "mlx.core.float32", "bare"}, swaps
     left = adapted(spy.model)
-    served = Adapter.read(resolve(EngineConfig()).lora).weights  # the built-in model's default adapter
+    served = Adapter.read(resolve(EngineConfig()).routing.lora).weights  # the built-in model's default adapter
     assert set(left) == set(served) and {m["lora_a"].dtype for m in left.values()} == {mx.bfloat16}  # put back
 
 

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from edge0 import eval as ev
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, RoutingConfig
 from edge0.model.demo import DEMO_DIR, DEMO_FP, DEMO_PROMPT, DEMO_STORE
 from edge0.model.load import cast_floats, load_store
 from edge0.decode.loop import generate_steps
@@ -50,7 +50,7 @@ def test_exact_path_reproduces_mlx_lm_greedy_tokens(tmp_path):
 
 def test_heldout_perplexity_far_below_initialisation():
     # the model's own router: what the training taught, in one forward pass per window
-    r = ev.evaluate(DEMO_STORE, max_tokens=1024, config=EngineConfig(routing="native"))
+    r = ev.evaluate(DEMO_STORE, max_tokens=1024, config=EngineConfig(routing=RoutingConfig(mode="native")))
     stream, _ = token_stream(DEMO_STORE, None)
     config = json.loads((DEMO_FP / "config.json").read_text())
     init = base.build_model(config, seed=0)

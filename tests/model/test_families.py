@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.compute import expert_math
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.model.adapter import FamilyBlock, StreamedExperts, expert_slots
 from edge0.io.manifest import read_manifest
@@ -60,8 +60,9 @@ def edge0_run(engine, prompt) -> tuple[list[int], list[np.ndarray]]:
     return [t for t, _ in out], [lp for _, lp in out]
 
 
-def engine(store, **fields):
-    return open_engine(EngineConfig(model=str(store), dtype="float32", kernel="mlx", **fields))
+def engine(store, settings: dict):
+    return open_engine(EngineConfig.of({"model": str(store), "kernel.dtype": "float32", "kernel.name": "mlx",
+                                        **settings}))
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
@@ -71,11 +72,12 @@ def test_tokens_match_mlx_lm_exact_staged_and_prefetch(models, arch):
     assert config_problems(read_manifest(store), read_config(store)) == []  # what edge0 verify checks
     predictor = "next-router" if arch in ROUTERS else "repeat"
     runs = {}
-    for name, fields in {"exact": dict(routing="native", executor="exact"),
-                         "staged": dict(routing="native", executor="staged"),
+    for name, fields in {"exact": {"routing.mode": "native", "io.executor": "exact"},
+                         "staged": {"routing.mode": "native", "io.executor": "staged"},
                          # read ahead at every step: a warm page cache or the gate would pause it
-                         "prefetch": dict(routing="prefetch", predictor=predictor, read_ahead="always")}.items():
-        with engine(store, **fields) as e:
+                         "prefetch": {"routing.mode": "prefetch", "routing.predictor": predictor,
+                                      "routing.read_ahead": "always"}}.items():
+        with engine(store, fields) as e:
             runs[name] = edge0_run(e, prompt)
             if name == "prefetch":
                 assert e.store.runtime.sched.stats.loads > 0
@@ -137,8 +139,9 @@ def test_predicted_routing_trains_heads_and_routes_as_they_decide(models, arch, 
     consumers = set(report["consumers"])
     assert consumers and report["recall"]
     trace = Trace()
-    with open_engine(EngineConfig(model=str(store), dtype="float32", kernel="mlx", routing="predicted",
-                                  executor="staged", heads=str(heads)), trace=trace) as e:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(mode="predicted", heads=str(heads)),
+                                  io=IOConfig(executor="staged"),
+                                  kernel=KernelConfig(dtype="float32", name="mlx")), trace=trace) as e:
         tokens, _ = edge0_run(e, e.encode_text(PROMPT))
     assert len(tokens) == STEPS
     preds = [ev["args"] for ev in trace.events if ev.get("name") == "prediction" and ev["args"]["layer"] in consumers
@@ -193,7 +196,7 @@ def test_hugging_face_layout_converts_as_mlx_lm_quantizes_it(models, arch, tmp_p
     oracle = tmp_path / "mlx-lm-q"
     mlx_lm_convert(str(src), mlx_path=str(oracle), quantize=True)
     prompt, want, _ = mlx_lm_run(oracle)
-    with engine(models(arch, "hf"), routing="native", executor="exact") as e:
+    with engine(models(arch, "hf"), {"routing.mode": "native", "io.executor": "exact"}) as e:
         assert edge0_run(e, prompt)[0] == want
 
 
@@ -224,7 +227,7 @@ def test_prefetch_without_a_router_description_is_refused(models):
 
     assert "gemma4_text" not in ROUTERS and "gemma4" not in ROUTERS  # the router is in the decoder layer
     with pytest.raises(Edge0Error, match="no router description for this family .* use --predictor repeat"):
-        engine(models("gemma4_text"), routing="prefetch", predictor="next-router")
+        engine(models("gemma4_text"), {"routing.mode": "prefetch", "routing.predictor": "next-router"})
 
 
 @pytest.mark.parametrize("alias, arch", [("kimi_k2", "deepseek_v3"), ("minimax_m2", "minimax")])
@@ -241,5 +244,5 @@ def test_model_type_aliases_run_their_family(models, alias, arch, tmp_path):
     (src / "config.json").write_text(json.dumps({**config, "model_type": alias}))
     store = convert(src, tmp_path / f"{alias}-store", progress=False)
     prompt, want, _ = mlx_lm_run(src)
-    with engine(store, routing="prefetch", predictor="next-router") as e:
+    with engine(store, {"routing.mode": "prefetch", "routing.predictor": "next-router"}) as e:
         assert e.store.manifest.arch == alias and edge0_run(e, prompt)[0] == want

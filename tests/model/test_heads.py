@@ -128,13 +128,14 @@ def test_training_improves_recall_and_resumes(trained, tmp_path):
 
 
 def test_eval_scores_every_serving_mode(trained):
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, RoutingConfig
     from edge0.eval import evaluate
 
     store, heads, _ = trained
-    native = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing="native"))
-    prefetch = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing="prefetch"))
-    predicted = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing="predicted", heads=str(heads)))
+    native = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing=RoutingConfig(mode="native")))
+    prefetch = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing=RoutingConfig(mode="prefetch")))
+    predicted = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing=RoutingConfig(mode="predicted",
+                                                                                                     heads=str(heads))))
     assert prefetch["tokens"] == native["tokens"] == 48
     assert prefetch["loss"] == pytest.approx(native["loss"], rel=1e-4)  # token by token = one forward pass
     assert predicted["loss"] != native["loss"] and predicted["kind"] == "store, routing predicted"

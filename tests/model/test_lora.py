@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine, resolve
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
@@ -79,8 +79,9 @@ def test_zero_adapter_changes_nothing_and_no_adapter_costs_nothing(served):
     tokens = list(range(3, 40))
     out = {}
     for name, lora in (("none", "none"), ("zero", str(zero)), ("rand", str(rand))):
-        with open_engine(EngineConfig(model=str(store), kernel="mlx", lora=lora)) as e:
-            assert e.config.routing == "predicted"
+        with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(lora=lora),
+                                      kernel=KernelConfig(name="mlx"))) as e:
+            assert e.config.routing.mode == "predicted"
             assert len(adapted(e.store.model)) == (0 if lora == "none" else 5 * e.store.config["num_hidden_layers"])
             out[name] = np.array(e.forced_logprobs(tokens))
     assert np.array_equal(out["none"], out["zero"])  # a zero branch adds exact zeros
@@ -94,7 +95,8 @@ def test_training_graph_is_the_served_graph(served):
 
     store, heads, _, rand = served
     tokens = list(range(5, 45))
-    with open_engine(EngineConfig(model=str(store), kernel="mlx", lora=str(rand))) as e:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(lora=str(rand)),
+                                  kernel=KernelConfig(name="mlx"))) as e:
         want = np.array(e.forced_logprobs(tokens))
     student = load_student(store, heads)
     try:
@@ -108,7 +110,8 @@ def test_training_graph_is_the_served_graph(served):
         student.close()
     assert np.allclose(got, want, atol=1e-5)
     assert seqs.shape == (2, 11) and np.array_equal(seqs[:, :6], prompts)
-    with open_engine(EngineConfig(model=str(store), kernel="mlx", lora=str(rand))) as e:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(lora=str(rand)),
+                                  kernel=KernelConfig(name="mlx"))) as e:
         from mlx_lm.sample_utils import make_sampler
 
         from edge0.decode.loop import generate_steps
@@ -149,19 +152,21 @@ def test_adapter_files_round_trip_and_are_bound(served, models, tmp_path):
 def test_default_adapter_is_the_one_beside_the_store_with_its_heads(served, tmp_path):
     store, heads, _, rand = served
     k = read_manifest(store).top_k
-    assert resolve(EngineConfig(model=str(store))).lora == "none"  # nothing beside the store yet
+    assert resolve(EngineConfig(model=str(store))).routing.lora == "none"  # nothing beside the store yet
     shutil.copy(rand, store / f"lora-k{k}.safetensors")
     try:
-        assert resolve(EngineConfig(model=str(store))).lora == str(store / f"lora-k{k}.safetensors")
-        assert resolve(EngineConfig(model=str(store), routing="native")).lora == "none"
-        assert resolve(EngineConfig(model=str(store), lora="none")).lora == "none"
+        assert resolve(EngineConfig(model=str(store))).routing.lora == str(store / f"lora-k{k}.safetensors")
+        assert resolve(EngineConfig(model=str(store), routing=RoutingConfig(mode="native"))).routing.lora == "none"
+        assert resolve(EngineConfig(model=str(store), routing=RoutingConfig(lora="none"))).routing.lora == "none"
         other = tmp_path / "other-heads.safetensors"
         shutil.copy(heads, other)  # heads of one's own: the store's adapter is not theirs
-        assert resolve(EngineConfig(model=str(store), routing="predicted", heads=str(other))).lora == "none"
-        named = resolve(EngineConfig(model=str(store), heads=str(other)))  # the heads named route by default too
-        assert (named.routing, named.heads, named.lora) == ("predicted", str(other), "none")
+        assert resolve(EngineConfig(model=str(store),
+                                    routing=RoutingConfig(mode="predicted", heads=str(other)))).routing.lora == "none"
+        named = resolve(EngineConfig(model=str(store),
+                                     routing=RoutingConfig(heads=str(other))))  # the heads named route by default too
+        assert (named.routing.mode, named.routing.heads, named.routing.lora) == ("predicted", str(other), "none")
         with pytest.raises(Edge0Error, match="--routing native does not apply"):
-            resolve(EngineConfig(model=str(store), routing="native", lora=str(rand)))
+            resolve(EngineConfig(model=str(store), routing=RoutingConfig(mode="native", lora=str(rand))))
         out = helpers.run_json("--model", str(store), "--max-tokens", "4", "--prompt", "def f(x):")
         assert out["lora"] == str(store / f"lora-k{k}.safetensors") and out["routing"] == "predicted"
     finally:
@@ -175,10 +180,10 @@ def test_built_in_model_serves_its_adapters_by_default():
     from edge0.model.demo import DEMO_STORE
 
     for k in (4, 2):
-        c = resolve(EngineConfig(top_k=None if k == 4 else k))
-        assert c.routing == "predicted" and c.lora == str(DEMO_STORE / f"lora-k{k}.safetensors")
+        c = resolve(EngineConfig(routing=RoutingConfig(top_k=None if k == 4 else k))).routing
+        assert c.mode == "predicted" and c.lora == str(DEMO_STORE / f"lora-k{k}.safetensors")
         assert Adapter.read(c.lora).top_k == k
-    ppl = {lora: evaluate(DEMO_STORE, max_tokens=512, config=EngineConfig(lora=lora))["ppl"]
+    ppl = {lora: evaluate(DEMO_STORE, max_tokens=512, config=EngineConfig(routing=RoutingConfig(lora=lora)))["ppl"]
            for lora in ("none", str(DEMO_STORE / "lora-k4.safetensors"))}
     assert ppl[str(DEMO_STORE / "lora-k4.safetensors")] < ppl["none"] * 0.99, ppl
 
@@ -194,9 +199,11 @@ def test_student_path_follows_the_heads_routes(served, tmp_path):
     only = tmp_path / "routes-none.safetensors"
     hs.save(only)
     tokens = list(range(7, 40))
-    with open_engine(EngineConfig(model=str(store), kernel="mlx", routing="predicted", heads=str(only))) as e:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(mode="predicted", heads=str(only)),
+                                  kernel=KernelConfig(name="mlx"))) as e:
         want = np.array(e.forced_logprobs(tokens))
-    with open_engine(EngineConfig(model=str(store), kernel="mlx", routing="predicted")) as e:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(mode="predicted"),
+                                  kernel=KernelConfig(name="mlx"))) as e:
         assert not np.allclose(np.array(e.forced_logprobs(tokens)), want, atol=1e-3)  # the heads did route
     student = load_student(store, only)
     try:
@@ -229,8 +236,9 @@ def test_moe_branch_in_the_block_node_and_as_its_own_node_agree(tmp_path):
     out = {}
     arms = (("fused", "resident", "branch"), ("nodes", "staged", "branch"), ("none", "resident", "none"))
     for name, ex, lora in arms:
-        c = EngineConfig(executor=ex, kernel="edge0", candidates=2 * m.top_k,
-                         lora=str(tmp_path / "branch.safetensors") if lora == "branch" else "none")
+        adapter = str(tmp_path / "branch.safetensors") if lora == "branch" else "none"
+        c = EngineConfig(routing=RoutingConfig(candidates=2 * m.top_k, lora=adapter), io=IOConfig(executor=ex),
+                         kernel=KernelConfig(name="edge0"))
         with open_engine(c) as e:
             out[name] = np.array(e.forced_logprobs(tokens))
     assert np.array_equal(out["fused"], out["nodes"])

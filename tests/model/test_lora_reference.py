@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge0.compute import kernels
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.model.demo import DEMO_STORE
 from edge0.model.lora import LoRABranch, LoRALinear, adapted
@@ -37,7 +37,8 @@ def test_each_served_projection_is_its_base_plus_alpha_over_r_times_b_a_x(kernel
     tensors, alpha, rank = _file(LORA)
     assert alpha / rank != 1  # a scale of 1 must be told apart from the file's
     rng = np.random.default_rng(0)
-    with open_engine(EngineConfig(kernel=kernel, lora=str(LORA))) as engine, engine.kernel.active():
+    with open_engine(EngineConfig(routing=RoutingConfig(lora=str(LORA)),
+                                  kernel=KernelConfig(name=kernel))) as engine, engine.kernel.active():
         assert engine.kernel.name == kernel
         mods = adapted(engine.store.model)
         assert sorted(f"{k}.lora_{ab}" for k in mods for ab in "ab") == sorted(tensors)
@@ -76,7 +77,8 @@ def test_only_alpha_over_r_times_b_reaches_the_output(tmp_path, executor, kernel
     tokens = list(range(100, 140))
     out = {}
     for name, lora in (("file", str(LORA)), ("half", str(half)), ("none", "none")):
-        with open_engine(EngineConfig(executor=executor, kernel=kernel, lora=lora)) as engine:
+        with open_engine(EngineConfig(routing=RoutingConfig(lora=lora), io=IOConfig(executor=executor),
+                                      kernel=KernelConfig(name=kernel))) as engine:
             out[name] = np.array(engine.forced_logprobs(tokens))
     assert np.abs(out["file"] - out["none"]).max() > 1e-2  # the adapter does something
     assert np.abs(out["file"] - out["half"]).max() <= 1e-4, np.abs(out["file"] - out["half"]).max()

@@ -266,7 +266,7 @@ def test_real_model_presets_are_qwen3_moe_only(tmp_path):
 def test_experts_written_directly_as_random_words_make_a_store_that_runs(tmp_path, monkeypatch):
     """The real-shape presets' way of writing experts (as paper-35b's), at the tiny preset's scale: the words are
     not a quantized float tensor's, and the store converts and generates (here on a forced routing trace)."""
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, RoutingConfig
     from edge0.engine import open_engine
     from edge0.io.routetrace import RouteTrace
     from edge0.model.convert import convert as to_store
@@ -281,7 +281,8 @@ def test_experts_written_directly_as_random_words_make_a_store_that_runs(tmp_pat
     store = to_store(src, tmp_path / "s", progress=False)
     rng = np.random.default_rng(0)
     ids = np.stack([[rng.permutation(16)[:4] for _ in range(8)] for _ in range(4)]).astype(np.int32)
-    with open_engine(EngineConfig(model=str(store), routing="native", executor="staged")) as engine:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(mode="native"),
+                                  io=IOConfig(executor="staged"))) as engine:
         TracedRouting(engine.store.model, trace=RouteTrace(ids, None, [0, 1, 2, 3]), record=False, what="t")
         fig = engine.generate(engine.request([1, 2, 3, 4], max_tokens=4, ignore_eos=True))
     assert len(fig.tokens) == 4 and fig.bytes_read > 0

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from edge0.compute.eviction import replay, trace_hit_rates
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.io.routetrace import RouteTrace
 from edge0.model.traced import TracedRouting
@@ -32,7 +32,8 @@ def test_a_staged_run_hits_what_the_replay_of_its_trace_hits():
     decode = trace.ids[:, len(PROMPT) - 1:len(PROMPT) + TOKENS - 1]  # rows the banks serve: the prompt's last, each step's
     hits = {}
     for policy in ("lru", "lfu"):
-        config = EngineConfig(routing="native", executor="staged", evict=policy, prompt_cache_gib=0)
+        config = EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged", evict=policy),
+                              serving=ServingConfig(prompt_cache_gib=0))
         with open_engine(config) as engine:
             TracedRouting(engine.store.model, trace=trace, record=False, what="--routes t")
             stats = engine.store.runtime.stats
@@ -50,8 +51,9 @@ def test_a_hot_run_hits_what_the_shared_replay_of_its_trace_hits():
     trace = _skewed_trace(len(PROMPT) + TOKENS, skew=0.0, seed=6)
     decode = trace.ids[:, len(PROMPT) - 1:len(PROMPT) + TOKENS - 1]
     for policy in ("lru", "lfu"):
-        config = EngineConfig(routing="native", executor="hot", memory_budget_gib=0.012, evict=policy,
-                              prompt_cache_gib=0)
+        config = EngineConfig(routing=RoutingConfig(mode="native"),
+                              io=IOConfig(executor="hot", memory_budget_gib=0.012, evict=policy),
+                              serving=ServingConfig(prompt_cache_gib=0))
         with open_engine(config) as engine:
             TracedRouting(engine.store.model, trace=trace, record=False, what="--routes t")
             stats = engine.store.runtime.stats

@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.pipeline.gate import CertainReads, NoReadAhead, ReadAheadGate
 
@@ -223,7 +223,7 @@ class SteppedClock:
 @pytest.fixture(scope="module")
 def text():
     ids = real_text(64)
-    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged"))) as engine:
         return ids, forced(engine, ids)
 
 
@@ -234,14 +234,14 @@ def test_gated_steps_read_nothing_ahead_and_change_no_output(text, routing):
     read ahead, and the log-probabilities are native's (prefetch) or those of predicted routing that always reads
     ahead."""
     ids, native = text
-    config = dict(routing=routing, io_throttle_mbps=400)
+    config = {"routing.mode": routing, "io.throttle_mbps": 400}
     if routing == "prefetch":
-        config["predictor"] = "heads"
+        config["routing.predictor"] = "heads"
     else:
-        config["executor"] = "staged"
-    with open_engine(EngineConfig(read_ahead="always", **config)) as engine:
+        config["io.executor"] = "staged"
+    with open_engine(EngineConfig.of({"routing.read_ahead": "always", **config})) as engine:
         want = native if routing == "prefetch" else forced(engine, ids)
-    with open_engine(EngineConfig(**config)) as engine:
+    with open_engine(EngineConfig.of(config)) as engine:
         rt = engine.store.runtime
         rt.gate.clock = SteppedClock(rt, fast_mode_paused=True)
         seen = []  # (step, paused, reads ahead so far)
@@ -268,11 +268,11 @@ def test_read_ahead_never_pauses_every_step_and_changes_no_output(text, routing)
     """--read-ahead never under a slow disk: every decode step paused from the first; prefetch reads nothing ahead
     (native's reads, native's numbers), predicted routing only its heads' routing (its `always` run's numbers)."""
     ids, native = text
-    config = dict(routing=routing, io_throttle_mbps=400)
-    config.update(predictor="heads") if routing == "prefetch" else config.update(executor="staged")
-    with open_engine(EngineConfig(read_ahead="always", **config)) as engine:
+    config = {"routing.mode": routing, "io.throttle_mbps": 400}
+    config |= {"routing.predictor": "heads"} if routing == "prefetch" else {"io.executor": "staged"}
+    with open_engine(EngineConfig.of({"routing.read_ahead": "always", **config})) as engine:
         want = native if routing == "prefetch" else forced(engine, ids)
-    with open_engine(EngineConfig(read_ahead="never", **config)) as engine:
+    with open_engine(EngineConfig.of({"routing.read_ahead": "never", **config})) as engine:
         rt = engine.store.runtime
         got = forced(engine, ids)
     assert np.array_equal(got, want)
@@ -287,24 +287,27 @@ def test_banks_that_hold_every_expert_read_nothing_ahead(text, predictor):
     disk, decoding at 0.88x native): no fill is read ahead, the log-probabilities stay native's. Predicted routing
     keeps its gate (its reads ahead are its routing's)."""
     ids, native = text
-    with open_engine(EngineConfig(routing="prefetch", predictor=predictor, executor="staged", slots=32,
-                                  io_throttle_mbps=400)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor=predictor),
+                                  io=IOConfig(executor="staged", slots=32, throttle_mbps=400))) as engine:
         rt = engine.store.runtime
         assert isinstance(rt.gate, NoReadAhead)
         summary = rt.gate.summary()  # --json's read_ahead says so (it said nothing of the mode)
         assert summary["mode"] == "never" and "every streamed bank holds every expert" in summary["why"]
         got = forced(engine, ids)
     assert np.array_equal(got, native) and ahead(rt) == 0 and rt.paused_steps == len(ids) - 1
-    with open_engine(EngineConfig(routing="prefetch", predictor=predictor, executor="staged", slots=28)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor=predictor),
+                                  io=IOConfig(executor="staged", slots=28))) as engine:
         gate = engine.store.runtime.gate  # 28 slots: some layer's bank is short of E
         assert type(gate) is ReadAheadGate and gate.summary()["mode"] == "measured" and "why" not in gate.summary()
-    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=32)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="predicted"),
+                                  io=IOConfig(executor="staged", slots=32))) as engine:
         assert not isinstance(engine.store.runtime.gate, NoReadAhead)
 
 
 def test_reading_ahead_measured_faster_is_kept(text):
     ids, want = text
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor="heads"),
+                                  io=IOConfig(throttle_mbps=400))) as engine:
         rt = engine.store.runtime
         rt.gate.clock = SteppedClock(rt, fast_mode_paused=False)
         got = forced(engine, ids)
@@ -327,8 +330,10 @@ def test_a_served_batchs_joins_and_leaves_are_not_timed_as_steps():
     join costs 10 s on the clock)."""
     from tests.test_batching import PROMPTS, run_batch
 
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", io_throttle_mbps=400, max_batch=4, slots=24,
-                                  prompt_cache_gib=0)) as engine:  # (32 slots, batch 4's default, read nothing ahead)
+    # (32 slots, batch 4's default, read nothing ahead)
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor="heads"),
+                                  io=IOConfig(throttle_mbps=400, slots=24),
+                                  serving=ServingConfig(max_batch=4, prompt_cache_gib=0))) as engine:
         rt = engine.store.runtime
         clock, timed = Clock(), []
 

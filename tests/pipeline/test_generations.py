@@ -18,22 +18,22 @@ GREEDY = make_sampler(temp=0.0)
 LONG = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\nprint("
 OTHER = "import os\nimport sys\n" * 6
 SHORT = "x = [1, 2"
-CONFIGS = {  # EngineConfig fields; {} is what `edge0 run` does with no flag
+CONFIGS = {  # EngineConfig settings by path; {} is what `edge0 run` does with no flag
     "default": {},  # predicted routing; every expert of the demo fits: resident (auto)
-    "predicted-staged": {"routing": "predicted", "executor": "staged"},
+    "predicted-staged": {"routing.mode": "predicted", "io.executor": "staged"},
     # layers 0, 1, 5 hold their experts, the heads route 2-4: no layer syncs, decode overlaps its steps
-    "predicted-staged-held": {"routing": "predicted", "executor": "staged", "slots": 20},
-    "prefetch": {"routing": "prefetch"},
-    "native": {"routing": "native"},  # every expert of the demo fits: resident (auto)
-    "native-staged": {"routing": "native", "executor": "staged"},
-    "native-hot": {"routing": "native", "executor": "hot"},
-    "native-exact": {"routing": "native", "executor": "exact"},
+    "predicted-staged-held": {"routing.mode": "predicted", "io.executor": "staged", "io.slots": 20},
+    "prefetch": {"routing.mode": "prefetch"},
+    "native": {"routing.mode": "native"},  # every expert of the demo fits: resident (auto)
+    "native-staged": {"routing.mode": "native", "io.executor": "staged"},
+    "native-hot": {"routing.mode": "native", "io.executor": "hot"},
+    "native-exact": {"routing.mode": "native", "io.executor": "exact"},
 }
 _fresh: dict = {}
 
 
 def open_demo(config: dict, model=None):
-    return open_engine(EngineConfig(model=model, **config))
+    return open_engine(EngineConfig.of({"model": model, **config}))
 
 
 def generate(engine, ids: list[int], sampler=GREEDY, steps: int = STEPS, stop_after: int | None = None) -> list[int]:
@@ -138,10 +138,10 @@ KERNELS = ["mlx"] + (["edge0"] if kernels.available() else [])
 
 @pytest.mark.parametrize("name", list(CONFIGS) + [f"default-{k}" for k in KERNELS if k != "mlx"])
 def test_generation_after_generation_equals_a_fresh_store(name):
-    config = dict(CONFIGS.get(name, {}), **({"kernel": name.split("-")[1]} if name.startswith("default-") else {}))
+    config = CONFIGS.get(name, {}) | ({"kernel.name": name.split("-")[1]} if name.startswith("default-") else {})
     with open_demo(config) as engine:
         if name.startswith("default"):
-            assert engine.config.routing == "predicted" and engine.config.predictor == "heads"
+            assert engine.config.routing.mode == "predicted" and engine.config.routing.predictor == "heads"
         for what, ids in prompts(engine).items():
             assert generate(engine, ids) == fresh(config, ids), what
             assert_clean(engine)

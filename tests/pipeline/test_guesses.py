@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.pipeline import prefetch
 
@@ -38,8 +38,8 @@ def test_fewer_guesses_read_less_ahead_and_equal_native(text, predictor, monkeyp
     for guesses in (None, 1):
         # read_ahead always: the measured gate pauses reading ahead by the steps' timing, and what is planned must
         # follow the predictions alone
-        cfg = EngineConfig(routing="prefetch", predictor=predictor, guesses=guesses, io_throttle_mbps=THROTTLE,
-                           read_ahead="always")
+        cfg = EngineConfig(routing=RoutingConfig(mode="prefetch", predictor=predictor, guesses=guesses,
+                                                 read_ahead="always"), io=IOConfig(throttle_mbps=THROTTLE))
         with open_engine(cfg) as engine:
             sched, sizes = engine.store.runtime.sched, []
             plan = sched.prefetch
@@ -63,8 +63,8 @@ def test_a_guess_ranks_the_bank_by_the_scores_it_was_drawn_from(text, routing):
     (predicted) carries none: its reads are certain, and the bank keeps the least recently used order. Either way
     native's log-probabilities where the routing is native's."""
     ids, want = text
-    cfg = EngineConfig(routing=routing, predictor="heads", executor="staged", io_throttle_mbps=THROTTLE,
-                       read_ahead="always")
+    cfg = EngineConfig(routing=RoutingConfig(mode=routing, predictor="heads", read_ahead="always"),
+                       io=IOConfig(executor="staged", throttle_mbps=THROTTLE))
     with open_engine(cfg) as engine:
         sched, plans = engine.store.runtime.sched, []
         plan = sched.prefetch
@@ -90,8 +90,8 @@ def test_guesses_rank_the_bank_in_bfloat16_compute():
     """--dtype bfloat16: the router's logits are bfloat16, which numpy cannot read; a guess's scores come to the host
     as float32, and the experts guessed are still the K it scores highest."""
     ids = real_text(40)
-    cfg = EngineConfig(routing="prefetch", predictor="next-router", dtype="bfloat16", io_throttle_mbps=THROTTLE,
-                       read_ahead="always")
+    cfg = EngineConfig(routing=RoutingConfig(mode="prefetch", predictor="next-router", read_ahead="always"),
+                       io=IOConfig(throttle_mbps=THROTTLE), kernel=KernelConfig(dtype="bfloat16"))
     with open_engine(cfg) as engine:
         sched, plans = engine.store.runtime.sched, []
         plan = sched.prefetch

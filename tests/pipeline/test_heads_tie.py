@@ -4,7 +4,7 @@ set at t, at t-1) for the same token, and training pairs the features at t with 
 import mlx.core as mx
 import numpy as np
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.model.heads import Head, HeadSet, features
 from edge0.train.head_phase import head_loss, window_features, window_targets
@@ -25,7 +25,8 @@ def test_served_features_are_the_training_features(monkeypatch):
 
     monkeypatch.setattr(Head, "predict", recording)
     prompt = 24  # every step predicts (read_ahead always), warm store or not
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", read_ahead="always")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor="heads",
+                                                        read_ahead="always"))) as engine:
         owners = sorted(set(engine.store.runtime.heads.owners.values()))
         with engine.kernel.active():
             from mlx_lm.sample_utils import make_sampler

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.model.demo import DEMO_STORE
 from edge0.sched.trace import Trace
@@ -25,30 +25,30 @@ def real_text(n: int = TOKENS + 16, at: int = 5000) -> list[int]:
     return ids
 
 
-def logprobs(ids: list[int], **config) -> np.ndarray:
-    with open_engine(EngineConfig(**config)) as engine:
+def logprobs(ids: list[int], config: dict) -> np.ndarray:
+    with open_engine(EngineConfig.of(config)) as engine:
         return np.array(engine.forced_logprobs(ids))
 
 
 @pytest.fixture(scope="module")
 def native():
     ids = real_text()
-    return ids, logprobs(ids, routing="native", executor="staged")
+    return ids, logprobs(ids, {"routing.mode": "native", "io.executor": "staged"})
 
 
 @pytest.mark.parametrize("config", [
-    {"routing": "prefetch", "predictor": "next-router"},
-    {"routing": "prefetch", "predictor": "repeat"},
-    {"routing": "prefetch", "predictor": "heads", "io_workers": 1},
-    {"routing": "prefetch", "predictor": "heads", "io_workers": 3},
+    {"routing.mode": "prefetch", "routing.predictor": "next-router"},
+    {"routing.mode": "prefetch", "routing.predictor": "repeat"},
+    {"routing.mode": "prefetch", "routing.predictor": "heads", "io.workers": 1},
+    {"routing.mode": "prefetch", "routing.predictor": "heads", "io.workers": 3},
     # the others read ahead while the gate measures it faster (and switch mid-run); this one at every step
-    {"routing": "prefetch", "predictor": "heads", "read_ahead": "always"},
-    {"routing": "native", "executor": "hot"},
-    {"routing": "native", "executor": "exact"},
+    {"routing.mode": "prefetch", "routing.predictor": "heads", "routing.read_ahead": "always"},
+    {"routing.mode": "native", "io.executor": "hot"},
+    {"routing.mode": "native", "io.executor": "exact"},
 ], ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_prefetch_equals_native_on_real_text_under_a_slow_disk(native, config):
     ids, want = native
-    got = logprobs(ids, io_throttle_mbps=THROTTLE, **config)
+    got = logprobs(ids, {"io.throttle_mbps": THROTTLE, **config})
     assert got.shape == want.shape and np.array_equal(got, want)
 
 
@@ -57,7 +57,8 @@ def test_predicted_routing_reads_nothing_on_demand_at_consumer_layers(tmp_path):
     experts were read during the step before: no demand read at those layers unless a plan was dropped."""
     ids = real_text()
     trace = Trace()
-    with open_engine(EngineConfig(routing="predicted", executor="staged", io_throttle_mbps=THROTTLE), trace=trace) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="predicted"),
+                                  io=IOConfig(executor="staged", throttle_mbps=THROTTLE)), trace=trace) as engine:
         engine.forced_logprobs(ids)
         consumers = set(engine.store.runtime.heads.owners)
         dropped = engine.store.runtime.sched.stats.dropped

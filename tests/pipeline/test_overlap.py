@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.compute import kernels
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.decode.loop import generate_steps
 
@@ -48,10 +48,12 @@ def run(engine, ids, steps=STEPS, stop_after=None, cache=None):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_resident_decode_builds_the_next_step_ahead_and_equals_exact(kernel):
-    with open_engine(EngineConfig(routing="native", executor="exact", kernel=kernel)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="exact"),
+                                  kernel=KernelConfig(name=kernel))) as engine:
         ids = engine.encode_text(PROMPT)
         want, want_lp, want_calls, _ = run(engine, ids)
-    with open_engine(EngineConfig(routing="native", executor="resident", kernel=kernel)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="resident"),
+                                  kernel=KernelConfig(name=kernel))) as engine:
         got, got_lp, calls, _ = run(engine, ids)
     assert got == want
     for a, b in zip(got_lp, want_lp):
@@ -65,7 +67,7 @@ def test_resident_decode_builds_the_next_step_ahead_and_equals_exact(kernel):
 def test_an_early_stop_leaves_the_cache_holding_what_was_yielded_but_the_last():
     """The step built ahead of the last yielded token is dropped from the cache: the generation continues from
     the cache and the last token as the uninterrupted one does (a chat's next turn, the prompt cache)."""
-    with open_engine(EngineConfig(routing="native", executor="resident")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="resident"))) as engine:
         ids = engine.encode_text(PROMPT)
         full, full_lp, _, _ = run(engine, ids)
         first, _, _, cache = run(engine, ids, stop_after=5)
@@ -87,7 +89,7 @@ def test_a_raising_step_built_ahead_leaves_the_next_generation_exact():
             raise RuntimeError("sampler call 4")
         return GREEDY(logprobs)
 
-    with open_engine(EngineConfig(routing="native", executor="resident")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="resident"))) as engine:
         ids = engine.encode_text(PROMPT)
         want, _, _, _ = run(engine, ids)
         with engine.kernel.active(), pytest.raises(RuntimeError, match="sampler call 4"):
@@ -98,12 +100,13 @@ def test_a_raising_step_built_ahead_leaves_the_next_generation_exact():
 
 
 def test_auto_picks_resident_where_every_expert_fits():
-    with open_engine(EngineConfig(routing="native")) as engine:  # the demo store: 12 MiB of experts
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"))) as engine:  # the demo store: 12 MiB of experts
         assert engine.store.runtime.executor == "resident"
         held = engine.store.runtime.resident_expert_bytes
         assert held >= engine.store.manifest.expert_bytes  # every bundle (bf16 scales widened on MLX's kernels)
     budget = held / 2 / 2**30
-    for config in (EngineConfig(routing="native", memory_budget_gib=budget),  # the experts do not fit the budget
-                   EngineConfig(routing="native", slots=8)):  # slots are staged banks
+    for config in (EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(memory_budget_gib=budget)),
+                   # the experts do not fit the budget
+                   EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(slots=8))):  # slots are staged banks
         with open_engine(config) as engine:
             assert engine.store.runtime.executor == "staged", config

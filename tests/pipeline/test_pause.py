@@ -51,9 +51,9 @@ def private_store() -> Path:
     return store
 
 
-def private_config(**kw) -> EngineConfig:
+def private_config(settings: dict) -> EngineConfig:
     """An engine on the private copy of the demo store."""
-    return EngineConfig(model=str(private_store()), **kw)
+    return EngineConfig.of({"model": str(private_store()), **settings})
 
 
 def expert_files():
@@ -113,7 +113,7 @@ def native_reference(n: int):
     """n tokens of real text and native routing's log-probabilities on them (the store warm)."""
     ids = real_text(n)
     warm_store()
-    with open_engine(private_config(routing="native", executor="staged")) as engine:
+    with open_engine(private_config({"routing.mode": "native", "io.executor": "staged"})) as engine:
         return ids, forced(engine, ids)
 
 
@@ -131,7 +131,8 @@ def ahead_first(monkeypatch):
 
 def test_warm_store_pauses_prefetch_and_still_equals_native(text, ahead_first):
     ids, want = text
-    with pinned_store(), open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
+    with pinned_store(), open_engine(private_config({"routing.mode": "prefetch",
+                                                     "routing.predictor": "heads"})) as engine:
         rt = engine.store.runtime
         demand, calls = rt.sched.demand_begin, []
         rt.sched.demand_begin = lambda *a: calls.append(rt.sched.step) or demand(*a)
@@ -150,7 +151,8 @@ def test_paused_steps_open_no_scheduler_span(text, ahead_first):
     """A paused step predicts nothing: neither its layers nor its boundary (flush, next_step) enter the scheduler, so
     on a warm store the scheduler's spans stop with the pause (they timed empty work at every step before)."""
     ids, want = text
-    with pinned_store(), open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
+    with pinned_store(), open_engine(private_config({"routing.mode": "prefetch",
+                                                     "routing.predictor": "heads"})) as engine:
         rt = engine.store.runtime
         spans, enter = [], type(rt).scheduling
         rt.scheduling = lambda layer: spans.append(rt.sched.step) or enter(rt, layer)
@@ -175,7 +177,7 @@ def test_a_read_from_the_disk_resumes_predicting(text, ahead_first):
 
     with pin:
         pin.enter_context(pinned_store())
-        with open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
+        with open_engine(private_config({"routing.mode": "prefetch", "routing.predictor": "heads"})) as engine:
             got = forced(engine, ids, at_step)
             after, cold = ahead(engine.store.runtime), engine.store.reader.pool.stats.cold_bytes
     assert np.array_equal(got, want)
@@ -189,8 +191,8 @@ def test_the_page_cache_never_pauses_where_reads_cost(text, read_ahead):
     (reading ahead measured slower, tests/pipeline/test_gate.py), and --read-ahead always has none."""
     ids, _ = text
     warm_store()
-    with open_engine(private_config(routing="prefetch", predictor="heads", io_throttle_mbps=200,
-                                  read_ahead=read_ahead)) as engine:
+    with open_engine(private_config({"routing.mode": "prefetch", "routing.predictor": "heads", "io.throttle_mbps": 200,
+                                     "routing.read_ahead": read_ahead})) as engine:
         forced(engine, ids)
         rt = engine.store.runtime
     assert rt.paused_steps == rt.gated_steps
@@ -209,8 +211,8 @@ def test_predicted_routing_pauses_only_its_reads_ahead(text, ahead_first):
     for pause, read_ahead in ((after, "measured"), (10**9, "always")):
         # held, not only read: a page reclaimed mid-run resumed the reads ahead and paused them again later (a
         # full-suite run beside a training job failed so)
-        with pinned_store(), open_engine(private_config(routing="predicted", executor="staged",
-                                                      read_ahead=read_ahead)) as engine:
+        with pinned_store(), open_engine(private_config({"routing.mode": "predicted", "io.executor": "staged",
+                                                         "routing.read_ahead": read_ahead})) as engine:
             rt = engine.store.runtime
             pull, pulls = rt.pull, []
             rt.pull = lambda: pulls.append(rt.sched.step) or pull()
@@ -254,7 +256,7 @@ def test_the_prompts_reads_decide_the_first_steps(text, ahead_first, cached):
             warm_store()
             for f in expert_files():
                 evict(f)
-        with open_engine(private_config(routing="prefetch", predictor="heads")) as engine:
+        with open_engine(private_config({"routing.mode": "prefetch", "routing.predictor": "heads"})) as engine:
             rt = engine.store.runtime
             with engine.kernel.active():
                 steps = generate_steps(engine.store.model, ids[:16], max_tokens=len(ids) - 16,
@@ -278,7 +280,8 @@ def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monk
     ids, _ = text
     if big:
         monkeypatch.setattr(CertainReads, "WARM_PAUSE_BYTES", 1024)
-    with pinned_store(), open_engine(private_config(routing="predicted", executor="staged", slots=20)) as engine:
+    with pinned_store(), open_engine(private_config({"routing.mode": "predicted", "io.executor": "staged",
+                                                     "io.slots": 20})) as engine:
         rt = engine.store.runtime
         assert isinstance(rt.gate, CertainReads) and rt.gate.warm_pause == (not big)
         assert "each read ahead is one its step makes anyway" in rt.gate.summary()["why"]  # --json says why
@@ -286,5 +289,6 @@ def test_a_warm_store_pauses_certain_reads_only_of_small_bundles(text, big, monk
         n, cold = rt.paused_steps, engine.store.reader.stats.cold_bytes
     assert cold == 0
     assert (n == 0) if big else (n >= len(ids) - 1 - PrefetchRuntime.PAUSE_AFTER)
-    with open_engine(private_config(routing="predicted", executor="staged", slots=20, read_ahead="always")) as engine:
+    with open_engine(private_config({"routing.mode": "predicted", "io.executor": "staged", "io.slots": 20,
+                                     "routing.read_ahead": "always"})) as engine:
         assert np.array_equal(got, forced(engine, ids))

@@ -7,7 +7,7 @@ import pytest
 
 from edge0.compute import kernels
 from edge0.compute.runtime import streamed_slots
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.decode.request import GenRequest
@@ -21,7 +21,7 @@ ON_HOST = PrefetchExperts._on_host  # the routed ids to the host: a layer's sync
 ROUTED = {2, 3, 4}  # the demo's heads route layers 2-4; layers 0, 1 and 5 route by their own router
 
 
-def _run(ids, monkeypatch, **config) -> tuple[np.ndarray, dict, set, set]:
+def _run(ids, monkeypatch, config: dict) -> tuple[np.ndarray, dict, set, set]:
     """Forced log-probabilities, describe(), and the layers that synced with the host / read on demand."""
     synced, demanded = set(), set()
 
@@ -30,7 +30,7 @@ def _run(ids, monkeypatch, **config) -> tuple[np.ndarray, dict, set, set]:
         return ON_HOST(self, inds)
 
     monkeypatch.setattr(PrefetchExperts, "_on_host", record_sync)
-    with open_engine(EngineConfig(**({"routing": "predicted", "executor": "staged"} | config))) as engine:
+    with open_engine(EngineConfig.of({"routing.mode": "predicted", "io.executor": "staged"} | config)) as engine:
         sched = engine.store.runtime.sched
         begin = sched.demand_begin
 
@@ -53,8 +53,8 @@ def test_held_layers_answer_as_the_even_banks_with_no_read_or_sync_inside_a_step
     staged executor)."""
     monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
     ids = real_text()
-    held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, slots=slots)
-    even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, slots=slots, placement="even")
+    held, d_held, synced_held, demanded_held = _run(ids, monkeypatch, {"io.slots": slots})
+    even, d_even, synced_even, demanded_even = _run(ids, monkeypatch, {"io.slots": slots, "io.placement": "even"})
     assert d_held["held_layers"] == [0, 1, 5] and d_held["slots"] == streamed
     assert d_even["held_layers"] is None and d_even["slots"] == slots
     assert d_held["bytes"] == d_even["bytes"]  # the same memory, placed otherwise
@@ -79,22 +79,23 @@ def test_a_prompt_reads_no_held_layer(monkeypatch, slots):
         return start(self, layer, in_use)
 
     monkeypatch.setattr(WholeLayer, "_start", record)
-    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=slots)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="predicted"),
+                                  io=IOConfig(executor="staged", slots=slots))) as engine:
         assert engine.describe()["held_layers"] == [0, 1, 5]
         engine.generate(GenRequest(prompt=real_text()[:48], max_tokens=2))
     assert started == [2, 3, 4]
 
 
-@pytest.mark.parametrize("config", [{"slots": 16}, {"slots": 20, "candidates": 8}, {"slots": 20, "routing": "prefetch",
-                                                                                      "predictor": "next-router"}],
+@pytest.mark.parametrize("config", [{"io.slots": 16}, {"io.slots": 20, "routing.candidates": 8},
+                                    {"io.slots": 20, "routing.mode": "prefetch", "routing.predictor": "next-router"}],
                          ids=["too-few-slots-left", "too-few-for-2M", "no-heads"])
 def test_no_layer_is_held_where_the_rest_would_be_starved_or_no_head_tells_the_layers_apart(config):
     """16 slots a layer leave none to the routed layers once three hold 32; 20 leave 8, under twice 8 candidates;
     prefetch by the next layer's router has no heads to tell which layers read ahead well."""
-    c = {"routing": "predicted", "executor": "staged"} | config
-    with open_engine(EngineConfig(**c)) as engine:
+    c = {"routing.mode": "predicted", "io.executor": "staged"} | config
+    with open_engine(EngineConfig.of(c)) as engine:
         assert engine.describe()["held_layers"] is None
-        assert engine.describe()["slots"] == config["slots"]
+        assert engine.describe()["slots"] == config["io.slots"]
 
 
 def test_prefetch_by_heads_holds_the_layers_of_weak_heads_and_stays_token_identical_to_native(monkeypatch):
@@ -104,10 +105,12 @@ def test_prefetch_by_heads_holds_the_layers_of_weak_heads_and_stays_token_identi
     became paused first steps; a paused layer routes as the staged executor)."""
     monkeypatch.setattr(ReadAheadGate, "FIRST_AHEAD", True)
     ids = real_text()
-    lp, described, synced, demanded = _run(ids, monkeypatch, slots=20, routing="prefetch", predictor="heads")
+    lp, described, synced, demanded = _run(ids, monkeypatch, {"io.slots": 20, "routing.mode": "prefetch",
+                                                              "routing.predictor": "heads"})
     assert described["held_layers"] == [0, 1, 5]
     assert not synced & {0, 1, 5} and not demanded & {0, 1, 5} and synced == ROUTED
-    with open_engine(EngineConfig(routing="native", executor="resident", lora="none")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native", lora="none"),
+                                  io=IOConfig(executor="resident"))) as engine:
         native = np.array(engine.forced_logprobs(ids))
     assert np.array_equal(lp, native)
 
@@ -117,8 +120,9 @@ def test_with_nothing_guessed_every_step_reads_ahead_from_the_disk(placement):
     """Held layers leave predicted routing nothing to guess: each read ahead is one the step makes, so the measured
     gate does not pause (pausing would only start the reads at the step's end); with even banks layers 0, 1 and 5 are
     guessed ahead and the gate measures a paused window."""
-    with open_engine(private_config(routing="predicted", executor="staged", slots=20, placement=placement, io="direct",
-                                    cold=True)) as engine:  # (cold: evicts the pages of a copy no other test reads)
+    with open_engine(private_config({"routing.mode": "predicted", "io.executor": "staged", "io.slots": 20,
+                                     "io.placement": placement, "io.mode": "direct", "io.cold": True})) as engine:
+        # (cold: evicts the pages of a copy no other test reads)
         rt = engine.store.runtime
         engine.forced_logprobs(real_text()[:48])
         assert isinstance(rt.gate, CertainReads) == (placement == "auto")
@@ -139,7 +143,7 @@ def test_a_bad_placement_is_refused_by_name(capsys):
     from edge0.cli import main
 
     with pytest.raises(Edge0Error, match="placement uneven: choose auto, even"):
-        EngineConfig(placement="uneven").check()
+        EngineConfig(io=IOConfig(placement="uneven")).check()
     assert main(["run", "--routing", "native", "--placement", "even", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "--placement even: only used with --routing prefetch or predicted" in err and "Traceback" not in err
@@ -154,7 +158,8 @@ def test_held_layers_queue_their_block_node_as_it_is_built(monkeypatch):
 
     queued, last, real = [], {}, blocks.queue
     monkeypatch.setattr(blocks, "queue", lambda *a: queued.append(last.get("layer")) or real(*a))
-    with open_engine(EngineConfig(routing="predicted", executor="staged", slots=20, kernel="edge0")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="predicted"), io=IOConfig(executor="staged", slots=20),
+                                  kernel=KernelConfig(name="edge0"))) as engine:
         assert engine.describe()["held_layers"] == [0, 1, 5]
         for layer, ex in engine.store.runtime.executors.items():
             def routed(x, inds, layer=layer, orig=ex.routed):  # a block's routed ids, just before its queue

@@ -51,7 +51,8 @@ def run(monkeypatch, ids, *, inline: bool, **config):
     if inline:  # neither the loop nor the planner thread
         monkeypatch.setattr(handoff, "SCHED_LOOP", False)
         monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
-    with pinned_store(), open_engine(private_config(executor="staged", **config)) as engine:  # no read from the disk in either run
+    # no read from the disk in either run
+    with pinned_store(), open_engine(private_config({"io.executor": "staged", **config})) as engine:
         rt = engine.store.runtime
         assert rt.predicted_routing
         got = forced(engine, ids)
@@ -74,7 +75,7 @@ def test_planner_thread_changes_nothing_but_the_thread(monkeypatch):
 
 def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
     ids = real_text(TOKENS)
-    with pinned_store(), open_engine(private_config(executor="staged")) as engine:
+    with pinned_store(), open_engine(private_config({"io.executor": "staged"})) as engine:
         want = forced(engine, ids)
         prefetch, failed = Scheduler.prefetch, []
 

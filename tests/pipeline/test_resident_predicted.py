@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig
 from edge0.engine import open_engine
 from edge0.model.arch import read_config
 from edge0.model.demo import DEMO_STORE
@@ -17,8 +17,8 @@ from edge0.decode.step import overlaps
 from .test_identity import real_text
 
 
-def logprobs(ids: list[int], **config) -> np.ndarray:
-    with open_engine(EngineConfig(**config)) as engine:
+def logprobs(ids: list[int], config: dict) -> np.ndarray:
+    with open_engine(EngineConfig.of(config)) as engine:
         return np.array(engine.forced_logprobs(ids))
 
 
@@ -28,11 +28,13 @@ def test_resident_predicted_equals_streamed_predicted_on_real_text(lora, candida
     """The same candidates (the streamed default K, the resident default 2K): the same answers, bit for bit;
     the streamed executor takes the chosen K's slots in the graph."""
     ids = real_text()
-    extra = {"candidates": candidates} if lora is None else {"lora": lora, "candidates": candidates}
-    streamed = logprobs(ids, routing="predicted", executor="staged", **extra)
-    resident = logprobs(ids, routing="predicted", executor="resident", **extra)
+    extra = {"routing.candidates": candidates} if lora is None else {"routing.lora": lora,
+                                                                     "routing.candidates": candidates}
+    streamed = logprobs(ids, {"routing.mode": "predicted", "io.executor": "staged", **extra})
+    resident = logprobs(ids, {"routing.mode": "predicted", "io.executor": "resident", **extra})
     assert resident.shape == streamed.shape and np.array_equal(resident, streamed)
-    native = logprobs(ids, routing="native", executor="resident", lora="none") if lora == "none" else None
+    native = logprobs(ids, {"routing.mode": "native", "io.executor": "resident",
+                            "routing.lora": "none"}) if lora == "none" else None
     if native is not None:  # the heads do route: not the model's own router
         assert not np.array_equal(resident, native)
 
@@ -49,10 +51,12 @@ def test_a_head_owned_by_a_later_layer_routes_the_next_step(tmp_path):
     path = tmp_path / "heads-late.safetensors"
     heads.save(path)
     ids = real_text()
-    streamed = logprobs(ids, routing="predicted", executor="staged", heads=str(path), candidates=8)
-    resident = logprobs(ids, routing="predicted", executor="resident", heads=str(path), candidates=8)
+    streamed = logprobs(ids, {"routing.mode": "predicted", "io.executor": "staged", "routing.heads": str(path),
+                              "routing.candidates": 8})
+    resident = logprobs(ids, {"routing.mode": "predicted", "io.executor": "resident", "routing.heads": str(path),
+                              "routing.candidates": 8})
     assert np.array_equal(resident, streamed)
-    default = logprobs(ids, routing="predicted", executor="resident")
+    default = logprobs(ids, {"routing.mode": "predicted", "io.executor": "resident"})
     assert not np.array_equal(resident, default)  # layer 0 is routed by the new head
 
 
@@ -61,9 +65,9 @@ def test_auto_routes_predicted_over_resident_experts_where_they_fit():
     too small for them, or --slots, keeps the streamed pipeline."""
     with open_engine(EngineConfig()) as engine:
         rt = engine.store.runtime
-        assert engine.config.routing == "predicted" and isinstance(rt, PredictedResidentRuntime)
+        assert engine.config.routing.mode == "predicted" and isinstance(rt, PredictedResidentRuntime)
         assert engine.describe()["executor"] == "resident" and overlaps(rt, [])
         assert {ex.layer for ex in rt.executors.values() if ex.heads}  # the heads have owners
-    for config in (EngineConfig(memory_budget_gib=0.005), EngineConfig(slots=8)):
+    for config in (EngineConfig(io=IOConfig(memory_budget_gib=0.005)), EngineConfig(io=IOConfig(slots=8))):
         with open_engine(config) as engine:
-            assert engine.config.routing == "predicted" and engine.store.runtime.executor == "staged"
+            assert engine.config.routing.mode == "predicted" and engine.store.runtime.executor == "staged"

@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from edge0.decode.batch import BatchDecoder
 from edge0.compute.banks import Fence
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.decode.request import GenRequest
 from edge0.pipeline.runtime import PrefetchRuntime
@@ -21,7 +21,8 @@ from .test_identity import real_text
 from .test_overlap import Counting
 
 GREEDY = make_sampler(temp=0.0)
-HELD = {"routing": "predicted", "executor": "staged", "slots": 20}  # layers 0, 1, 5 hold theirs; heads route 2-4
+HELD = {"routing.mode": "predicted", "io.executor": "staged",
+        "io.slots": 20}  # layers 0, 1, 5 hold theirs; heads route 2-4
 
 
 def decode(engine, ids: list[int], forced: list[int], stop_after: int | None = None):
@@ -53,14 +54,14 @@ def one_at_a_time(monkeypatch):
 def test_the_step_ahead_is_built_while_one_evaluates_with_the_same_answers(throttle, monkeypatch):
     ids = real_text(80)
     prompt, forced = ids[:16], ids[16:]
-    config = HELD | ({"io_throttle_mbps": throttle} if throttle else {})
-    with open_engine(EngineConfig(**config)) as engine:
+    config = HELD | ({"io.throttle_mbps": throttle} if throttle else {})
+    with open_engine(EngineConfig.of(config)) as engine:
         assert overlaps(engine.store.runtime, make_prompt_cache(engine.store.model))
         assert engine.describe()["overlaps_steps"] and engine.describe()["held_layers"] == [0, 1, 5]
         got, calls, stats = decode(engine, prompt, forced)
         got_loads = (stats.loads, stats.demand_loads)
     one_at_a_time(monkeypatch)
-    with open_engine(EngineConfig(**config)) as engine:
+    with open_engine(EngineConfig.of(config)) as engine:
         assert not overlaps(engine.store.runtime, make_prompt_cache(engine.store.model))
         want, want_calls, stats = decode(engine, prompt, forced)
         want_loads = (stats.loads, stats.demand_loads)
@@ -98,11 +99,11 @@ def test_a_batch_builds_its_next_step_ahead_where_its_banks_hold_two_steps(slots
     one row): else a fill would find no slot the step in flight leaves it, and the step would read it on demand."""
     ids = real_text(96)
     prompts, lengths = [ids[:16], ids[30:41], ids[60:80]], [14, 9, 11]
-    config = HELD | {"io_throttle_mbps": 20.0, "max_batch": 3, "slots": slots}
-    with open_engine(EngineConfig(**config)) as engine:
+    config = HELD | {"io.throttle_mbps": 20.0, "serving.max_batch": 3, "io.slots": slots}
+    with open_engine(EngineConfig.of(config)) as engine:
         got, ahead, got_loads = batch_tokens(engine, prompts, lengths)
     one_at_a_time(monkeypatch)
-    with open_engine(EngineConfig(**config)) as engine:
+    with open_engine(EngineConfig.of(config)) as engine:
         want, none_ahead, want_loads = batch_tokens(engine, prompts, lengths)
     assert got == want and len({t for toks in want.values() for t in toks}) > 8  # varied answers
     assert not any(none_ahead) and not ahead[-1]  # the last sequence left: nothing built ahead
@@ -112,16 +113,17 @@ def test_a_batch_builds_its_next_step_ahead_where_its_banks_hold_two_steps(slots
 
 def test_no_overlap_where_a_layer_routes_by_its_own_router():
     """Even banks: layers 0, 1 and 5 route by their own router, a host sync inside the step."""
-    with open_engine(EngineConfig(**(HELD | {"placement": "even"}))) as engine:
+    with open_engine(EngineConfig.of(HELD | {"io.placement": "even"})) as engine:
         assert not engine.store.runtime.overlaps_steps and not engine.describe()["overlaps_steps"]
-    with open_engine(EngineConfig(routing="prefetch", predictor="heads", executor="staged", slots=20)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="prefetch", predictor="heads"),
+                                  io=IOConfig(executor="staged", slots=20))) as engine:
         assert not engine.store.runtime.overlaps_steps  # the model's router decides every layer
 
 
 def test_an_early_stop_leaves_the_next_generation_exact(monkeypatch):
     ids = real_text(64)
     prompt, forced = ids[:16], ids[16:]
-    with open_engine(EngineConfig(**HELD)) as engine:
+    with open_engine(EngineConfig.of(HELD)) as engine:
         want, _, _ = decode(engine, prompt, forced)
         part, _, _ = decode(engine, prompt, forced, stop_after=7)  # step 8 built, then dropped
         again, _, _ = decode(engine, prompt, forced)

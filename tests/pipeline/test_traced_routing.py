@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.routetrace import RouteTrace, read_trace, write_trace
@@ -37,7 +37,7 @@ def _generate(engine, n: int) -> list[int]:
 def test_forced_routing_computes_exactly_the_traced_experts_at_every_layer():
     """Every layer's executor is handed the trace's ids, row for row (the prompt's, in its chunks, then each step's)."""
     trace = _random_trace(40)
-    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged"))) as engine:
         blocks = moe_blocks(engine.store.model)
         seen = {i: [] for i in blocks}
         for i, blk in blocks.items():
@@ -56,7 +56,7 @@ def test_forced_routing_computes_exactly_the_traced_experts_at_every_layer():
 def test_forced_weights_are_the_traces_or_else_the_routers_own_for_those_ids():
     """With weights in the trace the block combines them; without, its router's softmax over every expert taken at
     the forced ids and renormalised over the K (the demo's norm_topk_prob), computed here in float64."""
-    with open_engine(EngineConfig(routing="native", executor="exact")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="exact"))) as engine:
         x = mx.random.normal((1, 3, engine.store.model.args.hidden_size), key=mx.random.key(0))
         blk = moe_blocks(engine.store.model)[2]
         for weighed in (True, False):
@@ -78,7 +78,8 @@ def test_forced_weights_are_the_traces_or_else_the_routers_own_for_those_ids():
 def test_forcing_the_routers_own_choice_gives_its_own_weights(models, arch):
     """The router's chosen ids, forced without weights, are weighed as its own selection weighs them (softmax top-k;
     Bailing's sigmoid, renormalised and scaled): what a public trace without weights replays with."""
-    with open_engine(EngineConfig(model=str(models(arch)), routing="native", executor="exact")) as engine:
+    with open_engine(EngineConfig(model=str(models(arch)), routing=RoutingConfig(mode="native"),
+                                  io=IOConfig(executor="exact"))) as engine:
         blocks = moe_blocks(engine.store.model)
         x = mx.random.normal((1, 5, engine.store.model.args.hidden_size), key=mx.random.key(3))
         for blk in blocks.values():
@@ -97,7 +98,8 @@ def test_a_recorded_run_replays_without_weights_to_the_same_tokens():
     """The demo's native routing recorded, its weights dropped (a public trace's layout): forced, the router weighs
     the same ids as it did, so greedy decoding gives the same tokens (no prompt cache: the second run computes every
     token again, as the trace's rows are the sequence's)."""
-    with open_engine(EngineConfig(routing="native", executor="staged", prompt_cache_gib=0)) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged"),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
         traced = TracedRouting(engine.store.model, trace=None, record=True, what="--record-routes t")
         native = _generate(engine, 8)
         got = traced.recorded(prompt_tokens=len(PROMPT), num_experts=EXPERTS)
@@ -108,7 +110,7 @@ def test_a_recorded_run_replays_without_weights_to_the_same_tokens():
 
 
 def test_a_trace_that_runs_out_mid_run_is_refused_by_name():
-    with open_engine(EngineConfig(routing="native", executor="staged")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="staged"))) as engine:
         TracedRouting(engine.store.model, trace=_random_trace(len(PROMPT) + 2), record=False, what="--routes t.json")
         with pytest.raises(Edge0Error, match=r"--routes t.json: the trace holds 14 tokens, the run reached token 15"):
             _generate(engine, 6)
@@ -174,7 +176,8 @@ def test_resident_experts_on_the_edge0_kernel_take_the_forced_routing():
     if not kernels.available():
         pytest.skip(f"the edge0 kernels are not built: {kernels.reason()}")
     trace = _random_trace(40, seed=4)
-    with open_engine(EngineConfig(routing="native", executor="resident", kernel="edge0")) as engine:
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor="resident"),
+                                  kernel=KernelConfig(name="edge0"))) as engine:
         traced = TracedRouting(engine.store.model, trace=trace, record=True, what="--routes t")
         tokens = _generate(engine, 5)
         got = traced.recorded(prompt_tokens=len(PROMPT))

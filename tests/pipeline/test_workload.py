@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
@@ -47,11 +47,11 @@ def test_predicted_routing_on_the_workload_is_the_base_with_its_heads(made):
     replay = json.loads((out / "workload" / "replay.json").read_text())
     ids = replay["prompt"][:6] + replay["tokens"][:10]
     got = []
-    for config in (EngineConfig(model=str(out), executor="staged"),  # predicted by default: the heads next to it
-                   EngineConfig(model=str(base), routing="predicted", executor="staged",
-                                heads=str(next((out / "workload").glob("heads-k*-base.safetensors"))))):
+    for config in (EngineConfig(model=str(out), io=IOConfig(executor="staged")),  # predicted by default: the heads next to it
+                   EngineConfig(model=str(base), io=IOConfig(executor="staged"), routing=RoutingConfig(
+                       mode="predicted", heads=str(next((out / "workload").glob("heads-k*-base.safetensors")))))):
         with open_engine(config) as engine:
-            assert engine.config.routing == "predicted"
+            assert engine.config.routing.mode == "predicted"
             rt = engine.store.runtime
             assert sorted(c for c, ex in rt.executors.items() if ex.predicted_routing) == want
             assert all(len(ex.heads) == 1 for ex in rt.executors.values())  # every layer owns one head
@@ -71,7 +71,8 @@ def test_a_base_with_an_adapter_gives_a_workload_that_runs_by_default(models, tm
     make_workload(str(out), base=str(base), width=2 * hidden_of(read_manifest(base)), heads_steps=2, progress=False)
     assert not list(out.glob("lora-*"))
     with open_engine(EngineConfig(model=str(out))) as engine:
-        assert engine.config.routing == "predicted" and engine.config.lora == "none"  # no adapter next to it
+        r = engine.config.routing
+        assert r.mode == "predicted" and r.lora == "none"  # no adapter next to it
         assert len(engine.generate(engine.request([1, 2, 3], max_tokens=2)).tokens) == 2
 
 
@@ -88,7 +89,8 @@ def test_heads_route_only_where_told(made, tmp_path):
     path = tmp_path / "one.safetensors"
     heads.save(path)
     assert HeadSet.load(path, m, config).routes == layers[1:2]
-    with open_engine(EngineConfig(model=str(out), routing="predicted", executor="staged", heads=str(path))) as engine:
+    with open_engine(EngineConfig(model=str(out), routing=RoutingConfig(mode="predicted", heads=str(path)),
+                                  io=IOConfig(executor="staged"))) as engine:
         flags = {c: ex.predicted_routing for c, ex in engine.store.runtime.executors.items()}
     assert flags == {c: c == layers[1] for c in layers}
 

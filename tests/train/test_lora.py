@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edge0.compute.machine import blas
-from edge0.config import EngineConfig
+from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
@@ -70,7 +70,7 @@ def test_phase2_trains_an_adapter_the_engine_serves(phase):
         assert a.rank == 16 and json.loads(a.meta["report"])["phase"] == 2
         assert any(np.abs(np.array(b)).max() > 0 for _, b in a.weights.values())  # it moved from zero
         with open_engine(EngineConfig(model=str(store))) as e:  # the default adapter, beside the store
-            assert e.describe()["lora"] == str(out) and e.config.routing == "predicted"
+            assert e.describe()["lora"] == str(out) and e.config.routing.mode == "predicted"
     finally:
         out.unlink(missing_ok=True)
         out.with_name(out.name + ".json").unlink(missing_ok=True)
@@ -165,7 +165,8 @@ def test_phase2_distills_the_teacher_with_loss_kd(phase, tmp_path):
         student.adapter(new_adapter(student, rank=4, alpha=8.0, seed=0))
         with student.kernel.active():
             tutor = load_teacher(teacher, vocab_size(read_config(store)))
-            with open_engine(EngineConfig(model=str(store), lora="none")) as e:  # the store's own tokenizer
+            with open_engine(EngineConfig(model=str(store),
+                                          routing=RoutingConfig(lora="none"))) as e:  # the store's own tokenizer
                 ids = e.encode_text(text.read_text())[:33]
             tokens = mx.array([ids])
             t_lp = logprobs(tutor, tokens[:, :-1])
@@ -258,12 +259,14 @@ def test_the_student_path_routes_as_served(phase, candidates):
     k = read_manifest(store).top_k
     candidates = k if candidates == "K" else candidates
     m = candidates or 2 * k
-    with open_engine(EngineConfig(model=str(store), routing="predicted", executor="resident", kernel="mlx",
-                                  lora="none", candidates=m)) as engine:
+    with open_engine(EngineConfig(model=str(store), routing=RoutingConfig(mode="predicted", lora="none", candidates=m),
+                                  io=IOConfig(executor="resident"), kernel=KernelConfig(name="mlx"))) as engine:
         ids = engine.encode_text(text.read_text())[:40]
         served = np.array(engine.forced_logprobs(ids))  # (39, V)
-    with open_engine(EngineConfig(model=str(store), routing="predicted", executor="resident", kernel="mlx",
-                                  lora="none", candidates=k + 1 if m != k + 1 else k)) as engine:
+    with open_engine(EngineConfig(model=str(store),
+                                  routing=RoutingConfig(mode="predicted", lora="none",
+                                                        candidates=k + 1 if m != k + 1 else k),
+                                  io=IOConfig(executor="resident"), kernel=KernelConfig(name="mlx"))) as engine:
         other = np.array(engine.forced_logprobs(ids))
     student = load_student(store, candidates=candidates)
     try:

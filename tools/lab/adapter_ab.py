@@ -38,7 +38,7 @@ def main() -> int:
     import mlx.core as mx
 
     from edge0.bench.harness import group, medians, paired, run_rounds
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
     from edge0.decode.request import GenRequest
@@ -58,13 +58,14 @@ def main() -> int:
         return LoRABranch(a_, b_, m.scale) if isinstance(m, LoRABranch) else LoRALinear(m["base"], a_, b_, m.scale)
 
     try:
-        with open_engine(EngineConfig(model=a.store, prompt_cache_gib=0, lora=a.lora, executor=a.executor,
-                                      slots=a.slots)) as engine:
+        with open_engine(EngineConfig(model=a.store, routing=RoutingConfig(lora=a.lora),
+                                      io=IOConfig(executor=a.executor, slots=a.slots),
+                                      serving=ServingConfig(prompt_cache_gib=0))) as engine:
             served = adapted(engine.store.model)
             if not served:
                 raise Edge0Error(f"{engine.config.model}: the engine serves no adapter (--lora none, or none beside the "
                                  "store)")
-            originals = Adapter.read(engine.config.lora).weights
+            originals = Adapter.read(engine.config.routing.lora).weights
             arms = {"bfloat16": served,
                     "float32": {k: float32(k, m) for k, m in served.items()},
                     "none": {k: None if isinstance(m, LoRABranch) else m["base"] for k, m in served.items()}}
@@ -88,8 +89,8 @@ def main() -> int:
                     place(engine.store.model, name, m)
     except Edge0Error as e:
         sys.exit(f"adapter_ab: {e}")
-    print(f"{engine.config.lora}: {len(served)} adapted projections, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "
-          f"{a.max_tokens} forced tokens")
+    print(f"{engine.config.routing.lora}: {len(served)} adapted projections, {a.rounds} rounds, "
+          f"{a.prompt_tokens}-token prompt, {a.max_tokens} forced tokens")
     for what in ("prefill_tok_s", "decode_tok_s"):
         med, ratio = medians(by, [what]), paired(by, what, "none")
         parts = [f"{arm} {med[arm][what]:.1f} tok/s ({ratio[arm].median:.3f}x none)" for arm in ARMS]

@@ -36,7 +36,7 @@ def main() -> int:
         p.error("--rounds, --prompt-tokens and --max-tokens must be at least 1")
     from edge0.bench.harness import group, medians, paired, run_rounds
     from edge0.compute import kernels
-    from edge0.config import EngineConfig
+    from edge0.config import EngineConfig, IOConfig, KernelConfig, RoutingConfig, ServingConfig
     from edge0.engine import open_engine
     from edge0.errors import Edge0Error
     from edge0.decode.request import GenRequest
@@ -47,8 +47,10 @@ def main() -> int:
     one_node = PrefetchExperts.bank_step
     arms = {"one node": one_node, "call by call": lambda self: None}
     try:
-        with open_engine(EngineConfig(model=a.store, routing="predicted", executor="staged", slots=a.slots, io=a.io,
-                                      kernel="edge0", prompt_cache_gib=0)) as engine:
+        with open_engine(EngineConfig(model=a.store, routing=RoutingConfig(mode="predicted"),
+                                      io=IOConfig(executor="staged", slots=a.slots, mode=a.io),
+                                      kernel=KernelConfig(name="edge0"),
+                                      serving=ServingConfig(prompt_cache_gib=0))) as engine:
             if a.replay:
                 try:
                     r = json.loads(open(a.replay).read())

@@ -56,8 +56,9 @@ def measure(a) -> tuple[list[float], dict]:
     prompt, forced = replay["prompt"], replay.get("tokens", [])
     if len(prompt) < 2 or len(forced) < 2:
         raise Edge0Error(f"--replay {a.replay}: needs at least 2 prompt ids and 2 forced tokens")
-    flags = {k: v for k, v in (("routing", a.routing), ("lora", a.lora)) if v is not None}
-    with open_engine(EngineConfig(model=a.store or str(demo_store()), prompt_cache_gib=0, **flags)) as engine:
+    flags = {k: v for k, v in (("routing.mode", a.routing), ("routing.lora", a.lora)) if v is not None}
+    with open_engine(EngineConfig.of({"model": a.store or str(demo_store()), "serving.prompt_cache_gib": 0,
+                                      **flags})) as engine:
         split = _decode_split(engine, steps, mx, prompt, forced, a.rounds)
         model, rt = engine.store.model, engine.store.runtime
         with engine.kernel.active():
