@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from edge0 import eval as ev
+from edge0.bench import quality as ev
 from edge0.errors import Edge0Error
 from edge0.train import base
 

@@ -64,9 +64,9 @@ def test_io_imports_no_mlx_and_sched_no_mlx_arrays():
 
 
 # Each lower floor and what it may import besides itself: nothing above it (config.py, the engine, the commands).
-BELOW = {"edge0.io": ("edge0.errors", "edge0.log", "edge0.choices"),
-         "edge0.sched": ("edge0.errors", "edge0.log", "edge0.choices", "edge0.io"),
-         "edge0.compute": ("edge0.errors", "edge0.log", "edge0.choices", "edge0.io", "edge0.sched")}
+BELOW = {"edge0.io": ("edge0.errors", "edge0.log", "edge0.compute.choices"),
+         "edge0.sched": ("edge0.errors", "edge0.log", "edge0.compute.choices", "edge0.io"),
+         "edge0.compute": ("edge0.errors", "edge0.log", "edge0.compute.choices", "edge0.io", "edge0.sched")}
 
 
 def test_lower_floors_import_nothing_above_them():

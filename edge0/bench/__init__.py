@@ -30,10 +30,10 @@ from .harness import schedule
 from .replay import given_replay, make_replay, text_replay
 from .route_arms import check_routes, route_flags, routes_section
 from .table import LLAMA_ARM, is_llama, summarize, table
-from ..choices import READ_AHEAD
+from ..compute.choices import READ_AHEAD
 from ..compute.machine import blas
 from ..errors import Edge0Error
-from ..flags import non_negative, whole
+from ..config.checks import non_negative, whole
 from ..io.atomic import write_atomic
 
 LLAMA_SETUP = "tools/llama_cpp_setup.py"

@@ -5,7 +5,7 @@ line naming it, instead of being dropped without a word."""
 from __future__ import annotations
 
 from ..errors import Edge0Error
-from ..flags import positive, refuse_together, whole
+from ..config.checks import positive, refuse_together, whole
 
 ARMS, SERVE, KERNELS = "arms", "serve", "kernels"
 SHARED = {ARMS, SERVE}  # the flags serve.py shares with the model arms

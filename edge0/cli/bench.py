@@ -31,7 +31,7 @@ def defaults() -> dict:
 def _arm_args(p: argparse.ArgumentParser) -> None:
     from ..bench import LLAMA_SETUP
     from ..bench.arms import ARMS
-    from ..choices import IO_MODES
+    from ..compute.choices import IO_MODES
 
     p.add_argument("--source", metavar="DIR", help="the mlx-lm checkpoint (for the mlx-lm arm; default with the built-in "
                                                    "model: its bf16 checkpoint, which its store was converted from)")

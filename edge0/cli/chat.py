@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..errors import Edge0Error
-from ..flags import not_utf8
+from ..config.checks import not_utf8
 from .flags import add_serving_flags, serve_configs
 
 if TYPE_CHECKING:  # the engine (and MLX) load when a chat starts, not when the parser is built

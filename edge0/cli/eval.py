@@ -1,4 +1,4 @@
-"""`edge0 eval`: the quality of the served path (perplexity, top-1 agreement and KL vs a teacher), edge0/eval.py.
+"""`edge0 eval`: the quality of the served path (perplexity, top-1 agreement and KL vs a teacher), edge0/bench/quality.py.
 
     edge0 eval --model edge0/model/demo/store --teacher edge0/model/demo/fp
 """
@@ -13,7 +13,7 @@ from .flags import add_engine_flags, engine_config, flags_given
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from ..eval import MAX_TOKENS, SEQ_LEN
+    from ..bench.quality import MAX_TOKENS, SEQ_LEN
 
     add_engine_flags(p, model_help="an Edge0 store (scored as `edge0 run` serves it: the same routing defaults) "
                                    "or an mlx-lm checkpoint; default the built-in model")
@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ..errors import Edge0Error
-    from ..eval import evaluate
+    from ..bench.quality import evaluate
     from ..model.demo import DEMO_STORE
 
     if args.max_tokens < 1 or args.seq_len < 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..choices import DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS
+from ..compute.choices import DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS
 from ..config import EngineConfig, Sampling
 from ..io.pool import IO_WORKERS
 from ..errors import Edge0Error

@@ -19,7 +19,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..flags import check_seed
+    from ..config.checks import check_seed
     from ..model.make import make_model
 
     check_seed(args.seed)

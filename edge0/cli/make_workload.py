@@ -1,4 +1,4 @@
-"""`edge0 make-workload OUT`: a store where reads matter (edge0/model/workload.py says what is made).
+"""`edge0 make-workload OUT`: a store where reads matter (edge0/bench/workload.py says what is made).
 
     edge0 make-workload /tmp/wide
 """
@@ -10,7 +10,7 @@ import sys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from ..model.workload import DEFAULT_GIB, HEADS_STEPS, ROUTE_RECALL
+    from ..bench.workload import DEFAULT_GIB, HEADS_STEPS, ROUTE_RECALL
 
     p.add_argument("out", metavar="OUT", help="store directory to write (must be empty or absent)")
     p.add_argument("--base", metavar="STORE", default=None, help="trained store to widen (default: the built-in model)")
@@ -32,8 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..flags import refuse_together
-    from ..model.workload import DEFAULT_GIB, HEADS_STEPS, make_workload
+    from ..config.checks import refuse_together
+    from ..bench.workload import DEFAULT_GIB, HEADS_STEPS, make_workload
 
     if args.expert_width is not None and args.expert_gib is not None:
         refuse_together("--expert-width", "--expert-gib", "give one (the width sets the experts' bytes)")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import Edge0Error
-from ..flags import not_utf8, refuse_together
+from ..config.checks import not_utf8, refuse_together
 from ..model.demo import DEMO_PROMPT as DEFAULT_PROMPT
 from .flags import add_engine_flags, add_log_flags, add_route_flags, add_sampling_flags, engine_config, route_files, sampling
 

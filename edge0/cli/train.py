@@ -126,7 +126,7 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
 
 def _check_lora(args: argparse.Namespace) -> None:
     """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
-    from ..flags import check_seed, positive, refuse_together, routed_k, whole
+    from ..config.checks import check_seed, positive, refuse_together, routed_k, whole
     from ..train.lora_phase import Hyper
 
     if args.loss == "ce" and args.top != Hyper().top:  # --top sizes the teacher's KL, which ce alone never takes
@@ -194,7 +194,7 @@ def _distill_args(p: argparse.ArgumentParser) -> None:
 
 def _check_distill(args: argparse.Namespace) -> None:
     """Every numeric flag, before anything loads (K against the model's experts when the store is read)."""
-    from ..flags import check_seed, positive, routed_k, whole
+    from ..config.checks import check_seed, positive, routed_k, whole
 
     routed_k(args.k)
     whole("--candidates", args.candidates, 1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..choices import EVICTIONS as POLICIES  # what a bank may use
+from .choices import EVICTIONS as POLICIES  # what a bank may use
 
 DECAY = 0.99  # per step: a use 69 steps ago counts half (a shared bank decays per layer step: decay ** (1 / layers))
 _RESCALE = 1e100  # weights are rescaled before growing past this

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..choices import KERNELS
+from .choices import KERNELS
 from ..errors import Edge0Error
 from . import kernels
 

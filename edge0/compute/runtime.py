@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..choices import EXECUTORS
+from .choices import EXECUTORS
 from ..errors import Edge0Error
 from ..io.cgroup import memory_room
 from .banks import Bank, Fence

@@ -34,7 +34,7 @@ from ..compute.executors import SlotCache, WholeLayer, held_first
 from ..compute.experts import ExactExperts, Quant, ResidentExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel_choice import current
 from ..compute.kernels import host_eval, queue
-from ..choices import PREDICTORS  # noqa: F401 (runtime.py checks a choice against it)
+from ..compute.choices import PREDICTORS  # noqa: F401 (runtime.py checks a choice against it)
 from ..sched.trace import now_us
 
 

@@ -12,7 +12,7 @@ import math
 import re
 
 from ..errors import ContextExceeded, Edge0Error
-from ..flags import not_utf8
+from ..config.checks import not_utf8
 from ..decode.request import GenRequest
 from .jobs import ApiError
 

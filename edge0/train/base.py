@@ -40,7 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from edge0.errors import Edge0Error
-from edge0.flags import check_seed
+from edge0.config.checks import check_seed
 from edge0.io.atomic import atomic_dir
 from edge0.model.tokenizer import SPECIAL_TOKENS
 from edge0.train.base_ckpt import (_truncate_log, _write_atomic, check_run_dir, latest_checkpoint,  # noqa: F401

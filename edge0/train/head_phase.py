@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from ..compute.machine import blas
 from ..errors import Edge0Error
-from ..flags import check_seed, positive, routed_k, whole
+from ..config.checks import check_seed, positive, routed_k, whole
 from ..model.heads import FORMAT as HEADS_FORMAT, HIDDEN, HeadSet, multi_hot
 from ..model.route_stats import recorded_routes
 from .loop import (World, blas_notice, check_out, finite_loss, load_checkpoint, progress_bar, save_checkpoint,

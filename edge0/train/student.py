@@ -185,7 +185,7 @@ def load_student(store_dir: str | Path, heads_file: str | Path | None = None, to
                  candidates: int | None = None) -> Student:
     """The store dequantized, at K = top_k (default the heads'), routed by `heads_file` (default heads-k{K}): each
     head names `candidates` experts (default 2K, as served over resident experts), its layer's router chooses K."""
-    from ..flags import routed_k
+    from ..config.checks import routed_k
     from ..io.manifest import read_manifest
     from ..model.arch import read_config
     from ..model.load import load_store

@@ -10,7 +10,7 @@ import pytest
 
 from edge0.cli import main
 from edge0.io.verify import verify_store
-from edge0.model.workload import hidden_of
+from edge0.bench.workload import hidden_of
 from edge0.io.manifest import read_manifest
 
 

@@ -14,8 +14,8 @@ from edge0.export import gguf as gguf_module
 from edge0.io.atomic import atomic_dir, write_atomic
 from edge0.io.manifest import read_manifest
 from edge0.model import convert as convert_module
-from edge0.model import workload as workload_module
-from edge0.model.workload import hidden_of
+from edge0.bench import workload as workload_module
+from edge0.bench.workload import hidden_of
 from tests.io.test_writers import leftovers, tiny_fs  # noqa: F401 (tiny_fs: a fixture)
 
 

@@ -9,7 +9,7 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from edge0 import eval as ev
+from edge0.bench import quality as ev
 from edge0.config import EngineConfig, RoutingConfig
 from edge0.model.demo import DEMO_DIR, DEMO_FP, DEMO_PROMPT, DEMO_STORE
 from edge0.model.load import cast_floats, load_store

@@ -129,7 +129,7 @@ def test_training_improves_recall_and_resumes(trained, tmp_path):
 
 def test_eval_scores_every_serving_mode(trained):
     from edge0.config import EngineConfig, RoutingConfig
-    from edge0.eval import evaluate
+    from edge0.bench.quality import evaluate
 
     store, heads, _ = trained
     native = evaluate(store, max_tokens=48, seq_len=48, config=EngineConfig(routing=RoutingConfig(mode="native")))

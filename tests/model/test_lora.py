@@ -176,7 +176,7 @@ def test_default_adapter_is_the_one_beside_the_store_with_its_heads(served, tmp_
 def test_built_in_model_serves_its_adapters_by_default():
     """The demo store ships lora-k4 and lora-k2 (edge0/model/demo/MODEL_CARD.md): the default run uses the one for
     its K, and on held-out text the adapter repays part of what predicted routing costs."""
-    from edge0.eval import evaluate
+    from edge0.bench.quality import evaluate
     from edge0.model.demo import DEMO_STORE
 
     for k in (4, 2):

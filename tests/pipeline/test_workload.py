@@ -12,7 +12,7 @@ from edge0.config import EngineConfig, IOConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.errors import Edge0Error
 from edge0.io.manifest import read_manifest
-from edge0.model.workload import hidden_of, make_workload
+from edge0.bench.workload import hidden_of, make_workload
 
 
 @pytest.fixture(scope="module")

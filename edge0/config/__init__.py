@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from .choices import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
+from ..compute.choices import (DTYPES, EVICTIONS, EXECUTORS, IO_MODES, KERNELS, PLACEMENTS, PREDICTORS, READ_AHEAD, ROUTINGS,
                       Dtype, Eviction, Executor, IoMode, KernelChoice, Placement, Predictor, ReadAhead, Routing)
-from .compute.machine import machine_cores, memory_gib
-from .errors import Edge0Error, SettingError
-from .io.pool import IO_WORKERS  # io/ imports nothing above it, so its pool's default is defined there
+from ..compute.machine import machine_cores, memory_gib
+from ..errors import Edge0Error, SettingError
+from ..io.pool import IO_WORKERS  # io/ imports nothing above it, so its pool's default is defined there
 
 MAX_IO_WORKERS = 64
 MAX_BATCH = 64  # sequences in one decode step

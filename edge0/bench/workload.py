@@ -40,7 +40,7 @@ from ..io.layerfile import LayerFileWriter, bundle_layout
 from ..io.manifest import FORMAT_VERSION, MANIFEST, LayerEntry, Manifest, file_entry, read_manifest, write_manifest
 from ..io.outputs import STORE_KIND, check_dir_out, refuse_inputs
 from ..io.reader import BundleReader
-from .arch import read_config
+from ..model.arch import read_config
 
 WIDENED = ("gate_proj", "up_proj")  # the hidden axis is their rows
 NARROWED = ("down_proj",)  # the hidden axis is their (packed) columns
@@ -169,7 +169,7 @@ def make_replay(base: Path, out: Path) -> dict:
 def base_heads(base: Path, work: Path, *, steps: int, seed: int, progress: bool, given: str | None) -> tuple[Path, dict]:
     """Heads for every MoE layer of the base (the first one's owned by the last): trained now into `work`,
     or `given` (an earlier make-workload's heads-k{K}-base.safetensors, checked against the base)."""
-    from .heads import HeadSet
+    from ..model.heads import HeadSet
 
     m = read_manifest(base)
     path = work / f"heads-k{m.top_k}-base.safetensors"
@@ -194,7 +194,7 @@ def base_heads(base: Path, work: Path, *, steps: int, seed: int, progress: bool,
 def bind_heads(src: Path, base: Path, out: Path, routes: list[int]) -> Path:
     """The base's heads, bound to the wide store (its routing is the base's): the same weights, the wide
     store's fingerprint; `routes` (the consumers whose prediction is the routing) recorded in both files."""
-    from .heads import HeadSet, model_fingerprint
+    from ..model.heads import HeadSet, model_fingerprint
 
     m = read_manifest(base)
     heads = HeadSet.load(src, m, read_config(base), top_k=m.top_k)
@@ -213,7 +213,7 @@ def same_logits(base: Path, out: Path, replay: dict, steps: int = 4) -> float:
     from mlx_lm.sample_utils import make_sampler
 
     from ..decode.loop import generate_steps
-    from .load import load_store
+    from ..model.load import load_store
 
     got = []
     for path in (base, out):
@@ -231,7 +231,7 @@ def make_workload(out: str, *, base: str | None = None, width: int | None = None
                   heads_steps: int = HEADS_STEPS, seed: int = 0, base_heads_file: str | None = None, force: bool = False,
                   progress: bool = True, route_recall: float = ROUTE_RECALL) -> dict:
     """Write the workload store OUT (see the module docstring); returns workload.json's content."""
-    from .demo import DEMO_STORE
+    from ..model.demo import DEMO_STORE
 
     check_workload_flags(width=width, gib=gib, heads_steps=heads_steps, route_recall=route_recall, seed=seed)
     base_path, out_path = Path(base) if base else DEMO_STORE, Path(out)
@@ -281,7 +281,7 @@ def _figures(m, report: dict) -> dict:
 
 def check_workload_flags(*, width, gib, heads_steps, route_recall, seed) -> None:
     """make-workload's numeric flags, before anything is read (the width against the base once it is)."""
-    from ..flags import check_seed, fraction, positive, whole
+    from ..config.checks import check_seed, fraction, positive, whole
 
     whole("--expert-width", width, 1)
     positive("--expert-gib", gib)

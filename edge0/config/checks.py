@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .config import _float, _int
-from .errors import Edge0Error
+from . import _float, _int
+from ..errors import Edge0Error
 
 SEED_MAX = 2**64 - 1  # MLX's and numpy's generators take an unsigned 64-bit seed
 
