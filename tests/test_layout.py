@@ -226,3 +226,25 @@ def test_runtime_hooks_are_called_not_looked_up():
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
     assert found == []
+
+
+def test_package_root_holds_only_the_front_door():
+    # the public API (edge0/__init__.py, engine.py's open_engine, the config package), errors, log, and the
+    # README's `python -m edge0.run`; everything else lives in a package by role
+    root = {p.stem for p in ROOT.glob("*.py")}
+    assert root <= {"__init__", "engine", "errors", "log", "run"}, sorted(root)
+
+
+def test_no_import_cycles_between_packages():
+    # edge0.X -> edge0.Y for any module of X importing any module of Y (lazy imports count)
+    graph: dict[str, set[str]] = {}
+    for m, deps in edge0_graph().items():
+        graph.setdefault(".".join(m.split(".")[:2]), set()).update(".".join(d.split(".")[:2]) for d in deps)
+    for p in graph:
+        graph[p].discard(p)
+
+    def reaches(a, b, seen):
+        return a == b or any(n not in seen and reaches(n, b, seen | {n}) for n in graph.get(a, ()))
+
+    cycles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a, {b}))
+    assert cycles == [], cycles
