@@ -29,8 +29,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline: each rank runs a contiguous range of layers; experts: each rank runs every layer "
                         "with a share of its experts (--routing native), one all_sum per MoE layer (default pipeline)")
     p.add_argument("--split", default="even", metavar="even|cost|N,N,...",
-                   help="pipeline: each rank's layers: an even count, by cost (the bytes each layer keeps in memory "
-                        "plus its experts' bytes in the store, the largest rank's least), or counts (default even)")
+                   help="pipeline: each rank's layers: an even count, counts, or by cost: a rank's cost is the larger of "
+                        "its share of the bytes held (its layers' resident weights and experts in the store, the "
+                        "embedding on the first rank, norm and head on the last) and its share of the expert bytes "
+                        "a decode step reads, measured per layer by a 32-token greedy decode of a fixed prompt over an "
+                        "even split before the real one (one more load); the largest rank's cost least (default "
+                        "even)")
     p.add_argument("--rank-timeout", type=float, default=None, metavar="S",
                    help="serve: a generation with no token for S seconds means a rank hangs: the service stops "
                         "(default 300)")

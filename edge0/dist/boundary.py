@@ -20,11 +20,12 @@ from ..errors import Edge0Error
 
 
 class Part:
-    """One rank's share, given to model/load.py's only_layers: its decoder layers; adopt() keeps the runtime's heads
-    whose owner and consumer are both here and remembers the crossing ones."""
+    """One rank's share, given to model/load.py's only_layers: its decoder layers (last: the model's last ones, so the
+    final norm and head too); adopt() keeps the runtime's heads whose owner and consumer are both here and remembers
+    the crossing ones."""
 
-    def __init__(self, layers: range, moe_layers: list[int]):
-        self.layers = layers
+    def __init__(self, layers: range, moe_layers: list[int], last: bool = True):
+        self.layers, self.last = layers, last
         self.moe = [m for m in moe_layers if m in layers]
         self.outgoing: list[int] = []  # consumer layers (next rank) of heads owned here
         self.incoming: list[tuple[int, object]] = []  # (consumer layer here, head) of heads owned by the rank before

@@ -1,11 +1,13 @@
 """Pipeline parallel: each rank runs a contiguous range of decoder layers; the hidden state goes rank to rank.
 
 Rank 0 embeds the tokens; each rank runs its layers and sends the hidden state (and the features of a prerouter
-head whose consumer is the next rank's first MoE layer, dist/boundary.py) to the next; the last rank's output
-goes to every rank with one all_gather, so every rank computes the same logits and runs the same decode loop.
-Shapes: B rows, T tokens, D hidden.
+head whose consumer is the next rank's first MoE layer, dist/boundary.py) to the next; the last rank alone holds the
+final norm and output head (and the embedding, where the head is tied to it) and its logits of a decode step go to
+every rank with one all_gather, so every rank runs the same decode loop on the same bits (temperature sampling too:
+one seed). Shapes: B rows, T tokens, D hidden, V vocabulary.
 
-The model is mlx-lm's own, its embedding and final norm wrapped (Entry, Exit): the decode loop needs no change.
+The model is mlx-lm's own, its embedding, final norm and head wrapped (Entry, Exit, Head): the decode loop needs no
+change.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import Edge0Error
-from ..model.load import decoder
+from ..model.load import decoder, embed_name, head_owner
+
+_DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # a hidden state's or logits' dtype, by index between ranks
 
 
 class Wire:
@@ -58,15 +62,16 @@ def _count(shape: tuple) -> int:
 
 
 class Entry(nn.Module):
-    """The embedding on rank 0; on the other ranks, the hidden state received from the rank before."""
+    """The embedding on rank 0; on the other ranks, the hidden state received from the rank before. A tied output
+    head's logits on every rank (the last rank's, gathered)."""
 
-    def __init__(self, embed: nn.Module, stage: "Stage"):
+    def __init__(self, embed: nn.Module | None, stage: "Stage"):
         super().__init__()
-        self.embed = embed
+        self.embed = embed  # None on a rank that neither embeds nor runs a tied head
         self._stage = stage
 
-    def as_linear(self, x: mx.array) -> mx.array:  # tied output embedding: every rank holds it
-        return self.embed.as_linear(x)
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._stage.logits(x, self.embed.as_linear if self.embed is not None else None)
 
     def __call__(self, inputs: mx.array) -> mx.array:
         st = self._stage
@@ -82,31 +87,41 @@ class Entry(nn.Module):
 
 
 class Exit(nn.Module):
-    """The final norm, after the hidden state went on to the next rank and the last rank's came back to all."""
+    """The final norm on the last rank; on the others, the hidden state sent on to the next rank."""
 
-    def __init__(self, norm: nn.Module, stage: "Stage"):
+    def __init__(self, norm: nn.Module | None, stage: "Stage"):
         super().__init__()
-        self.norm = norm
+        self.norm = norm  # None but on the last rank
         self._stage = stage
 
     def __call__(self, h: mx.array) -> mx.array:
         st = self._stage
+        if st.rank == st.size - 1:
+            return self.norm(h)
         b, t = h.shape[0], h.shape[1]
-        if st.rank < st.size - 1:
-            msg = st.wire_out.pack([h, *st.outgoing(b, t)])
-            st.count(msg.size)
-            sent = mx.distributed.send(msg, st.rank + 1, group=st.group)
-            h = mx.depends(h, sent)  # the all_gather after the send: never the other way round (a deadlock)
-        whole = mx.distributed.all_gather(h, group=st.group)  # (size*B, T, D): every rank's, the last rank's wanted
-        st.count(h.size * h.dtype.size * (st.size - 1), messages=1)
-        out = whole[(st.size - 1) * b: st.size * b]
-        _tie(st.cache or [], out)
-        return self.norm(out)
+        msg = st.wire_out.pack([h, *st.outgoing(b, t)])
+        st.count(msg.size)
+        st.sent = mx.distributed.send(msg, st.rank + 1, group=st.group)
+        h = mx.depends(h, st.sent)
+        _tie(st.cache or [], h)  # a prompt chunk evaluates only the cache: the send with it
+        return h
+
+
+class Head(nn.Module):
+    """The output head (untied) on the last rank; on every rank the last rank's logits, gathered."""
+
+    def __init__(self, head: nn.Module | None, stage: "Stage"):
+        super().__init__()
+        self.head = head  # None but on the last rank
+        self._stage = stage
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._stage.logits(x, self.head)
 
 
 def _tie(cache: list, out: mx.array) -> None:
     """A prompt chunk evaluates only the cache: one of its arrays (a KV cache's keys, or a linear attention's state)
-    made to depend on the messages, on every rank, so that they are sent."""
+    made to depend on the message, so that it is sent."""
     for c in reversed(cache):
         if getattr(c, "keys", None) is not None:
             c.keys = mx.depends(c.keys, out)
@@ -120,8 +135,11 @@ def _tie(cache: list, out: mx.array) -> None:
 class Stage:
     """One rank's place in the pipeline: its group, its layers, its wires and the crossing heads' hooks."""
 
-    def __init__(self, group, layers: range, hidden: int, dtype: mx.Dtype, top_k: int, boundary=None):
+    def __init__(self, group, layers: range, hidden: int, dtype: mx.Dtype, top_k: int, boundary=None,
+                 vocab: int = 0, logits_dtype: mx.Dtype = mx.float32):
         self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.vocab, self.logits_dtype = vocab, logits_dtype
+        self.sent = None  # this forward's send to the next rank (a rank before the last)
         self.layers = layers
         self.boundary = boundary  # dist/boundary.py Boundary, or None (no head crosses)
         heads_in = len(boundary.incoming) if boundary is not None else 0
@@ -136,6 +154,19 @@ class Stage:
     def count(self, nbytes: int, messages: int = 1) -> None:
         self.bytes_sent += int(nbytes)
         self.messages += messages
+
+    def logits(self, x: mx.array, head) -> mx.array:
+        """The last rank's logits of the last position, (B, 1, V), on every rank: one all_gather (the other ranks'
+        rows zeros, after their send). A prompt chunk's are never read (decode/prefill.py), so never gathered."""
+        b, t = x.shape[0], x.shape[1]
+        if self.rank == self.size - 1:
+            out = head(x[:, -1:] if t > 1 else x)
+        else:
+            out = mx.depends(mx.zeros((b, 1, self.vocab), dtype=self.logits_dtype), self.sent)
+        if t == 1:
+            self.count(out.nbytes * (self.size - 1))
+        whole = mx.distributed.all_gather(out, group=self.group)  # (size*B, 1, V)
+        return whole[(self.size - 1) * b:]
 
     def begin(self, shape) -> None:
         if self.boundary is not None:
@@ -160,16 +191,19 @@ class PipelineModel(nn.Module):
         self.model = model
         self._stage = stage
         inner = decoder(model)
-        embed_name = "embed_tokens" if "embed_tokens" in inner else "word_embeddings"
-        if embed_name not in inner or "norm" not in inner:
+        embed = embed_name(inner)
+        if embed not in inner or "norm" not in inner:
             raise Edge0Error(f"{type(model).__module__}: edge0's pipeline needs an embedding and a final norm by their "
                              "mlx-lm names (embed_tokens or word_embeddings, norm)")
         inner.layers = [layer for layer in inner.layers[stage.layers.start:stage.layers.stop]]
         if hasattr(inner, "fa_idx") or hasattr(inner, "ssm_idx"):  # qwen3_5: masks from this rank's first layer of a kind
             inner.ssm_idx = next((i for i, m in enumerate(inner.layers) if m.is_linear), None)
             inner.fa_idx = next((i for i, m in enumerate(inner.layers) if not m.is_linear), None)
-        inner[embed_name] = Entry(inner[embed_name], stage)
-        inner["norm"] = Exit(inner["norm"], stage)
+        inner[embed] = Entry(_held(inner[embed]), stage)
+        inner["norm"] = Exit(_held(inner["norm"]), stage)
+        owner = head_owner(model)
+        if owner is not None:  # untied: its own head (a tied one runs as Entry.as_linear)
+            owner["lm_head"] = Head(_held(owner["lm_head"]), stage)
 
     @property
     def layers(self):
@@ -188,3 +222,33 @@ class PipelineModel(nn.Module):
             return self.model(inputs, cache=cache, **kw)
         finally:
             self._stage.cache = None
+
+
+def _held(module: nn.Module) -> nn.Module | None:
+    """The module, or None where this rank loaded none of it (model/load.py: an empty module in its place)."""
+    return module if module.parameters() else None
+
+
+def make_stage(model: nn.Module, group, layers: range, top_k: int, boundary=None) -> Stage:
+    """This rank's Stage: the hidden state's width and dtype from rank 0's embedding, the logits' from the last
+    rank's norm and head run on it, each shared with one all_sum (the other ranks hold neither)."""
+    inner, rank, last = decoder(model), group.rank(), group.size() - 1
+    width = [0, 0]
+    if rank == 0:
+        probe = inner[embed_name(inner)](mx.array([[0]]))
+        width = [probe.shape[-1], _DTYPES.index(probe.dtype)]
+    hidden, dt = _shared(group, width, rank == 0)
+    vocab = [0, 0]
+    if rank == last:
+        x = inner["norm"](mx.zeros((1, 1, hidden), dtype=_DTYPES[dt]))
+        owner = head_owner(model)
+        probe = owner["lm_head"](x) if owner is not None else inner[embed_name(inner)].as_linear(x)
+        vocab = [probe.shape[-1], _DTYPES.index(probe.dtype)]
+    v, lt = _shared(group, vocab, rank == last)
+    return Stage(group, layers, hidden, _DTYPES[dt], top_k, boundary, vocab=v, logits_dtype=_DTYPES[lt])
+
+
+def _shared(group, values: list[int], mine: bool) -> list[int]:
+    """`values` of the one rank where `mine`, on every rank."""
+    a = mx.array(values if mine else [0] * len(values), dtype=mx.int64)
+    return mx.distributed.all_sum(a, group=group, stream=mx.cpu).tolist()

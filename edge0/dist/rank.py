@@ -13,9 +13,9 @@ from ..errors import Edge0Error
 from ..log import log
 from . import same_seed
 from .boundary import Boundary, Part
-from .pipeline import PipelineModel, Stage, decoder
+from .pipeline import PipelineModel, Stage, decoder, make_stage
 from .serve import lead, stop_when_lost
-from .split import SPLIT_ENV, choose_split, layer_costs
+from .split import SPLIT_ENV, choose_split, even_split, layer_costs
 
 
 def open_rank(config, group, *, trace, split: list[range] | None = None, serving: bool = False):
@@ -34,12 +34,20 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     same_store(group, root)
     layers = text_config(read_config(root))["num_hidden_layers"]
     moe = [e.layer for e in read_manifest(root).layers]
+    reads = None
     if split is None:
-        split, costs = choose_split(os.environ.get(SPLIT_ENV, "even"), root, layers, group.size())
+        spec = os.environ.get(SPLIT_ENV, "even")
+        if spec == "cost":  # each layer's expert reads, measured by a short decode over an even split
+            from ..sched.trace import NULL
+            from .calibrate import measured_reads
+
+            even = even_split(layers, group.size())
+            reads = measured_reads(lambda: open_rank(config, group, trace=NULL, split=even), group, layers)
+        split, costs = choose_split(spec, root, layers, group.size(), reads)
     else:
         costs = layer_costs(root, layers)
     mine = split[group.rank()]
-    part = Part(mine, moe)
+    part = Part(mine, moe, last=mine.stop == layers)
     lora = c.routing.lora
     with only_layers(part):
         engine = open_engine(dataclasses.replace(c, routing=dataclasses.replace(c.routing, lora="none")), trace=trace)
@@ -52,11 +60,7 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         boundary = None
         if part.outgoing or part.incoming:
             boundary = Boundary(part, store.runtime, store.manifest.num_experts)
-        inner = decoder(store.model)
-        embed = inner["embed_tokens"] if "embed_tokens" in inner else inner["word_embeddings"]
-        probe = embed(mx.array([[0]]))
-        mx.eval(probe)
-        stage = Stage(group, mine, probe.shape[-1], probe.dtype, engine.top_k, boundary)
+        stage = make_stage(store.model, group, mine, engine.top_k, boundary)
         store.model = PipelineModel(store.model, stage)
         engine.stage = stage
         engine.describe = _described(engine.describe, stage, split)
@@ -66,8 +70,10 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         raise
     if group.rank() == 0:
         mib = " ".join(f"{sum(costs[i] for i in r) / 2**20:.1f}" for r in split)
+        shares = {} if reads is None or not sum(reads) else {"reads_share": " ".join(
+            f"{sum(reads[i] for i in r) / sum(reads):.2f}" for r in split)}
         log.info("pipeline", ranks=group.size(), layers=" ".join(f"{r.start}-{r.stop - 1}" for r in split),
-                 mib_per_rank=mib, crossing_heads=len(part.outgoing))
+                 mib_per_rank=mib, **shares, crossing_heads=len(part.outgoing))
     return engine
 
 

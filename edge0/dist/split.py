@@ -1,5 +1,7 @@
-"""Which contiguous layers each pipeline rank runs: an even count, counts given, or by cost (the bytes a layer
-keeps in memory plus the expert bytes it streams from, from the store's own files), the largest rank's cost least.
+"""Which contiguous layers each pipeline rank runs: an even count, counts given, or by cost, the largest rank's cost
+least. A rank's cost is the larger of its share of the bytes the model keeps in memory (its layers' resident tensors
+and experts' bytes in the store; the embedding with the first layer, the final norm and head with the last) and its
+share of the expert bytes a decode step reads (each layer's, measured: dist/calibrate.py).
 
     EDGE0_SPLIT=cost | even | 3,5  (set by `edge0 launch --split`)
 """
@@ -37,28 +39,41 @@ def counted_split(counts: list[int], layers: int, ranks: int, where: str = SPLIT
 
 
 def layer_costs(root: Path, layers: int) -> list[int]:
-    """Per decoder layer: its bytes in resident.safetensors plus its experts' bytes in the store."""
+    """Per decoder layer: its bytes in resident.safetensors plus its experts' bytes in the store; the embedding's
+    bytes on layer 0's (rank 0 holds it), the final norm's and output head's on the last layer's (the last rank's;
+    a tied head's embedding too)."""
     from ..io.manifest import read_manifest
 
     costs = [0] * layers
-    for name, size in _tensor_sizes(root / "resident.safetensors").items():
+    sizes = _tensor_sizes(root / "resident.safetensors")
+    tied = not any("lm_head" in name for name in sizes)
+    for name, size in sizes.items():
         m = _LAYER.search(name)
-        if m is not None and int(m.group(1)) < layers:
-            costs[int(m.group(1))] += size
+        if m is not None:
+            if int(m.group(1)) < layers:
+                costs[int(m.group(1))] += size
+        elif "embed" in name:
+            costs[0] += size
+            costs[-1] += size if tied else 0
+        else:
+            costs[-1] += size
     manifest = read_manifest(root)
     for entry in manifest.layers:
         costs[entry.layer] += manifest.bundle_bytes * manifest.num_experts
     return costs
 
 
-def cost_split(costs: list[int], ranks: int) -> list[range]:
-    """Contiguous ranges whose largest total cost is least (linear partition, dynamic programming)."""
+def cost_split(costs: list[int], ranks: int, reads: list[int] | None = None) -> list[range]:
+    """Contiguous ranges whose largest cost is least (linear partition, dynamic programming). A range's cost: its
+    share of all `costs`, or with `reads`, the larger of that and its share of all reads."""
     n = len(costs)
     if ranks > n:
         raise Edge0Error(f"{ranks} ranks for a model of {n} layers: at most one rank per layer")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    held, read = _prefix(costs), _prefix(reads or [0] * n)
+
+    def cost(j: int, i: int) -> float:  # layers j..i-1
+        share = (held[i] - held[j]) / (held[n] or 1)
+        return max(share, (read[i] - read[j]) / read[n]) if read[n] else share
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(ranks + 1)]  # best[r][i]: least max cost of the first i layers on r ranks
     cut = [[0] * (n + 1) for _ in range(ranks + 1)]
@@ -66,7 +81,7 @@ def cost_split(costs: list[int], ranks: int) -> list[range]:
     for r in range(1, ranks + 1):
         for i in range(r, n + 1):
             for j in range(r - 1, i):
-                v = max(best[r - 1][j], prefix[i] - prefix[j])
+                v = max(best[r - 1][j], cost(j, i))
                 if v < best[r][i]:
                     best[r][i], cut[r][i] = v, j
     bounds, i = [], n
@@ -76,13 +91,22 @@ def cost_split(costs: list[int], ranks: int) -> list[range]:
     return bounds[::-1]
 
 
-def choose_split(spec: str, root: Path, layers: int, ranks: int) -> tuple[list[range], list[int]]:
-    """(the ranges of `spec`: even, cost or counts, and each layer's cost)."""
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def choose_split(spec: str, root: Path, layers: int, ranks: int,
+                 reads: list[int] | None = None) -> tuple[list[range], list[int]]:
+    """(the ranges of `spec`: even, cost (by bytes held and, given, each layer's measured reads) or counts, and each
+    layer's bytes held)."""
     costs = layer_costs(root, layers)
     if spec == "even":
         return even_split(layers, ranks), costs
     if spec == "cost":
-        return cost_split(costs, ranks), costs
+        return cost_split(costs, ranks, reads), costs
     try:
         counts = [int(n) for n in spec.split(",")]
     except ValueError:

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ class ReadStats:
     bytes: int = 0  # bytes transferred
     cold_bytes: float = 0.0  # bytes that were not in the page cache before their read (mincore)
     bounced: int = 0  # --io direct: reads copied through a bounce buffer (their buffers not aligned)
+    by_layer: dict = field(default_factory=dict)  # layer -> bytes (a pipeline's --split cost weighs layers by them)
 
     @property
     def cold_fraction(self) -> float:
@@ -196,6 +197,7 @@ class BundleReader:
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes += n
+            self.stats.by_layer[layer] = self.stats.by_layer.get(layer, 0) + n
             self.stats.cold_bytes += cold
         return n, cold
 

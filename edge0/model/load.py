@@ -183,6 +183,7 @@ def load_store(path: str | os.PathLike, *, dtype: str = "auto", verify: bool = F
     part = _PART.get()
     if part is not None:
         manifest, weights = _keep_layers(model, manifest, weights, part.layers)
+        weights = _drop_ends(model, weights, first=part.layers.start == 0, last=part.last)
     reader = BundleReader(root, manifest, verify=verify, io=io, throttle_mbps=io_throttle)
     runtime = None
     try:
@@ -242,6 +243,37 @@ def _keep_layers(model: nn.Module, manifest: Manifest, weights: dict, keep: rang
     fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(Manifest)}
     fields["layers"] = [e for e in manifest.layers if e.layer in keep]
     return PartManifest(**fields, whole=manifest), kept
+
+
+def _drop_ends(model: nn.Module, weights: dict, *, first: bool, last: bool) -> dict:
+    """A pipeline rank runs the embedding if first, the final norm and output head if last (and the embedding too if
+    the head is tied to it): an empty module in place of each other one, its weights never read."""
+    inner, owner = decoder(model), head_owner(model)
+    keep = {"embed"} if first or (last and owner is None) else set()
+    keep |= {"norm", "head"} if last else set()
+    ends = {"embed": (inner, embed_name(inner)), "norm": (inner, "norm"), "head": (owner, "lm_head")}
+    paths = {id(m): path for path, m in model.named_modules()}
+    for what, (parent, name) in ends.items():
+        if what in keep or parent is None or name not in parent:
+            continue
+        prefix = paths[id(parent[name])] + "."
+        weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+        parent[name] = nn.Module()
+    return weights
+
+
+def embed_name(inner: nn.Module) -> str:
+    """The decoder's embedding's name (mlx-lm's: embed_tokens, or Bailing's word_embeddings)."""
+    return "embed_tokens" if "embed_tokens" in inner else "word_embeddings"
+
+
+def head_owner(model: nn.Module) -> nn.Module | None:
+    """The module holding the output head (lm_head) beside the decoder; None where the head is tied to the
+    embedding."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner
+    return None
 
 
 def decoder(model: nn.Module) -> nn.Module:

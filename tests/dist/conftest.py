@@ -37,3 +37,23 @@ def dist_stores(models, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dist_store(dist_stores) -> Path:
     return dist_stores("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tied_store(models, tmp_path_factory) -> Path:
+    """The tiny qwen3_moe with its output head tied to its embedding (no lm_head): the last rank holds the embedding
+    too."""
+    import json
+
+    from edge0.model.convert import convert
+
+    src = tmp_path_factory.mktemp("tied") / "src"
+    shutil.copytree(models("qwen3_moe", what="src"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(src / "model.safetensors"), {k: v for k, v in weights.items() if not k.startswith("lm_head.")})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("lm_head.")}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return Path(convert(src, src.parent / "store", progress=False))

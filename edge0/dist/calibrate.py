@@ -1,0 +1,34 @@
+"""--split cost's measure of each layer's expert reads: a short decode through an even split before the real one.
+
+Each rank counts the bytes its own layers read from the store per decode step (io/reader.py ReadStats.by_layer) over
+CALIBRATION_TOKENS greedy tokens of CALIBRATION_PROMPT; one all_sum gives every rank every layer's. A layer's reads
+depend on its routing and its bank, not on which rank runs it, so an even split measures them for any split.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+CALIBRATION_PROMPT = "The history of the city begins"
+CALIBRATION_TOKENS = 32
+
+
+def measured_reads(open_even, group, layers: int) -> list[int]:
+    """Bytes each decoder layer read from the store over the calibration's decode steps (the prompt's reads not
+    counted), the same list on every rank. open_even(): this rank's engine of an even split."""
+    engine = open_even()
+    try:
+        by_layer = engine.store.reader.stats.by_layer
+        at_first: list[dict] = []  # the counts when the first token came out (the prompt's reads before it)
+
+        def cancelled() -> bool:
+            if not at_first:
+                at_first.append(dict(by_layer))
+            return False
+        req = engine.request(engine.encode_text(CALIBRATION_PROMPT), max_tokens=CALIBRATION_TOKENS, ignore_eos=True)
+        engine.generate(req, cancelled=cancelled)
+        start = at_first[0] if at_first else dict(by_layer)
+        mine = [by_layer.get(i, 0) - start.get(i, 0) for i in range(layers)]
+    finally:
+        engine.close()
+    return mx.distributed.all_sum(mx.array(mine, dtype=mx.int64), group=group, stream=mx.cpu).tolist()
