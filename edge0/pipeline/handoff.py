@@ -1,21 +1,14 @@
-"""The graph-building thread's hand-offs to the scheduler: work handed to its event loop (sched/loop.py) or, with
-EDGE0_SCHED=inline, to a planner thread and the graph-building thread itself; the settle before the scheduler is
-touched again; and the timing of the scheduler's work on either side (`sched`, `plan`)."""
+"""The graph-building thread's hand-offs to the scheduler: work handed to its event loop (sched/loop.py), the settle
+before the scheduler is touched again, and the timing of the scheduler's work on either side (`sched`, `plan`)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from ..sched.loop import SchedLoop
 from ..sched.trace import now_us
-
-# The scheduler's event loop plans the step's last fills, each layer's fills once it has read its bank, and keeps the
-# step's books; EDGE0_SCHED=inline runs that work as before it (a planner thread, the rest inline), for A/B.
-SCHED_LOOP = os.environ.get("EDGE0_SCHED", "loop") != "inline"
 
 
 class Handoff:
@@ -24,64 +17,73 @@ class Handoff:
     sched_s = 0.0  # the scheduler's time on the graph-building thread (its waits for the loop too), stalls and
     # pulls excluded
     sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
-    plan_s = 0.0  # the scheduler's planning on its own thread (the loop's, or the planner's)
+    plan_s = 0.0  # the scheduler's planning on its loop (or run by a settle that found it not started)
     plan_cpu_s = 0.0  # of which CPU time
-    _planner: ThreadPoolExecutor | None = None  # inline: the planner thread, started at the first flush that plans
-    _planning: Future | None = None  # its work for the step being evaluated, until settled
-    loop: SchedLoop | None = None  # the scheduler's event loop (SCHED_LOOP)
+    loop: SchedLoop | None = None  # the scheduler's event loop (None once closed)
     _advanced = False  # the loop has ended the step flushed last (its books kept), next_step only settles
+    deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
 
-    def _plan(self, consumers: list) -> None:
-        """On the planner thread: plan the consumers' waiting fills (numpy, the pool; no MLX)."""
+    def _plan(self, plans: list, traced: bool = True) -> None:
+        """On the loop: run the plans (numpy, the pool; no MLX), timed as the planner's
+        (plan_ms_per_token); traced: a `plan` span of its own (a layer's plans: the loop's span)."""
         t0, cpu0 = now_us(), time.thread_time()
         try:
-            for c in consumers:
-                c.plan_waiting()
+            for plan in plans:
+                plan()
         finally:
             if self.sched.step >= 1:
                 self.plan_s += (now_us() - t0) / 1e6
                 self.plan_cpu_s += time.thread_time() - cpu0
-            if self.trace is not None and self.trace.on:
+            if traced and self.trace is not None and self.trace.on:
                 self.trace.span("plan", "plan", t0, now_us(), thread=threading.current_thread().name,
                                 step=self.sched.step)
 
-    def plan_later(self, c, plan=None) -> None:
-        """Plan layer c's waiting fills (or call `plan`) on the loop, after c has read its bank this step: the
-        graph-building thread goes on building, and the loop plans while it waits for MLX (prefetch routing: the next
-        layer's routed ids); the next touch of the scheduler settles (inline: planned here)."""
-        with self.scheduling(c.layer):
-            if plan is None:
+    @staticmethod
+    def waiting_plans(consumers: list) -> list:
+        """The consumers' waiting fills as plans, taken from them here: another thread plans them, and only the
+        graph-building thread touches `waiting`."""
+        plans = []
+        for c in consumers:
+            if c.waiting:
                 waiting, c.waiting = c.waiting, []
-                plan = partial(c.plan_waiting, waiting)
-            if self.loop is None:
-                plan()
-            else:
-                self.loop.post("plan", self._timed_plan, plan, step=self.sched.step)
+                plans.append(partial(c.plan_waiting, waiting))
+        return plans
 
-    def _timed_plan(self, plan) -> None:
-        """On the loop: a layer's plans, counted as the planner's time (plan_ms_per_token)."""
-        t0, cpu0 = now_us(), time.thread_time()
-        try:
-            plan()
-        finally:
-            if self.sched.step >= 1:
-                self.plan_s += (now_us() - t0) / 1e6
-                self.plan_cpu_s += time.thread_time() - cpu0
+    def plan_later(self, c=None, plan=None) -> None:
+        """Layer c's scheduler work of this step is done (it has read its bank): its waiting fills (or `plan`) and
+        those of the consumers pulled meanwhile (`deferred`) are planned on the loop, in one hand-off, while this
+        thread builds and waits for MLX; the next touch of the scheduler settles."""
+        plans = [plan] if plan is not None else self.waiting_plans([c] if c is not None else [])
+        plans += self.waiting_plans(self.deferred)
+        self.deferred = []
+        if not plans:
+            return
+        with self.scheduling(c.layer if c is not None else -1):
+            if self.loop is None:
+                for p in plans:
+                    p()
+            else:
+                self.loop.post("plan", self._plan, plans, False, step=self.sched.step, wake=False)  # woken at the next
+                # wait for MLX (`wake`)
+
+    @property
+    def loop_idle(self) -> bool:
+        return self.loop is None or self.loop.idle
+
+    def wake(self) -> None:
+        """This thread is about to wait for MLX: the loop runs what was posted meanwhile."""
+        if self.loop is not None:
+            self.loop.wake()
 
     def settle(self) -> None:
-        """Wait for the loop's (inline: the planner thread's) work, raising its error: before touching the scheduler."""
-        if self.loop is not None:
-            if not self.loop.idle:
-                with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
-                    self.loop.settle(self.sched.step)
-            else:
-                self.loop.settle()  # (an error of work that ran)
+        """Make sure the loop's work has run, raising its error: before touching the scheduler."""
+        if self.loop is None:
             return
-        planning, self._planning = self._planning, None
-        if planning is None:
-            return
-        with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
-            planning.result()
+        if not self.loop.idle:
+            with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
+                self.loop.settle(self.sched.step)
+        else:
+            self.loop.settle()  # (an error of work that ran)
 
     def span(self, name: str, cat: str, t0: float, **args) -> None:
         if self.trace is not None and self.trace.on:
@@ -90,11 +92,11 @@ class Handoff:
     def scheduling(self, layer: int) -> "_Scheduling":
         return _Scheduling(self, layer)
 
-    def _step_end(self, ready: list, now: float | None) -> None:
+    def _step_end(self, plans: list, now: float | None) -> None:
         """On the loop, while MLX evaluates the step flushed: plan its last fills, end it (its plans not consumed are
         dropped) and time it for the gate (`now`: the graph-building thread's clock at the flush)."""
-        if ready:
-            self._plan(ready)
+        if plans:
+            self._plan(plans)
         self.sched.next_step()
         self._watch_reads(now)
 

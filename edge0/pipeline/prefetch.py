@@ -118,7 +118,7 @@ class PrefetchExperts:
         streamed layer's fused step (bank_step before it) then plans the fills waiting for it."""
         self.ran = self.rt.sched.step
         banked, self._banked = self._banked, None
-        if banked is not None and self.waiting:
+        if banked is not None:  # its scheduler work of this step is done (bank_step)
             self.rt.plan_later(self)
         predictions = self._predict(x, inds, banked) if inds.shape[-2] == 1 else []
         self.prev_inds = last_token(inds)
@@ -145,7 +145,6 @@ class PrefetchExperts:
         d = self.decided.get(step) if self.answered == step else None
         if d is None:
             return None
-        rt.settle()
         got = self._slots(d, d.ids)
         if got is None:
             self._begun = step  # the exact way, in __call__
@@ -162,8 +161,10 @@ class PrefetchExperts:
         (slots, reads begun) where they are read now, None where they do not fit the bank (read the exact way)."""
         rt, sched, cache = self.rt, self.rt.sched, self.cache
         with rt.scheduling(self.layer):
-            if not rt.paused:  # the predictions made at earlier layers become plans (paused: at the step's end,
-                rt.pull()  # as reads from the page cache hide nothing: one wait for the heads, not one per layer)
+            if not rt.paused:  # the predictions made at earlier layers (paused: at the step's end, as reads from the
+                rt.pull()  # page cache hide nothing: one wait for the heads, not one per layer), planned after this
+                # layer's work; the settle after the wait for MLX, the loop planning the layers before meanwhile
+            rt.settle()
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             if d is not None and plan is not None and cache.holding(ids, plan.slots):
@@ -178,11 +179,11 @@ class PrefetchExperts:
             self.prev_inds = last_token(inds)
             return self.prefill(self.layer, x, inds)
         rt = self.rt
-        rt.settle()  # the planner thread's plans (a step's flush) come before this layer's
-        sched, step = rt.sched, rt.sched.step
-        if (rt.paused and self.staged is not None and self.planned_by is None and not self.waiting
-                and not sched.busy(self.layer)):
-            return self._staged(x, inds, step)
+        sched, step = rt.sched, rt.sched.step  # (the step's end was settled: the loop only plans inside a step)
+        if rt.paused and self.staged is not None and self.planned_by is None and not self.waiting:
+            rt.settle()  # (else settled after the wait for the routed ids: the loop plans meanwhile)
+            if not sched.busy(self.layer):
+                return self._staged(x, inds, step)
         d = self.decided.get(step) if self.answered == step else None
         chosen = d is not None and inds is not d.inds  # the block's router chose K of the candidates, in the graph
         # decided a step ahead: the candidates' ids and slots are on the host already; else this layer routes with
@@ -192,6 +193,7 @@ class PrefetchExperts:
         got = None if begun == step else self._slots(d, ids)  # (bank_step began the step and found no room)
         cache = self.cache
         if got is None:  # more experts than slots, or too few writable: read them the exact way
+            rt.plan_later()  # the consumers pulled in _slots
             host, ids = self._on_host(inds) if chosen else (host, ids)
             self._schedule(self._predict(x, inds, ids) if inds.shape[-2] == 1 else [])  # its heads still decide
             self.prev_inds = last_token(inds)
@@ -209,8 +211,7 @@ class PrefetchExperts:
                 sched.demand_end(reads)
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
         self.ran = step
-        if self.waiting:
-            rt.plan_later(self)
+        rt.plan_later(self)  # its fills and the consumers pulled in _slots, on the loop
         predictions = self._predict(x, inds, ids) if inds.shape[-2] == 1 else []
         self.prev_inds = last_token(inds)
         where = slot_positions(inds, ids, slots, self.num_experts) if chosen else bank_positions(host, ids, slots)
@@ -231,6 +232,7 @@ class PrefetchExperts:
     def _on_host(self, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
         """The routed ids on the host, and their unique values."""
         t0 = now_us()
+        self.rt.wake()
         host_eval(inds)  # SYNC: the routed ids to the host
         self.rt.span(f"eval L{self.layer}", "compute", t0)
         self.rt.fence.sync()

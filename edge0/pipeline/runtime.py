@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -16,7 +15,6 @@ from ..errors import Edge0Error
 from ..sched.loop import SchedLoop
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
-from . import handoff
 from .gate import CertainReads, ReadAheadGate, read_ahead_gate
 from .handoff import Handoff
 from .prefetch import PREDICTORS, Decided, PrefetchExperts, joined_history
@@ -97,10 +95,10 @@ class PrefetchRuntime(Handoff, Runtime):
         self.gated_steps += self.paused and not self._warm
 
     def pull(self) -> None:
-        """Bring the pending predictions to the host and plan their fills (predicted routing: decide)."""
+        """Bring the pending predictions to the host (predicted routing: decide) and settle: the wait for MLX comes
+        first, the loop works meanwhile. Their fills are planned with the next `plan_later` (`deferred`)."""
+        self.deferred += self._take_pending()
         self.settle()
-        for c in self._take_pending():
-            c.plan_waiting()
 
     def _take_pending(self) -> list:
         """The pending predictions to the host: their ids wait at their consumers, their routing is decided.
@@ -109,6 +107,7 @@ class PrefetchRuntime(Handoff, Runtime):
             return []
         pending, self.pending = self.pending, []
         t0 = now_us()
+        self.wake()
         host_eval([a for p in pending for a in (p.inds, p.plan, p.scores) if a is not None])  # scheduled already
         self._evaluated_before(min(p.step for p in pending) - 1)
         self.pull_s += (now_us() - t0) / 1e6
@@ -136,26 +135,24 @@ class PrefetchRuntime(Handoff, Runtime):
 
     def flush(self) -> None:
         """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
-        here; its fills are planned on the scheduler's loop (inline: the planner thread), which also ends the step,
+        here; its fills are planned on the scheduler's loop, which also ends the step,
         while this one waits for MLX to evaluate the step, and settled before the fence moves (pipeline/steps.py),
         so the plans are the ones made before."""
         self._count_step()
-        self.settle()
         ready = []
         if self.pending:  # (nothing predicted this step, paused or no head: no span to time)
             with self.scheduling(-1):
-                ready = self._take_pending()
+                ready = self._take_pending()  # (waits for MLX before the settle: the loop works meanwhile)
                 for c in ready:
                     c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
-        if self.loop is not None and (ready or self.sched.plans or self.sched.landing):  # the loop plans and ends
-            # the step while MLX evaluates it (nothing to plan or drop, as paused: the books here cost less than a post)
+        self.settle()
+        plans = self.waiting_plans(ready + self.deferred)
+        self.deferred = []
+        if plans or self.sched.plans or self.sched.landing:  # the loop plans and ends the step while MLX evaluates
+            # it (nothing to plan or drop, as paused: the books here, at next_step, cost less than a post)
             self._advanced = True
             now = self.gate.clock() if self.gate is not None else None
-            self.loop.post("step end", self._step_end, ready, now, step=self.sched.step)
-        elif ready:
-            if self._planner is None:
-                self._planner = ThreadPoolExecutor(1, thread_name_prefix="edge0-sched")
-            self._planning = self._planner.submit(self._plan, ready)
+            self.loop.post("step end", self._step_end, plans, now, step=self.sched.step)
 
     def next_step(self) -> None:
         if self._advanced:  # the loop ended the step at its flush: settle, and plan what was predicted after it
@@ -163,10 +160,13 @@ class PrefetchRuntime(Handoff, Runtime):
             if self.pending or not self.loop.idle:
                 with self.scheduling(-1):
                     self.pull()
+                    self.plan_later()
             return
-        idle = not self.pending and self._planning is None  # nothing predicted or planning: no span to time
+        idle = not self.pending and self.loop_idle  # nothing predicted or planning: no span to time
         with nullcontext() if idle else self.scheduling(-1):
-            self.pull()  # whatever was predicted after the flush (settled first)
+            self.pull()  # whatever was predicted after the flush (the loop's work settled)
+            self.plan_later()
+            self.settle()  # (its plans come before the step's end: the loop's, or run here)
             self.sched.next_step()
             self._watch_reads()
 
@@ -192,7 +192,7 @@ class PrefetchRuntime(Handoff, Runtime):
     def finish(self) -> None:
         self._settle_quietly()
         self._advanced = False
-        self.pending = []
+        self.pending, self.deferred = [], []
         self.sched.cancel()
         if self._built:  # overlapped steps: a step built ahead of an early stop may still be computing
             mx.synchronize()
@@ -203,7 +203,7 @@ class PrefetchRuntime(Handoff, Runtime):
         """No read in flight or planned, step 0, no routing history: as a freshly built runtime."""
         self._settle_quietly()
         self._advanced = False
-        self.pending = []
+        self.pending, self.deferred = [], []
         self._built = {}
         self.sched.reset()
         for ex in self.executors.values():
@@ -217,6 +217,7 @@ class PrefetchRuntime(Handoff, Runtime):
         predictions are pulled, and what they decided for its next step is taken."""
         if ahead:
             self.pull()
+            self.plan_later()
         step = self.sched.step + ahead
         return {layer: (ex.prev_inds, ex.decided.get(step)) for layer, ex in self.executors.items()}
 
@@ -286,9 +287,6 @@ class PrefetchRuntime(Handoff, Runtime):
 
     def close(self) -> None:
         self._settle_quietly()
-        if self._planner is not None:
-            self._planner.shutdown()
-            self._planner = None
         if self.loop is not None:
             self.loop.close()
             self.loop = None
@@ -321,12 +319,12 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots, held=held)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, held=base.held, stats=base.stats,
                          prefill=base.prefill)
-    rt.pending = []
+    rt.pending, rt.deferred = [], []
     rt._built = {}
     rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
     reader.pool.trace = trace
     rt.trace = trace
-    rt.loop = SchedLoop(trace=trace) if handoff.SCHED_LOOP else None
+    rt.loop = SchedLoop(trace=trace)
     rt.heads = heads
     rt.predicted_routing = predicted_routing
     rt.candidates = candidates

@@ -2,17 +2,20 @@
 lifetime.
 
 The graph-building thread hands work to it (`post`: one thread-safe hand-off, no wait) and waits on it only where it
-is about to touch what the loop owns (`settle`: the readiness primitive, free when the loop is done already). Work
-posted runs on the loop in order, one item at a time, so the scheduler's state has one owner at any moment: the loop
-between a post and the settle after it, the graph-building thread otherwise. A posted item's error is kept and raised
-by the next settle (a failed read reaches the step that needs it). `close` cancels what is still scheduled on the
-loop and stops its thread.
+is about to touch what the loop owns (`settle`: the readiness primitive, a counter check when the loop is done
+already). Work posted runs in order, one item at a time, so the scheduler's state has one owner at any moment: the
+loop between a post and the settle after it, the graph-building thread otherwise. A settle that finds work the loop
+has not started (its thread not scheduled yet: on a busy machine a wake-up takes milliseconds) runs it itself rather
+than wait for the thread; it waits only for an item already running. A posted item's error is kept and raised by the
+next settle (a failed read reaches the step that needs it). `close` cancels what is still scheduled on the loop and
+stops its thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 
 from .scheduler import new_loop
 from .trace import NULL, now_us
@@ -26,11 +29,14 @@ class SchedLoop:
         self.name = name
         self.loop = new_loop()
         self._posted = 0  # items handed over (only the graph-building thread posts)
-        self._done = 0  # of which run (only the loop counts)
-        self._idle = threading.Condition()
+        self._done = 0  # of which run
+        self._queue: deque = deque()  # items posted and not started
+        self._running = threading.Lock()  # held while items run (on the loop, or by a settle): one at a time, in order
         self._error: BaseException | None = None
-        self.busy_s = 0.0  # the loop's time running posted work
-        self.wait_s = 0.0  # the graph-building thread's time waiting for it (`settle`)
+        self.busy_s = 0.0  # time running posted work (wherever it ran)
+        self.wait_s = 0.0  # the graph-building thread's time in settles that found work left (`settle`)
+        self.ran_here = 0  # items a settle ran itself (the loop's thread had not started them)
+        self._woken = False  # a drain is scheduled on the loop
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -38,10 +44,29 @@ class SchedLoop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def post(self, what: str, fn, *args, step: int = -1) -> None:
-        """Run fn(*args) on the loop, after everything posted before it; returns at once."""
+    def post(self, what: str, fn, *args, step: int = -1, wake: bool = True) -> None:
+        """Run fn(*args) on the loop, after everything posted before it; returns at once. wake=False: the loop
+        starts it at the next `wake` (where the caller is about to wait: a wake-up may cost it its core)."""
         self._posted += 1
-        self.loop.call_soon_threadsafe(self._do, what, fn, args, step)
+        self._queue.append((what, fn, args, step))
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        """Have the loop run what is posted (one wake-up for all of it)."""
+        if self._queue and not self._woken:
+            self._woken = True
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> int:
+        """Run the items not started, in order; returns how many ran here."""
+        self._woken = False
+        n = 0
+        with self._running:
+            while self._queue:
+                self._do(*self._queue.popleft())
+                n += 1
+        return n
 
     def _do(self, what: str, fn, args: tuple, step: int) -> None:
         t0 = now_us()
@@ -52,11 +77,9 @@ class SchedLoop:
         finally:
             t1 = now_us()
             self.busy_s += (t1 - t0) / 1e6
+            self._done += 1
             if self.trace.on:
-                self.trace.span(what, "loop", t0, t1, thread=self.name, step=step)
-            with self._idle:
-                self._done += 1
-                self._idle.notify_all()
+                self.trace.span(what, "loop", t0, t1, thread=threading.current_thread().name, step=step)
 
     @property
     def idle(self) -> bool:
@@ -64,11 +87,11 @@ class SchedLoop:
         return self._done == self._posted
 
     def settle(self, step: int = -1) -> None:
-        """Wait until everything posted has run, then raise the first error of that work (once)."""
+        """Make sure everything posted has run (waiting for an item running on the loop, running those it has not
+        started), then raise the first error of that work (once)."""
         if self._done != self._posted:
             t0 = now_us()
-            with self._idle:
-                self._idle.wait_for(lambda: self._done == self._posted)
+            self.ran_here += self._drain()
             t1 = now_us()
             self.wait_s += (t1 - t0) / 1e6
             if self.trace.on:
@@ -89,6 +112,7 @@ class SchedLoop:
         done = threading.Event()
 
         def stop() -> None:
+            self._drain()  # (posted without a wake-up)
             tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
             for t in tasks:
                 t.cancel()

@@ -1,40 +1,23 @@
-"""The scheduler's event loop (or, with EDGE0_SCHED=inline, the planner thread): a step's last predictions are
-planned there while MLX evaluates the step (PrefetchRuntime.flush / settle), and on the loop each layer's fills once
-it has read its bank. Moving that work off the graph-building thread must change nothing but where it runs: the
-same log-probabilities, bit for bit, and the same reads, as when the plans are made on the
-graph-building thread; and an error raised while planning reaches the caller, after which the engine still
+"""The scheduler's event loop: a step's last predictions are planned there while MLX evaluates the step
+(PrefetchRuntime.flush / settle), and on the loop each layer's fills once it has read its bank. Moving that work off
+the graph-building thread must change nothing but where it runs: the same log-probabilities, bit for bit, and the
+same reads, as when every plan is made on the graph-building thread (the loop's thread never woken: each settle runs
+the work posted); and an error raised while planning reaches the caller, after which the engine still
 generates correctly."""
 
 import threading
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 from edge0.engine import open_engine
-from edge0.pipeline import handoff
-from edge0.pipeline.runtime import PrefetchRuntime
+from edge0.sched.loop import SchedLoop
 from edge0.sched.scheduler import Scheduler
 
 from .test_pause import forced, pinned_store, private_config
 from .test_identity import real_text
 
 TOKENS = 40
-
-
-class Inline:
-    """An executor that runs the work on the calling thread: the plans made where they were before the planner."""
-
-    def submit(self, fn, *args):
-        f = Future()
-        try:
-            f.set_result(fn(*args))
-        except BaseException as e:
-            f.set_exception(e)
-        return f
-
-    def shutdown(self):
-        pass
 
 
 def run(monkeypatch, ids, *, inline: bool, **config):
@@ -48,9 +31,8 @@ def run(monkeypatch, ids, *, inline: bool, **config):
         return prefetch(self, *a, **k)
 
     monkeypatch.setattr(Scheduler, "prefetch", recorded)
-    if inline:  # neither the loop nor the planner thread
-        monkeypatch.setattr(handoff, "SCHED_LOOP", False)
-        monkeypatch.setattr(PrefetchRuntime, "_planner", Inline())
+    if inline:  # the loop's thread is never woken: each settle runs what was posted, on this thread
+        monkeypatch.setattr(SchedLoop, "wake", lambda self: None)
     # no read from the disk in either run
     with pinned_store(), open_engine(private_config({"io.executor": "staged", **config})) as engine:
         rt = engine.store.runtime
@@ -91,6 +73,6 @@ def test_planning_error_reaches_the_caller_and_the_engine_recovers(monkeypatch):
         assert failed
         monkeypatch.undo()
         rt = engine.store.runtime
-        assert rt._planning is None and rt.loop.idle  # settled: nothing of the failed generation runs on
+        assert rt.loop.idle  # settled: nothing of the failed generation runs on
         again = forced(engine, ids)
     assert np.array_equal(again, want)
