@@ -102,6 +102,21 @@ def join(engine, group, serving: bool) -> None:
     if serving and group.rank() == 0:
         stop_when_lost(engine, group.rank())
     same_seed(group)
+    same_overlap(engine.store.runtime, group)
+
+
+def same_overlap(runtime, group) -> None:
+    """Decode steps overlap on every rank or on none. The ranks run one loop in step; where only some overlap (a rank
+    whose layers all predict their routing beside one that syncs with the host), those run a step ahead at the end
+    whose messages the others never send."""
+    mine = bool(runtime.overlaps_steps)
+    others = mx.distributed.all_sum(mx.array(int(not mine)), group=group, stream=mx.cpu).item()
+    if not mine or others == 0:
+        return
+    if "overlaps_steps" in vars(runtime):  # the staged runtime's, set when it linked its heads
+        runtime.overlaps_steps = False
+    else:  # a runtime's property
+        runtime.__class__ = type(type(runtime).__name__, (type(runtime),), {"overlaps_steps": False})
 
 
 def open_expert_rank(config, group, *, trace, serving: bool = False):

@@ -99,6 +99,9 @@ def test_other_families_match_one_process(dist_stores, arch):
     assert len(got) == 4 and len(want) == 2, two.stdout + two.stderr
     assert want["native:staged"] != want["predicted:staged"]
     assert all(tokens == want[config] for config, tokens in got)
+    # Bailing's rank 0 syncs with the host (its first MoE layer routes natively), rank 1 need not: neither overlaps
+    overlaps = {(line["config"], line["rank"]): line["overlaps"] for line in lines(two.stdout)}
+    assert all(overlaps[c, 0] == overlaps[c, 1] for c in configs), overlaps
 
 
 def test_ranks_of_different_stores_refuse(dist_stores):
