@@ -289,7 +289,7 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
     """The runtime builder of scheduled routing (prefetch, predicted) for load_store."""
     from .model.arch import read_config
     from .model.heads import HeadSet
-    from .pipeline.runtime import build_prefetch_runtime
+    from .pipeline.prefetch_runtime import build_prefetch_runtime
 
     r, budget = c.routing, c.io.memory_budget_gib
 

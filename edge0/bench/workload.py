@@ -16,7 +16,7 @@ base, where a training step takes a fraction of a second, and bound to the wide 
 the base's. A head routes under --routing predicted only where its held-out recall reaches
 --route-recall (default 0.4); below, it only reads ahead: the first layers' heads are weak (their inputs
 move fastest), and routing by them costs far more quality than their reads (docs/lab/pipeline.md). With
---slots of at least 16, those layers hold every expert instead (--placement auto, pipeline/runtime.py).
+--slots of at least 16, those layers hold every expert instead (--placement auto, pipeline/prefetch_runtime.py).
 
 OUT is a complete store (edge0 verify checks it) plus OUT/workload/: replay.json (a held-out prompt and its
 real continuation, for --replay), workload.json (what was made, the heads' held-out recall per layer, and

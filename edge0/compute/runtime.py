@@ -24,7 +24,7 @@ PACK_BANK_BYTES = 1 << 20  # a slot bank keeps the kernel's packed copy only of 
 
 class Hooks:
     """What the decode loop (edge0/decode) calls on a store's runtime at each point of a generation; each a no-op here,
-    as for a model run without a store's runtime. A scheduled pipeline overrides what it needs (pipeline/runtime.py).
+    as for a model run without a store's runtime. A scheduled pipeline overrides what it needs (pipeline/prefetch_runtime.py).
 
     A generation: begin, prefill (sync after each chunk, end_prefill), then per step: flush, the step evaluated,
     settle, sync, next_step (or step_built where steps overlap), and finish (recover if it raised). A batch also

@@ -25,7 +25,7 @@ from collections import deque
 class ReadAheadGate:
     """Decides, step by step, whether the next decode step reads ahead. `step()` at every step boundary."""
 
-    warm_pause = True  # a warm page cache pauses reading ahead (pipeline/runtime.py PAUSE_AFTER)
+    warm_pause = True  # a warm page cache pauses reading ahead (pipeline/prefetch_runtime.py PAUSE_AFTER)
     mode = "measured"  # the --read-ahead mode it runs, as --json reports it
     why: str | None = None  # why it runs a mode the user did not ask for (--json)
 
@@ -152,7 +152,7 @@ class NoReadAhead(ReadAheadGate):
 
 class CertainReads(ReadAheadGate):
     """The measured gate of a runtime that guesses nothing: predicted routing where every layer is routed by its head
-    or holds its experts (pipeline/runtime.py held_layers). Each read ahead is one its step makes anyway, so reading
+    or holds its experts (pipeline/prefetch_runtime.py held_layers). Each read ahead is one its step makes anyway, so reading
     ahead adds no read, and pausing would only start the reads later (at the step's end instead of the next layer):
     while reads come from the disk every step reads ahead, with nothing to measure (measuring would only pause reads
     the step needs). A warm page cache pauses it (one pull a step instead of one a layer) only for bundles under

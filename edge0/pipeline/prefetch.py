@@ -19,7 +19,7 @@ computed it, or at the end of the step. Pulling an already scheduled array waits
 never for the work queued after it. A layer whose routing its owner's
 head decided a step ahead (predicted routing) knows its ids and slots on the host already: its graph is
 built with no host round trip at all. Only layers that route with their own router sync (`SYNC`), and not
-those that hold every expert (`held`, --placement: pipeline/runtime.py held_layers): their graph gathers
+those that hold every expert (`held`, --placement: pipeline/prefetch_runtime.py held_layers): their graph gathers
 from all of them by the routed ids, as resident experts do.
 """
 
@@ -34,7 +34,7 @@ from ..compute.executors import SlotCache, WholeLayer, held_first
 from ..compute.experts import ExactExperts, Quant, ResidentExperts, bank_positions, switch_glu, unique_ids
 from ..compute.kernel_choice import current
 from ..compute.kernels import host_eval, queue
-from ..compute.choices import PREDICTORS  # noqa: F401 (runtime.py checks a choice against it)
+from ..compute.choices import PREDICTORS  # noqa: F401 (prefetch_runtime.py checks a choice against it)
 from ..sched.trace import now_us
 
 

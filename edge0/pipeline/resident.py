@@ -3,7 +3,7 @@
 Where every expert of the store fits in memory nothing is read during decode, so predicted routing needs no
 scheduler: a head owned by layer L at step s decides its consumer's routing for step s+1 as graph nodes, and
 the consumer's block takes them at step s+1 as they are. No layer syncs with the host inside a step, so
-decode builds step s+1's graph while step s evaluates (pipeline/steps.py `overlaps`). The same heads, the same
+decode builds step s+1's graph while step s evaluates (decode/step.py `overlaps`). The same heads, the same
 routing math and the same expert products as the staged pipeline (pipeline/prefetch.py): the same tokens.
 
 A decision is stamped with the step it is for, as the streamed pipeline's are: the runtime's step, which

@@ -17,7 +17,7 @@ The rule of the pipeline, written once:
 
 Threads: the scheduler has its own event loop (sched/loop.py, the trace's `loop` lane), and one owner at a time. The
   graph-building thread hands the step's last predictions to it at the step's end, and the loop plans their fills,
-  ends the step (`next_step`) and keeps the read-ahead gate's books while MLX evaluates it (pipeline/runtime.py);
+  ends the step (`next_step`) and keeps the read-ahead gate's books while MLX evaluates it (pipeline/prefetch_runtime.py);
   the step's end settles that work before the scheduler is touched again. Inside a step, the fills a layer plans once
   it has read its bank are planned on the loop too (the next layer settles first); consuming plans and collecting
   (numpy on arrays of a few ids, the trace's `sched` span) run on the graph-building thread, between graphs.

@@ -24,7 +24,7 @@ from edge0.engine import open_engine
 from edge0.io.pagecache import Residency, evict
 from edge0.model.demo import DEMO_STORE
 from edge0.pipeline.gate import CertainReads, ReadAheadGate
-from edge0.pipeline.runtime import PrefetchRuntime
+from edge0.pipeline.prefetch_runtime import PrefetchRuntime
 from edge0.decode.loop import generate_steps
 
 from .test_identity import real_text

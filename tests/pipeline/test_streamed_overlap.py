@@ -1,5 +1,5 @@
 """Streamed predicted routing where every layer is routed by its head or holds its experts syncs with the host nowhere
-inside a step, so decode builds step n+1's graph while step n evaluates (pipeline/steps.py): the same answers bit for
+inside a step, so decode builds step n+1's graph while step n evaluates (decode/step.py): the same answers bit for
 bit as one step at a time, on real text and under a slow disk; fills still land a step ahead (the fence learns what is
 evaluated from the predictions the host takes); an early stop leaves the next generation exact."""
 
@@ -13,7 +13,7 @@ from edge0.compute.banks import Fence
 from edge0.config import EngineConfig, IOConfig, RoutingConfig
 from edge0.engine import open_engine
 from edge0.decode.request import GenRequest
-from edge0.pipeline.runtime import PrefetchRuntime
+from edge0.pipeline.prefetch_runtime import PrefetchRuntime
 from edge0.decode.loop import generate_steps
 from edge0.decode.step import overlaps
 

@@ -72,7 +72,7 @@ class PrefetchRuntime(Handoff, Runtime):
 
     # Predicted routing where every layer is routed by its head or holds its experts (set by link): no layer syncs with
     # the host inside a step (a consumer's ids and slots are on the host a step ahead), so decode builds step n+1's
-    # graph while step n evaluates (pipeline/steps.py), waiting for a fill only where it has not landed; the fence
+    # graph while step n evaluates (decode/step.py), waiting for a fill only where it has not landed; the fence
     # learns what is evaluated from the predictions pulled (those made in step s follow all of step s-1). A batch's
     # steps overlap up to `_overlap_rows` rows: each streamed bank holds two steps' candidates of every row (the step
     # built ahead reads slots no fill may take until it is evaluated: with less room, its fills would be read again).
@@ -134,9 +134,9 @@ class PrefetchRuntime(Handoff, Runtime):
                 del self._built[s]
 
     def flush(self) -> None:
-        """Before a step's evaluation (pipeline/steps.py): what the last layers predicted comes to the host
+        """Before a step's evaluation (decode/step.py): what the last layers predicted comes to the host
         here; its fills are planned on the scheduler's loop, which also ends the step,
-        while this one waits for MLX to evaluate the step, and settled before the fence moves (pipeline/steps.py),
+        while this one waits for MLX to evaluate the step, and settled before the fence moves (decode/step.py),
         so the plans are the ones made before."""
         self._count_step()
         ready = []
