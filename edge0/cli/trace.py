@@ -73,8 +73,9 @@ def print_summary(s: dict) -> None:
         ("steps", f"{s['steps']} decode steps"),
         ("decode", f"{s['tok_s']:.2f} tok/s ({s['step_ms']:.1f} ms/step)"),
         ("stall", f"{s['stall_ms_per_token']:.2f} ms/token (the graph-building thread waiting on reads)"),
-        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread, "
-                      f"{s.get('plan_ms_per_token', 0.0):.2f} on its own (the planner)"),
+        ("scheduler", f"{s['sched_ms_per_token']:.2f} ms/token on the graph-building thread (of which "
+                      f"{s.get('loop_wait_ms_per_token', 0.0):.2f} waiting for the loop), "
+                      f"{s.get('loop_ms_per_token', 0.0):.2f} on the scheduler's loop"),
         ("loads", f"{s['loads_per_step']:.1f}/step, {s['mib_per_load']:.2f} MiB/load, {100 * s['cold_fraction']:.0f}% cold, "
                   f"{s['demand_loads']} on demand"),
         ("reads", f"{s['read_ms_per_step']:.1f} ms/step with a read in flight, {s['read_depth']:.1f} in flight on "

@@ -232,3 +232,17 @@ def test_the_trace_has_the_loops_lane_and_summarize_reports_its_work_and_the_wai
     s = summarize(data)
     assert s["steps"] == 1 and 50 <= s["loop_ms_per_token"] < 1000
     assert 0 < s["loop_wait_ms_per_token"] <= s["loop_ms_per_token"] + 50  # (+ the waiter's wake-up on a busy machine)
+
+
+def test_summarize_prints_the_loops_work_and_the_wait_for_it(capsys):
+    from edge0.cli.trace import print_summary
+    from edge0.sched.summarize import summarize
+    from edge0.sched.trace import Trace
+
+    trace = Trace()
+    trace.span("step", "step", 0, 10_000, step=1)  # one 10 ms step: 3 ms of the loop's work, 2 ms waited for
+    trace.span("step end", "loop", 1_000, 4_000, step=1)
+    trace.span("loop wait", "sched", 5_000, 7_000, step=1)
+    print_summary(summarize({"traceEvents": trace.events}))
+    line = next(l for l in capsys.readouterr().out.splitlines() if "scheduler" in l)
+    assert "(of which 2.00 waiting for the loop), 3.00 on the scheduler's loop" in line, line
