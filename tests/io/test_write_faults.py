@@ -116,10 +116,10 @@ sys.exit(main(sys.argv[1:]))
                                       (signal.SIGINT, 130)])
 def test_a_signal_during_export_gguf_removes_its_temporary(models, tmp_path, sig, code):
     out = tmp_path / "m.gguf"
-    # SIGINT as a terminal delivers it (a background job may inherit it ignored)
+    # the signal as a terminal delivers it (a background job may inherit SIGINT ignored, one under nohup SIGHUP)
     proc = subprocess.Popen([sys.executable, "-c", WRITER, "export-gguf", "--quiet", str(models("qwen3_moe")),
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == b"writing\n"
         (tmp,) = leftovers(tmp_path)

@@ -205,7 +205,7 @@ def start_convert(src, out, *flags):
     # inherits it ignored, and Python then never raises KeyboardInterrupt
     return subprocess.Popen([sys.executable, "-c", CONVERT, "convert", "--quiet", *flags, str(src), str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)])
 
 
 def signal_while_writing(runs):
