@@ -57,7 +57,11 @@ def test_untrained_heads_serve_as_next_router(models, tmp_path):
     b = run_json(store, "--routing", "prefetch", "--predictor", "next-router", "--read-ahead", "always")
     assert a["recall"] > 0  # they predicted
     assert a["tokens"] == b["tokens"]
-    assert a["recall"] == b["recall"] and a["loads"] == b["loads"] and a["demand_loads"] == b["demand_loads"]
+    assert a["recall"] == b["recall"]  # the same predictions, step for step
+    # reads: a speculative read the router did not choose is taken back only if a worker has not started it yet,
+    # which the scheduler's loop and the pool decide by timing; the counts agree up to those few
+    for k in ("loads", "demand_loads"):
+        assert abs(a[k] - b[k]) <= max(2, 0.05 * b[k]), (k, a[k], b[k])
 
 
 def test_predicted_routing_reads_nothing_on_demand_at_consumers(trained, tmp_path):
