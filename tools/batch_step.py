@@ -56,7 +56,7 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
         batch.admit(r, lambda text: None, lambda: False)
     admit_ms = 1e3 * (time.perf_counter() - t0) / size
     batch.step()
-    getattr(batch, "settle", lambda: None)()  # nothing built ahead while the graph is counted (older trees: never)
+    batch.settle()  # nothing built ahead while the graph is counted
     nodes = graph_nodes(engine, batch)
     ext = kernels.load() if args.profile else None
     if ext is not None:
@@ -73,7 +73,7 @@ def measure(engine, ids: list[int], size: int, args) -> dict:
                 for _ in range(args.steps):
                     batch.step()
                 rounds[arm].append((time.perf_counter() - t0) / args.steps)
-    getattr(batch, "settle", lambda: None)()
+    batch.settle()
     step = statistics.median(rounds[arms[0]])
     out = {"batch": size, "admit_ms": admit_ms, "step_ms": 1e3 * step, "tok_s": size / step, "nodes": nodes}
     if arms != [None]:
