@@ -308,10 +308,16 @@ def _prefetch_builder(c: EngineConfig, trace, slots: int | None):
 
             return build_predicted_resident(reader, cdtype, heads=heads, candidates=candidates,
                                             memory_budget_gib=budget)
-        return build_prefetch_runtime(reader, cdtype, predictor=r.predictor, memory_budget_gib=budget,
-                                      slots=slots, trace=trace, heads=heads, guesses=r.guesses, top_k=r.top_k,
-                                      predicted_routing=r.mode == "predicted", candidates=candidates,
-                                      read_ahead=r.read_ahead, placement=c.io.placement)
+        rt = build_prefetch_runtime(reader, cdtype, predictor=r.predictor, memory_budget_gib=budget,
+                                    slots=slots, trace=trace, heads=heads, guesses=r.guesses, top_k=r.top_k,
+                                    predicted_routing=r.mode == "predicted", candidates=candidates,
+                                    read_ahead=r.read_ahead, placement=c.io.placement)
+        if r.affinity is not None:  # the table of predictor affinity, checked against the store's layers and experts
+            from .errors import SettingError as Bad
+            from .pipeline.affinity import attach
+
+            attach(rt, r.affinity, r.top_k or reader.manifest.top_k, Bad)
+        return rt
     return build
 
 

@@ -101,7 +101,7 @@ def arm_command(arm: str, args, path: Path, replay: Path) -> list[str]:
         dtype = "float32" if arm == "mlx-lm:f32" else "source"
         return [sys.executable, "-m", "edge0.bench", "mlx-lm", str(path), str(replay), dtype]
     cmd = [sys.executable, "-m", "edge0.run", "--model", str(path), "--replay", str(replay), "--max-tokens",
-           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm), *route_flags(args)]
+           str(args.max_tokens), "--ignore-eos", "--json", "--dtype", args.dtype, *arm_flags(arm), *route_flags(args, arm)]
     if args.threads:
         cmd += ["--kernel-threads", str(args.threads)]
     if args.memory_budget is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import Edge0Error
 
 ARMS = ("mlx-lm", "mlx-lm:f32", "exact", "staged", "staged:lru", "hot", "hot:lru", "resident", "native",
-        "prefetch:repeat", "prefetch:next-router", "prefetch:heads", "predicted", "predicted:even", "predicted:no-lora",
+        "prefetch:repeat", "prefetch:next-router", "prefetch:heads", "prefetch:affinity", "predicted", "predicted:even", "predicted:no-lora",
         "predicted:resident", "predicted:resident:no-lora", "llama.cpp", "llama.cpp:no-mmap")
 
 

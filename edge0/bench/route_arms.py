@@ -23,6 +23,7 @@ UNFORCED = ("mlx-lm", "predicted")  # arms whose routing a trace cannot force: m
 def check_routes(args, arms: list[str], m, given: dict | None):
     """The --routes trace, read and checked against the store and the replay's tokens (the prompt's and max tokens -
     1 rows), before anything runs; None without --routes. given: the --replay file's contents, if any."""
+    check_affinity(args, arms)
     if not getattr(args, "routes", None):
         return None
     from ..io.routetrace import check_fits, read_trace
@@ -40,9 +41,22 @@ def check_routes(args, arms: list[str], m, given: dict | None):
     return trace
 
 
-def route_flags(args) -> list[str]:
-    """What every Edge0 arm (and the replay's recording run) adds to its command line."""
-    return ["--routes", str(args.routes)] if getattr(args, "routes", None) else []
+def route_flags(args, arm: str | None = None) -> list[str]:
+    """What every Edge0 arm (and the replay's recording run) adds to its command line: the trace, and the affinity
+    table to the arms that read it (prefetch:affinity)."""
+    flags = ["--routes", str(args.routes)] if getattr(args, "routes", None) else []
+    if arm is not None and split_arm(arm)[0].split("/")[0] == "prefetch:affinity":
+        flags += ["--affinity", str(args.affinity)]
+    return flags
+
+
+def check_affinity(args, arms: list[str]) -> None:
+    """--affinity FILE: given exactly where an arm reads it (prefetch:affinity)."""
+    reads = any(split_arm(a)[0].split("/")[0] == "prefetch:affinity" for a in arms)
+    given = getattr(args, "affinity", None) is not None
+    if reads != given:
+        raise Edge0Error("--arms prefetch:affinity reads a co-activation table: give --affinity FILE (edge0 train "
+                         "affinity)" if reads else f"--affinity {args.affinity}: no arm reads it (prefetch:affinity)")
 
 
 def routes_section(trace, summary: dict, runs: dict, meta: dict, m) -> list[str]:

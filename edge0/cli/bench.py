@@ -11,6 +11,8 @@ import argparse
 
 def add_args(p: argparse.ArgumentParser) -> None:
     _arm_args(p)
+    p.add_argument("--affinity", metavar="FILE", default=None,
+                   help="the co-activation table the prefetch:affinity arm reads (edge0 train affinity)")
     p.add_argument("--kernels", action="store_true", help="the kernel micro-benchmark instead of model arms")
     _kernel_args(p)
 

@@ -19,7 +19,7 @@ from ..errors import Edge0Error
 SETTING_FLAGS = {
     "model": "--model", "routing.mode": "--routing", "routing.predictor": "--predictor", "routing.heads": "--heads",
     "routing.guesses": "--guesses", "routing.candidates": "--candidates", "routing.read_ahead": "--read-ahead",
-    "routing.lora": "--lora", "routing.top_k": "--k",
+    "routing.lora": "--lora", "routing.top_k": "--k", "routing.affinity": "--affinity",
     "io.executor": "--executor", "io.slots": "--slots", "io.placement": "--placement", "io.evict": "--evict",
     "io.memory_budget_gib": "--memory-budget", "io.mode": "--io", "io.workers": "--io-workers",
     "io.throttle_mbps": "--io-throttle", "io.verify": "--verify", "io.cold": "--cold",
@@ -48,13 +48,18 @@ def add_engine_flags(p: argparse.ArgumentParser, *, model_help: str | None = Non
                         "staged and hot read each layer whole for prefill")
     p.add_argument("--predictor", choices=PREDICTORS, default=None,
                    help="what --routing prefetch reads ahead: repeat (the layer's set at t), next-router (layer N+1's "
-                        "router on layer N's input; default), heads (the trained prerouter heads, --heads)")
+                        "router on layer N's input; default), heads (the trained prerouter heads, --heads), affinity "
+                        "(layer N+1's experts that follow layer N's at the same token, --affinity)")
     p.add_argument("--heads", metavar="FILE", default=None,
                    help="prerouter heads (default: heads-k{K}.safetensors next to the store); without --routing they "
                         "route (--routing predicted); implies --predictor heads with --routing prefetch")
     p.add_argument("--guesses", type=int, default=None, metavar="N",
                    help="--routing prefetch: read ahead only the predictor's N likeliest experts of each set, at "
                         "most K (default: all K); fewer guesses read less on a busy disk, and miss more")
+    p.add_argument("--affinity", metavar="FILE", default=None,
+                   help="--routing prefetch --predictor affinity: the co-activation table of `edge0 train affinity` "
+                        "(which experts of layer L+1 follow those of layer L): the next layer's likeliest experts are "
+                        "read while a layer computes")
     p.add_argument("--candidates", type=int, default=None, metavar="M",
                    help="--routing predicted: each head names its layer's M likeliest experts a token ahead (those are "
                         "read), and the layer's own router chooses and weighs K of them (default: 2K where every expert "

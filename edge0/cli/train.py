@@ -239,11 +239,39 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _affinity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traces", required=True, nargs="+", metavar="FILE",
+                   help="routing traces of one model shape (MoE layers, experts, K): --record-routes files or public "
+                        "layouts (docs/USAGE.md, Routing traces)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the table to write (NPZ)")
+    p.add_argument("--heldout", metavar="FILE", default=None,
+                   help="a trace not learned from: report how many of each layer's experts the table names from the "
+                        "layer before, against the layer's own experts at the token before")
+    p.add_argument("--force", action="store_true", help="replace an existing table at --out")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def _affinity(args: argparse.Namespace) -> int:
+    from ..train.affinity_phase import train_affinity
+
+    s = train_affinity(args.traces, args.out, heldout=args.heldout, force=args.force)
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    print(f"affinity table of {s['layers']} MoE layers x {s['experts']} experts (K {s['top_k']}) from {s['tokens']} "
+          f"tokens -> {args.out}")
+    for n, r in s.get("recall", {}).items():
+        print(f"held-out {args.heldout}: the table's {n} likeliest name {r['affinity']:.3f} of a layer's experts; "
+              f"the layer's own at the token before {r['previous']:.3f}")
+    return 0
+
+
 # `edge0 train PHASE`: phase -> (help, add_args, main)
 PHASES = {
     "base": ("train a small MoE LM from scratch on the stdlib's source", _base_args, _base),
     "heads": ("distil prerouter heads on a store (Phase 1)", _heads_args, _heads),
     "lora": ("train the recovery adapter on the student path (Phase 2)", _lora_args, _lora),
     "distill": ("distil the adapter on-policy from the teacher (Phase 3)", _distill_args, _distill),
+    "affinity": ("learn the affinity predictor's co-activation table from routing traces", _affinity_args, _affinity),
     "merge": ("how much of an adapter's delta survives merge-and-requantize (a measurement, JSON)", _merge_args, _merge),
 }

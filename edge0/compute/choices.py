@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Routing = Literal["native", "prefetch", "predicted"]  # who decides a layer's experts
-Predictor = Literal["repeat", "next-router", "heads"]  # what prefetch reads ahead with
+Predictor = Literal["repeat", "next-router", "heads", "affinity"]  # what prefetch reads ahead with
 Executor = Literal["auto", "exact", "staged", "hot", "resident"]  # how routed experts reach the product
 IoMode = Literal["pread", "mmap", "direct"]  # how bundles are read
 ReadAhead = Literal["measured", "always", "never"]  # when streamed steps read ahead

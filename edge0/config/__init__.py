@@ -28,6 +28,7 @@ class RoutingConfig:
     predictor: Predictor | None = None  # what prefetch reads ahead with: repeat | next-router (default) | heads
     heads: str | None = None  # head file; None: heads-k{K}.safetensors next to the store
     guesses: int | None = None  # prefetch: experts read ahead per predicted set (the predictor's top N); None: K
+    affinity: str | None = None  # predictor affinity: the co-activation table of `edge0 train affinity`
     candidates: int | None = None  # predicted: experts each head names ahead, the router choosing K; None: 2K resident, else K
     read_ahead: ReadAhead = "measured"  # measured: read ahead while it measures faster and reads come from the disk | always | never
     lora: str | None = None  # recovery adapter; None: lora-k{K}.safetensors next to the store with its heads; "none": off
@@ -160,6 +161,8 @@ def combine(c: EngineConfig, routing: Routing | None) -> tuple[Routing, Predicto
     if heads is not None and routing == "prefetch" and predictor != "heads":
         raise SettingError(f"{{routing.heads}}: {{routing.predictor}} {predictor} does not read heads (use "
                            "{routing.predictor} heads)")
+    if c.routing.affinity is not None and routing == "prefetch" and predictor is None:
+        predictor = "affinity"  # the table names what to read ahead with
     routing = routing or "native"
     _check_routing(c, routing, predictor)
     if routing != "native":
@@ -181,6 +184,11 @@ def _check_routing(c: EngineConfig, routing: Routing, predictor: Predictor | Non
                            "heads)")
     if r.candidates is not None and routing != "predicted":
         raise SettingError(f"{{routing.candidates}} {r.candidates}: only used with {{routing.mode}} predicted")
+    if r.affinity is not None and (routing != "prefetch" or predictor != "affinity"):
+        raise SettingError("{routing.affinity}: only read by {routing.mode} prefetch {routing.predictor} affinity")
+    if predictor == "affinity" and r.affinity is None:
+        raise SettingError("{routing.predictor} affinity reads a co-activation table: give it {routing.affinity} FILE "
+                           "(from `edge0 train affinity`)")
     if predictor is not None and routing == "native":
         raise SettingError(f"{{routing.predictor}} {predictor}: only used with {{routing.mode}} prefetch or predicted")
     if routing == "predicted" and predictor not in (None, "heads"):

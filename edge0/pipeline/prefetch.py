@@ -36,6 +36,7 @@ from ..compute.kernel_choice import current
 from ..compute.kernels import host_eval, queue
 from ..compute.choices import PREDICTORS  # noqa: F401 (prefetch_runtime.py checks a choice against it)
 from ..sched.trace import now_us
+from .affinity import plan_next
 
 
 @dataclass
@@ -286,6 +287,8 @@ class PrefetchExperts:
             logits = blk.logits(x)  # its scores rank the held experts its fills replace
             p_inds = blk.select(logits)[0] if n is None else _likeliest(logits, n)
             out.append(Prediction(self.next, step + 1, p_inds, None, host_scores(logits)))  # (B, T, K or n)
+        elif self.predictor == "affinity":  # the next layer at this step, from this layer's ids (pipeline/affinity.py)
+            plan_next(self, ids)
         elif self.predictor == "repeat":  # all held already: the reuse is the prediction
             rt.plan_later(self, lambda: rt.sched.prefetch(self.layer, self.cache, ids))
         rt.pending.extend(out)
