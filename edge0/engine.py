@@ -27,7 +27,7 @@ from .compute import kernels
 from .compute.executors import evict_by
 from .compute.kernel_choice import Kernel
 from .config import EngineConfig
-from .errors import ContextExceeded, Edge0Error
+from .errors import ContextExceeded, Edge0Error, SettingError
 from .decode.loop import generate
 from .decode.request import Figures, GenRequest
 from .log import log
@@ -328,7 +328,7 @@ def _candidates(c: EngineConfig, manifest, resident: bool) -> int:
     k, e = c.routing.top_k or manifest.top_k, manifest.num_experts
     m = c.routing.candidates or (min(2 * k, e) if resident else k)
     if not k <= m <= e:
-        raise Edge0Error(f"--candidates {m}: must be between K = {k} and the model's {e} experts")
+        raise SettingError(f"{{routing.candidates}} {m}: must be between K = {k} and the model's {e} experts")
     return m
 
 
@@ -355,9 +355,9 @@ def _slots(c: EngineConfig, path: Path) -> int | None:
     m = read_manifest(path)
     e, k = m.num_experts, top_k or m.top_k
     if top_k is not None and top_k > e:
-        raise Edge0Error(f"--k {top_k}: must be between 1 and the model's {e} experts")
+        raise SettingError(f"{{routing.top_k}} {top_k}: must be between 1 and the model's {e} experts")
     if slots is not None and slots > e:
-        raise Edge0Error(f"--slots {slots}: at most the model's {e} experts (more slots never hold more)")
+        raise SettingError(f"{{io.slots}} {slots}: at most the model's {e} experts (more slots never hold more)")
     if slots is None and batch > 1:
         return min(e, 2 * k * batch)
     return slots

@@ -42,3 +42,21 @@ def test_import_edge0_does_not_load_mlx():
             "try:\n    edge0.nothing\nexcept AttributeError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "module 'edge0' has no attribute 'nothing'\n"
+
+
+def test_library_errors_name_settings_and_the_command_line_names_flags():
+    """A bad setting found once the store is read (more slots than the model has experts, a kernel name) is said with
+    EngineConfig's paths to a library caller and with the flags on the command line."""
+    import pytest
+
+    from edge0.errors import SettingError
+
+    with pytest.raises(SettingError, match=r"^io\.slots 999: at most the model's \d+ experts"):
+        edge0.open_engine(edge0.EngineConfig.of({"io.slots": 999}))
+    with pytest.raises(SettingError, match=r"^kernel\.dtype float8: choose auto"):
+        from edge0.model.load import compute_dtype
+        compute_dtype("float8")
+    proc = subprocess.run([sys.executable, "-m", "edge0.run", "--slots", "999", "--max-tokens", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--slots 999: at most the model's" in proc.stderr
+    assert "Traceback" not in proc.stderr and "io.slots" not in proc.stderr

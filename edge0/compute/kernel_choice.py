@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .choices import KERNELS
-from ..errors import Edge0Error
+from ..errors import SettingError
 from . import kernels
 
 
@@ -36,9 +36,9 @@ class Kernel:
         """Resolve `choice` (None: $EDGE0_KERNEL, else auto); `edge0` raises when the extension cannot be used."""
         choice = choice or os.environ.get("EDGE0_KERNEL") or "auto"
         if choice not in KERNELS:
-            raise Edge0Error(f"--kernel {choice}: choose {', '.join(KERNELS)}")
+            raise SettingError(f"{{kernel.name}} {choice}: choose {', '.join(KERNELS)}")
         if choice == "edge0" and not kernels.available():
-            raise Edge0Error(f"--kernel edge0: the CPU kernels are {kernels.reason()}")
+            raise SettingError(f"{{kernel.name}} edge0: the CPU kernels are {kernels.reason()}")
         if choice == "mlx" or (choice == "auto" and mx.default_device() != mx.cpu):
             return cls("mlx")
         ext = kernels.load()

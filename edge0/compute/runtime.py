@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .choices import EXECUTORS
-from ..errors import Edge0Error
+from ..errors import Edge0Error, SettingError
 from ..io.cgroup import memory_room
 from .banks import Bank, Fence
 from .eviction import DECAY
@@ -153,12 +153,12 @@ def build_runtime(reader, executor: str, compute_dtype: mx.Dtype | None, *, memo
     what `slots` per layer would take (streamed_slots).
     """
     if executor not in EXECUTORS:
-        raise Edge0Error(f"--executor {executor}: choose {', '.join(EXECUTORS)}")
+        raise SettingError(f"{{io.executor}} {executor}: choose {', '.join(EXECUTORS)}")
     m = reader.manifest
     fence = Fence()
     budget = None if memory_budget_gib is None else int(memory_budget_gib * 2**30)
     if budget is not None and budget < 0:
-        raise Edge0Error(f"--memory-budget {memory_budget_gib}: must not be negative")
+        raise SettingError(f"{{io.memory_budget_gib}} {memory_budget_gib}: must not be negative")
     if executor == "auto":
         executor = auto_executor(m, compute_dtype, budget)
     layers = [e.layer for e in m.layers]
@@ -241,11 +241,11 @@ def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | N
     per_slot = Bank.slot_bytes(m.pieces, cdtype)  # memory per resident bundle
     s = slots or 2 * m.top_k
     if s < m.top_k:
-        raise Edge0Error(f"--slots {s}: a staged bank needs at least K = {m.top_k} slots")
+        raise SettingError(f"{{io.slots}} {s}: a staged bank needs at least K = {m.top_k} slots")
     need = s * per_slot * len(layers)
     if budget is not None and need > budget:
-        raise Edge0Error(f"--memory-budget {budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
-                         f"({s} slots x {len(layers)} layers); raise it, or use --executor hot")
+        raise SettingError(f"{{io.memory_budget_gib}} {budget_gib} GiB: staged banks need {need / 2**30:.3f} GiB "
+                           f"({s} slots x {len(layers)} layers); raise it, or use {{io.executor}} hot")
     if budget is None or 2 * m.num_experts * per_slot <= budget - need:
         rt.prefill = WholeLayer(reader, fence, cdtype)
     left = (available_memory() // 2 if budget is None else

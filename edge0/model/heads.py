@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..compute.dense import linear
 from ..compute.kernel_choice import current
-from ..errors import Edge0Error
+from ..errors import Edge0Error, SettingError
 from ..io.atomic import atomic_path
 
 HIDDEN = 512  # head width (docs/DESIGN.md §10)
@@ -158,7 +158,8 @@ class HeadSet:
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise Edge0Error(f"{path}: damaged head metadata ({e!r})") from None
         if top_k is not None and k != top_k:
-            raise Edge0Error(f"{path}: heads for K={k}, but --k {top_k} was asked; use the head file trained for K={top_k}")
+            raise SettingError(f"{path}: heads for K={k}, but {{routing.top_k}} {top_k} was asked; use the head file "
+                               f"trained for K={top_k}")
         dim = _hidden_size(config)
         hs = cls({c: Head(dim, manifest.num_experts, manifest.num_experts, hidden) for c in owners}, owners, k, hidden,
                  want, meta.get("data_hash", ""), routes)

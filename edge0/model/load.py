@@ -19,7 +19,7 @@ from ..compute.banks import scales_as_stored
 from ..compute.dense import use_kernel_ops
 from ..compute.qmm import pack_at_load, use_kernel_products
 from ..compute.runtime import Runtime, build_runtime
-from ..errors import Edge0Error
+from ..errors import Edge0Error, SettingError
 from ..io.manifest import MANIFEST, Manifest, read_manifest
 from ..io.reader import BundleReader
 from ..io.verify import check_at_load
@@ -62,7 +62,7 @@ def compute_dtype(name: str) -> mx.Dtype | None:
     if name == "source":
         return None
     if name not in DTYPES:
-        raise Edge0Error(f"--dtype {name}: choose auto, source, {', '.join(DTYPES)}")
+        raise SettingError(f"{{kernel.dtype}} {name}: choose auto, source, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

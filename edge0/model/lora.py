@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..compute.qmm import lora_add, lora_linear
-from ..errors import Edge0Error
+from ..errors import Edge0Error, SettingError
 from ..io.atomic import atomic_path
 from .heads import model_fingerprint, refuse_nonfinite
 
@@ -304,14 +304,15 @@ def resolve_lora(lora: str | None, store: Path, *, routing: str, default_heads: 
         return lora
     if lora is not None:
         if routing != "predicted":
-            raise Edge0Error(f"--lora {lora}: an adapter is trained with predicted routing; --routing {routing} "
-                             "does not apply (use --routing predicted, or --lora none)")
+            raise SettingError(f"{{routing.lora}} {lora}: an adapter is trained with predicted routing; "
+                               f"{{routing.mode}} {routing} does not apply (use {{routing.mode}} predicted, or "
+                               "{routing.lora} none)")
         return lora
     if routing != "predicted" or not default_heads:
         return "none"
     manifest = read_manifest(store)
     found = store / f"lora-k{top_k or manifest.top_k}.safetensors"
     if not found.exists() and manifest.lists(found.name):  # the store's own adapter gone: not a run without one
-        raise Edge0Error(f"{found}: missing, though {store / 'edge0.json'} lists it (restore it, or pass --lora none "
-                         "to serve without the adapter)")
+        raise SettingError(f"{found}: missing, though {store / 'edge0.json'} lists it (restore it, or pass "
+                           "{routing.lora} none to serve without the adapter)")
     return str(found) if found.exists() else "none"

@@ -11,7 +11,7 @@ import numpy as np
 from ..compute.experts import ExactExperts, unique_ids
 from ..compute.kernels import host_eval
 from ..compute.runtime import Runtime, build_runtime, streamed_slots
-from ..errors import Edge0Error
+from ..errors import Edge0Error, SettingError
 from ..sched.loop import SchedLoop
 from ..sched.scheduler import QUEUE_DEPTH, Scheduler
 from ..sched.trace import NULL, now_us
@@ -308,13 +308,13 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     serves every read), always or never. placement: auto holds every expert of the layers no head routes, where
     that fits (held_layers); even gives every layer `slots`."""
     if predictor not in PREDICTORS:
-        raise Edge0Error(f"--predictor {predictor}: choose {', '.join(PREDICTORS)}")
+        raise SettingError(f"{{routing.predictor}} {predictor}: choose {', '.join(PREDICTORS)}")
     if (predictor == "heads" or predicted_routing) and heads is None:
-        raise Edge0Error("predicting with heads needs a head file: --heads FILE (train one with `edge0 train heads`)")
+        raise SettingError("predicting with heads needs a head file: {routing.heads} (train one with `edge0 train heads`)")
     k = top_k or reader.manifest.top_k
     if guesses is not None and (predicted_routing or not 1 <= guesses <= k):
         why = "predicted routing reads what its heads route" if predicted_routing else f"between 1 and K = {k}"
-        raise Edge0Error(f"--guesses {guesses}: {why}")
+        raise SettingError(f"{{routing.guesses}} {guesses}: {why}")
     held = held_layers(reader.manifest, heads, slots, candidates or k) if heads and placement == "auto" else ()
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots, held=held)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, held=base.held, stats=base.stats,

@@ -11,7 +11,8 @@ import pytest
 
 from edge0.compute import kernels
 from edge0.compute.machine import blas
-from edge0.errors import Edge0Error
+from edge0.cli.flags import SETTING_FLAGS
+from edge0.errors import Edge0Error, SettingError
 from edge0.io.manifest import read_manifest
 from edge0.model.arch import read_config
 from edge0.model.heads import HeadSet, features
@@ -96,8 +97,9 @@ def test_head_files_round_trip_and_are_bound(trained, models, tmp_path):
     other = convert(src, tmp_path / "other", progress=False)  # same architecture and shapes, other weights
     with pytest.raises(Edge0Error, match="another model"):
         HeadSet.load(path, read_manifest(other), read_config(other))
-    with pytest.raises(Edge0Error, match=f"heads for K={m.top_k}, but --k 3"):
-        HeadSet.load(path, m, config, top_k=3)
+    with pytest.raises(SettingError, match=f"heads for K={m.top_k}, but routing.top_k 3") as e:
+        HeadSet.load(path, m, config, top_k=3)  # the library names its setting; the command line its flag
+    assert f"heads for K={m.top_k}, but --k 3 was asked" in e.value.say(SETTING_FLAGS)
     proc = subprocess.run([sys.executable, "-m", "edge0.run", "--model", str(other), "--routing", "predicted",
                            "--heads", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "trained for another model" in proc.stderr and "Traceback" not in proc.stderr

@@ -289,7 +289,7 @@ def test_candidates_out_of_range_are_refused(phase, tmp_path, candidates):
 
 
 def test_merge_measures_the_projections_and_keeps_the_blocks_branches(phase):
-    """python -m edge0.train.merge on an adapter with a branch beside each MoE block: the branches have no weight to
+    """`edge0 train merge` on an adapter with a branch beside each MoE block: the branches have no weight to
     merge into, so the weight-level figures are the projections' alone, and the merged model keeps its branches."""
     from edge0.model.heads import model_fingerprint
     from edge0.model.load import load_store
