@@ -12,7 +12,7 @@ SHARED = {ARMS, SERVE}  # the flags serve.py shares with the model arms
 USED_BY = {  # flag's dest -> the benchmarks that read it
     **{d: {SERVE} for d in ("clients", "requests", "max_batch", "model")},
     **{d: {ARMS} for d in ("arms", "cache", "gguf", "io", "llama_python", "lora", "memory_cap", "replay", "replay_text",
-                           "slots", "source", "store", "routes", "affinity")},
+                           "slots", "source", "store", "routes", "affinity", "batch")},
     **{d: SHARED for d in ("dtype", "io_throttle", "max_tokens", "memory_budget", "out", "prompt_tokens", "rounds",
                            "threads")},
     **{d: {KERNELS} for d in ("kernel_threads", "kernel_impls", "kernel_seconds", "kernel_prefill_rows", "kernel_json",

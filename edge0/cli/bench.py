@@ -13,6 +13,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     _arm_args(p)
     p.add_argument("--affinity", metavar="FILE", default=None,
                    help="the co-activation table the prefetch:affinity arm reads (edge0 train affinity)")
+    p.add_argument("--batch", default=None, metavar="SIZES",
+                   help="with --routes FILE[,FILE..]: batches of these sizes (2,4,8), each row forced from its own "
+                        "trace window, against the same sequences one after another (bench/route_batch.py)")
     p.add_argument("--kernels", action="store_true", help="the kernel micro-benchmark instead of model arms")
     _kernel_args(p)
 
@@ -20,6 +23,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..bench import bench_cli
 
+    if args.batch is not None:  # rows forced from their own traces: bench/route_batch.py
+        from ..bench.route_batch import bench_batches
+        from ..io.manifest import read_manifest
+
+        print("\n".join(bench_batches(args, read_manifest(args.store))))
+        return 0
     return bench_cli(args, defaults())
 
 

@@ -9,7 +9,11 @@ Every Edge0 MoE block routes through its `routes` hook (blocks.py `_routing`): r
 token t (one sequence, computed from its first token: no prompt cache), the trace's i-th layer the model's i-th MoE
 layer. Forced routing uses exactly the traced ids, in their
 order; their weights are the trace's where it holds them (a recorded trace replays bit for bit), else the block's
-own router's weights for those ids (block.weigh). Shapes: T tokens, K routed.
+own router's weights for those ids (block.weigh). Shapes: T tokens, K routed, B rows.
+
+A batch (decode/batch.py BatchDecoder) forces each row from its own trace: `TracedRouting(model, traces=[a, b])`,
+`admit(i)` before the i-th sequence is admitted (its prompt and first step run alone, B = 1: trace i), then each
+batched step's row r follows trace r from its own cursor (rows in order of admission, none left yet).
 """
 
 from __future__ import annotations
@@ -52,18 +56,27 @@ class TracedRouting:
     """The hooks of every MoE block of `model` for one sequence: forced from `trace` (None: the blocks route) and
     recorded when `record`. `what` names the flag in errors."""
 
-    def __init__(self, model, *, trace: RouteTrace | None, record: bool, what: str):
+    def __init__(self, model, *, trace: RouteTrace | None = None, record: bool = False, what: str,
+                 traces: list[RouteTrace] | None = None):
         blocks = moe_blocks(model)
         other = [i for i, b in blocks.items() if not hasattr(b, "routes")]
         if not blocks or other:
             why = f"layers {', '.join(map(str, other))} route in their family's own code" if other else "it has none"
             raise Edge0Error(f"{what}: routing traces need Edge0's own MoE blocks (qwen3_moe, qwen3_5_moe, "
                              f"bailing_moe): {why}")
-        self.trace, self.record, self.what = trace, record, what
+        self.traces = traces if traces is not None else [trace] if trace is not None else []
+        self.trace, self.record, self.what = (self.traces or [None])[0], record, what
+        self.current = 0  # the trace of a call of one row: the sequence admitted last (admit)
         self.blocks = blocks
         self.layers = [_Layer(self, j) for j in range(len(blocks))]
         for blk, hook in zip(blocks.values(), self.layers):
             blk.routes = hook
+
+    def admit(self, index: int) -> None:
+        """The next sequence, admitted alone and then the batch's next row, follows traces[index] from its row 0."""
+        if not 0 <= index < len(self.traces):
+            raise Edge0Error(f"{self.what}: no trace {index} (of {len(self.traces)})")
+        self.current = index
 
     def detach(self) -> None:
         for blk in self.blocks.values():
@@ -82,35 +95,49 @@ class TracedRouting:
 
 
 class _Layer:
-    """One MoE layer's hook: its rows of the trace from its cursor on, and what it routed."""
+    """One MoE layer's hook: each trace's rows from its own cursor on, and what it routed."""
 
     def __init__(self, owner: TracedRouting, index: int):
         self.owner, self.index = owner, index
-        self.cursor = 0  # the sequence's next token: the trace's row for it
+        self.cursors = [0] * max(1, len(owner.traces))  # per trace: its sequence's next token, the trace's row for it
         self.rows: list[tuple[mx.array, mx.array]] = []  # (inds, scores) of each call, recorded
+
+    @property
+    def cursor(self) -> int:
+        return self.cursors[0]
 
     def __call__(self, block, x: mx.array, own) -> tuple[mx.array, mx.array]:
         o = self.owner
         lead = x.shape[:-1]  # (B, T) or (T,)
-        if math.prod(lead[:-1]) != 1:
-            raise Edge0Error(f"{o.what}: a routing trace follows one sequence, not a batch of {math.prod(lead[:-1])}")
-        start, t = self.cursor, lead[-1]
-        self.cursor += t
-        if o.trace is not None:
-            tr = o.trace
-            if start + t > tr.num_tokens:
-                raise Edge0Error(f"{o.what}: the trace holds {tr.num_tokens} tokens, the run reached token "
-                                 f"{start + t}")
-            inds = mx.array(tr.ids[self.index, start:start + t].astype(np.uint32)).reshape(*lead, tr.top_k)
-            if tr.weights is not None:
-                scores = mx.array(tr.weights[self.index, start:start + t]).reshape(*lead, tr.top_k).astype(x.dtype)
+        b, t = math.prod(lead[:-1]), lead[-1]
+        which = [o.current] if b == 1 else list(range(b))  # rows in order of admission
+        if b > 1 and (len(o.traces) < b or t != 1):
+            raise Edge0Error(f"{o.what}: a batch of {b} rows needs a trace per row (--routes gives "
+                             f"{len(o.traces) or 1}), each row one token a step")
+        if o.traces:
+            inds = mx.array(np.concatenate([self._ids(r, t) for r in which]).astype(np.uint32)).reshape(*lead, -1)
+            tr = o.traces[which[0]]
+            if all(o.traces[r].weights is not None for r in which):
+                w = np.concatenate([o.traces[r].weights[self.index, self.cursors[r]:self.cursors[r] + t] for r in which])
+                scores = mx.array(w).reshape(*lead, tr.top_k).astype(x.dtype)
             else:
                 scores = block.weigh(block.logits(x), inds)
+            for r in which:
+                self.cursors[r] += t
         else:
             inds, scores = own(block, x)
+            self.cursors[0] += t
         if o.record:
             self.rows.append((inds, scores))
         return inds, scores
+
+    def _ids(self, r: int, t: int) -> np.ndarray:
+        """(t, K) ids of trace r from its cursor (refused past its end)."""
+        tr, start = self.owner.traces[r], self.cursors[r]
+        if start + t > tr.num_tokens:
+            name = self.owner.what + (f" (trace {r})" if len(self.owner.traces) > 1 else "")
+            raise Edge0Error(f"{name}: the trace holds {tr.num_tokens} tokens, the run reached token {start + t}")
+        return tr.ids[self.index, start:start + t]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(T, K) ids and weights recorded (evaluated here where they were not)."""
