@@ -127,17 +127,20 @@ def batch_config(args, arm: str, rows: int):
     return EngineConfig.of(settings).check()
 
 
-def bench_batches(args, m) -> list[str]:
+def bench_batches(args) -> list[str]:
     """--batch SIZES: per round (rotated), the sequences one after another, each size's batch, and where batch_rows
-    chooses fewer rows, the batch run in groups of that size; the medians as results.md's lines."""
+    chooses fewer rows, the batch run in groups of that size; the medians as lines of a results table."""
     import statistics
 
+    from ..io.manifest import read_manifest
     from ..io.routetrace import read_trace
 
-    sizes = sorted({int(s) for s in str(args.batch).split(",") if s.strip()})
-    arms = args.arms.split(",")
-    if not sizes or min(sizes) < 2 or len(arms) != 1 or not args.routes or not args.slots:
-        raise Edge0Error("--batch SIZES (each 2 or more) needs one arm (--arms), --routes FILE[,FILE..] and --slots")
+    sizes = sorted({int(s) for s in str(args.batch).split(",") if s.strip().isdigit()})
+    arms = (args.arms or "").split(",")
+    if not sizes or min(sizes) < 2 or len(arms) != 1 or not (args.routes and args.slots and args.store):
+        raise Edge0Error(f"--batch {args.batch}: sizes of 2 or more, comma-separated, with one arm (--arms), "
+                         "--store, --routes FILE[,FILE..] and --slots")
+    m = read_manifest(args.store)
     traces = [read_trace(f, f"--routes {f}") for f in str(args.routes).split(",")]
     n = args.prompt_tokens + args.max_tokens - 1
     rows = windows(traces, max(sizes), n)

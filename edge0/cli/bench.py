@@ -25,9 +25,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.batch is not None:  # rows forced from their own traces: bench/route_batch.py
         from ..bench.route_batch import bench_batches
-        from ..io.manifest import read_manifest
 
-        print("\n".join(bench_batches(args, read_manifest(args.store))))
+        print("\n".join(bench_batches(args)))
         return 0
     return bench_cli(args, defaults())
 
