@@ -46,8 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ..dist import MODE_ENV
+    from ..dist.hosts import read_hostfile
     from ..dist.serve import TIMEOUT_ENV
-    from ..dist.split import SPLIT_ENV
+    from ..dist.split import SPLIT_ENV, check_split
     from ..errors import Edge0Error
 
     command = args.ranked[1:] if args.ranked[:1] == ["--"] else args.ranked
@@ -59,8 +60,9 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"-n {args.local_ranks}: from 2 to 64 ranks")
     if args.hostfile is not None and not Path(args.hostfile).is_file():
         raise Edge0Error(f"--hostfile {args.hostfile}: no such file")
-    if args.split not in ("even", "cost") and not all(n.isdigit() for n in args.split.split(",")):
-        raise Edge0Error(f"--split {args.split}: choose even, cost or layer counts such as 3,3")
+    ranks = args.local_ranks if args.hostfile is None else read_hostfile(args.hostfile, args.backend)
+    if args.parallel == "pipeline":
+        check_split(args.split, ranks, _model(command[1:]))
     if args.rank_timeout is not None and not 0 < args.rank_timeout <= 86400:
         raise Edge0Error(f"--rank-timeout {args.rank_timeout:g}: seconds, more than 0 and at most 86400")
     if args.port is not None and not 1024 <= args.port <= 65000:
@@ -76,11 +78,26 @@ def main(args: argparse.Namespace) -> int:
     return run_ranks(cmd)
 
 
+def _model(argv: list[str]) -> str | None:
+    """The ranked command's --model (None: the built-in model's)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    return p.parse_known_args(argv)[0].model
+
+
 def run_ranks(cmd: list[str]) -> int:
-    """Run mlx.launch, its stdout as it comes; 1 when a rank failed (mlx.launch itself exits 0 then)."""
+    """Run mlx.launch, its stdout as it comes; 1 when a rank failed (mlx.launch itself exits 0 then). An error every
+    rank reports alike is said once; after one, mlx.launch's lines on the ranks' exits are not repeated."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    failed = False
+    failed, said = False, set()
     for line in proc.stderr:
+        ended = "Node with rank" in line and ("exited with code" in line or "was killed" in line)
+        failed = failed or ended
+        if line.startswith("edge0: error:"):
+            if line in said:
+                continue
+            said.add(line)
+        elif ended and said:
+            continue
         sys.stderr.write(line)
-        failed = failed or ("Node with rank" in line and ("exited with code" in line or "was killed" in line))
     return 1 if proc.wait() or failed else 0

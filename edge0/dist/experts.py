@@ -60,4 +60,18 @@ def shard_experts(engine, group) -> Traffic:
     e = engine.store.manifest.num_experts
     for block in blocks.values():
         block.executor = ShardedExperts(block.executor, group, e, traffic)
+    no_whole_layers(engine.store.runtime, [b.executor.inner for b in blocks.values()])
     return traffic
+
+
+def no_whole_layers(runtime, executors: list) -> None:
+    """A prompt's experts read as a decode step's (its unique routed ids, here this rank's alone), not every expert of
+    each layer (whole-layer prefill would read the other ranks' experts on every rank)."""
+    prefill = getattr(runtime, "prefill", None)
+    if prefill is None:
+        return
+    prefill.close()  # nothing read yet: drops no bank
+    runtime.prefill = None
+    for ex in [*getattr(runtime, "executors", {}).values(), *executors]:
+        if getattr(ex, "prefill", None) is prefill:
+            ex.prefill = None

@@ -25,12 +25,11 @@ def even_split(layers: int, ranks: int) -> list[range]:
     return counted_split([layers // ranks + (r < layers % ranks) for r in range(ranks)], layers, ranks)
 
 
-def counted_split(counts: list[int], layers: int, ranks: int, where: str = SPLIT_ENV) -> list[range]:
+def counted_split(counts: list[int], layers: int, ranks: int, where: str = "--split") -> list[range]:
     if ranks > layers:
         raise Edge0Error(f"{ranks} ranks for a model of {layers} layers: at most one rank per layer")
     if len(counts) != ranks or any(n < 1 for n in counts) or sum(counts) != layers:
-        raise Edge0Error(f"{where}: {','.join(map(str, counts))} must be {ranks} counts of at least 1 layer that add "
-                         f"up to the model's {layers}")
+        raise Edge0Error(f"{where}: must be {ranks} counts of at least 1 layer that add up to the model's {layers}")
     out, at = [], 0
     for n in counts:
         out.append(range(at, at + n))
@@ -107,11 +106,31 @@ def choose_split(spec: str, root: Path, layers: int, ranks: int,
         return even_split(layers, ranks), costs
     if spec == "cost":
         return cost_split(costs, ranks, reads), costs
+    return counted_split(_counts(spec), layers, ranks, f"--split {spec}"), costs
+
+
+def _counts(spec: str) -> list[int]:
     try:
-        counts = [int(n) for n in spec.split(",")]
+        return [int(n) for n in spec.split(",")]
     except ValueError:
-        raise Edge0Error(f"{SPLIT_ENV}={spec}: choose even, cost or layer counts such as 3,3") from None
-    return counted_split(counts, layers, ranks, f"{SPLIT_ENV}={spec}"), costs
+        raise Edge0Error(f"--split {spec}: choose even, cost or layer counts such as 3,3") from None
+
+
+def check_split(spec: str, ranks: int, model: str | None) -> None:
+    """`edge0 launch`'s check before any rank starts: `spec` names `ranks` ranges of the layers of the model at path
+    `model` (None: the built-in one), where that store is readable here (else each rank checks it)."""
+    from ..model.demo import DEMO_STORE
+    from ..model.arch import read_config, text_config
+
+    counts = None if spec in ("even", "cost") else _counts(spec)
+    try:
+        layers = text_config(read_config(Path(model) if model else DEMO_STORE))["num_hidden_layers"]
+    except (Edge0Error, OSError, ValueError, KeyError, TypeError):
+        layers = None  # the store is on the other hosts only, or not a store: the ranks say so
+    if counts is not None:
+        counted_split(counts, layers if layers is not None else sum(counts), ranks, f"--split {spec}")
+    elif layers is not None and ranks > layers:
+        raise Edge0Error(f"{ranks} ranks for a model of {layers} layers: at most one rank per layer")
 
 
 def _tensor_sizes(path: Path) -> dict[str, int]:

@@ -45,6 +45,7 @@ def main(store: str, configs: list[str]) -> None:
             stage = getattr(engine, "stage", None)
             weights = sum(v.nbytes for _, v in tree_flatten(engine.store.model.parameters()))
             print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read, "decode_bytes": before + fig.bytes_read - at_first[0],
+                              "prompt_bytes": at_first[0] - before,
                               "weights": weights, "peak_mlx": fig.peak_mlx_bytes, "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0,
                               "overlaps": engine.store.runtime.overlaps_steps}),
                   flush=True)

@@ -1,8 +1,16 @@
 """`edge0 launch`: its refusals are one line naming the flag, before anything starts."""
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from edge0.cli import main
+from edge0.model.demo import DEMO_STORE
+
+from .common import free_port
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -14,9 +22,56 @@ from edge0.cli import main
     (["-n", "2", "--port", "80", "--", "run"], "--port 80: from 1024 to 65000"),
     (["-n", "2", "--split", "2,x", "--", "run"], "--split 2,x: choose even, cost or layer counts such as 3,3"),
     (["-n", "2", "--rank-timeout", "0", "--", "serve"], "--rank-timeout 0: seconds, more than 0 and at most 86400"),
+    # the built-in model has 6 layers (edge0/model/demo/store/config.json)
+    (["-n", "2", "--split", "9,9", "--", "run"], "--split 9,9: must be 2 counts of at least 1 layer that add up to the "
+                                                 "model's 6"),
+    (["-n", "2", "--split", "2,2,2", "--", "run"], "--split 2,2,2: must be 2 counts"),
+    (["-n", "7", "--", "run"], "7 ranks for a model of 6 layers: at most one rank per layer"),
 ])
 def test_refusals(argv, says, capsys):
     assert main(["launch", *argv]) != 0
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+HOSTS = [{"ssh": "mac1", "ips": ["192.168.1.10"]}, {"ssh": "mac2", "ips": ["192.168.1.11"]}]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[{\"ssh\": \"mac1\",", "not JSON (Expecting"),
+    ("\"mac1\"", "expected a list of hosts"),
+    (json.dumps({"hosts": HOSTS[:1]}), "1 host(s); name at least 2"),
+    (json.dumps([HOSTS[0], {"ips": ["192.168.1.11"]}]), "host 1: \"ssh\" must name the host"),
+    (json.dumps([HOSTS[0], {"ssh": "mac2", "ips": ["mac2.local"]}]), "host 1: \"ips\": 'mac2.local' is not an IP"),
+    (json.dumps([HOSTS[0], {"ssh": "mac2"}]), "host 1: the ring backend needs its \"ips\""),
+    (json.dumps({"backend": "tcp", "hosts": HOSTS}), "\"backend\" 'tcp': choose ring, jaccl, jaccl-ring"),
+])
+def test_damaged_hostfile_is_one_line_naming_it(tmp_path, capsys, text, says):
+    path = tmp_path / "hosts.json"
+    path.write_text(text)
+    assert main(["launch", "--hostfile", str(path), "--", "run"]) != 0
+    err = capsys.readouterr().err
+    assert f"--hostfile {path}: " in err and says in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_hostfile_counts_the_ranks_for_split(tmp_path, capsys):
+    """Two hosts: --split names two counts (three is refused before any host is reached)."""
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(HOSTS))
+    assert main(["launch", "--hostfile", str(path), "--split", "2,2,2", "--", "run"]) != 0
+    assert "--split 2,2,2: must be 2 counts" in capsys.readouterr().err
+
+
+def test_error_of_every_rank_is_said_once(tmp_path):
+    """A model directory that is no store: each rank fails alike; the launcher says it once, without mlx.launch's
+    lines on the ranks' exits."""
+    missing = tmp_path / "no-store"
+    missing.mkdir()
+    shutil.copy(DEMO_STORE / "config.json", missing)  # the launcher reads its layers; the ranks find no edge0.json
+    run = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()),
+                          "--", "run", "--model",
+                          str(missing), "--max-tokens", "2"], capture_output=True, text=True, timeout=60)
+    errors = [line for line in run.stderr.splitlines() if "edge0.json: missing" in line]
+    assert run.returncode != 0 and len(errors) == 1 and "Node with rank" not in run.stderr, run.stderr

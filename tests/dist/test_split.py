@@ -72,5 +72,5 @@ def test_layer_costs_are_the_stores_bytes(dist_store):
         ends = embed if layer == 0 else last if layer == 3 else 0
         assert (dist_store / "experts" / f"layer_{layer:03d}.safetensors").stat().st_size >= experts
         assert resident > 0 and cost == resident + experts + ends, layer
-    with pytest.raises(Edge0Error, match="EDGE0_SPLIT=2,x: choose even, cost or layer counts"):
+    with pytest.raises(Edge0Error, match="--split 2,x: choose even, cost or layer counts"):
         choose_split("2,x", dist_store, 4, 2)
