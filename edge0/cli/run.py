@@ -103,6 +103,7 @@ def _prompt(engine, args, replay: dict | None) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from ..dist import open_engine  # under mlx.launch: this rank's share of a pipeline
+    from ..dist.routes import rank_routes
     from ..engine import memory_figures
     from ..decode.request import GenRequest
     from ..model.traced import attach_routes, save_routes
@@ -132,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
                          top_p=samp.top_p, seed=samp.seed, ignore_eos=args.ignore_eos, **samp.penalties(),
                          forced=(replay.get("tokens") or None) if replay else None)
         engine.check(req, what=args.replay if replay else prompt_what)
-        traced = attach_routes(engine, routes, req, routes_file=args.routes, record=args.record_routes)
+        traced = attach_routes(engine, rank_routes(engine, routes), req, routes_file=args.routes,
+                               record=args.record_routes)
         if not args.json and replay is None and not args.chat:
             print(args.prompt if args.prompt is not None else DEFAULT_PROMPT, end="", flush=True)
         emit = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))

@@ -152,3 +152,27 @@ def test_tied_head_matches_one_process(tied_store):
                           *argv], capture_output=True, text=True, timeout=60, env=env)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     assert lines(two.stdout)[0]["tokens"] == json.loads(one.stdout)["tokens"]
+
+
+def test_forced_routes_match_one_process(store, runs, tmp_path):
+    """`edge0 launch -n 2 -- run --routes TRACE`: each rank forces its own layers' rows of the trace (the second
+    rank's layers are the trace's later rows), so the tokens are one process's under that trace, not the router's."""
+    import numpy as np
+
+    manifest = json.loads((store / "edge0.json").read_text())
+    e, k = manifest["num_experts"], manifest["top_k"]
+    rng = np.random.default_rng(5)
+    trace = {str(i): [rng.choice(e, k, replace=False).tolist() for _ in range(40)] for i in range(4)}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"expert_trace": trace}))
+    argv = ["run", "--model", str(store), "--executor", "staged", "--lora", "none", "--prompt", "hello world, the",
+            "--max-tokens", "12", "--json"]
+    env = {**os.environ, "EDGE0_KERNEL": "mlx"}
+    one = subprocess.run([sys.executable, "-m", "edge0.cli", *argv, "--routes", str(path)], capture_output=True,
+                         text=True, timeout=60, env=env)
+    two = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()), "--",
+                          *argv, "--routes", str(path)], capture_output=True, text=True, timeout=60, env=env)
+    assert two.returncode == 0, two.stderr
+    want = json.loads(one.stdout)["tokens"]
+    assert want != runs[0]["native:staged"]["tokens"][:12]  # the trace routes otherwise than the router
+    assert lines(two.stdout)[0]["tokens"] == want
