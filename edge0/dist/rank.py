@@ -14,7 +14,7 @@ from ..log import log
 from . import same_seed
 from .boundary import Boundary, Part
 from .pipeline import PipelineModel, Stage, decoder, make_stage
-from .serve import lead, stop_when_lost
+from .serve import lead, lost_while_idle, stop_when_lost
 from .split import SPLIT_ENV, choose_split, even_split, layer_costs
 
 
@@ -96,8 +96,14 @@ def same_store(group, root: Path) -> None:
 def join(engine, group, serving: bool) -> None:
     """What every mode's rank does once its engine is open: rank 0 of a served one posts each request (dist/serve.py),
     a lost rank is one clear error, every rank samples from one seed."""
+    lifeline = None
+    if serving:  # every rank: rank 0 hears at once of a rank that ends, even while idle
+        from .lifeline import Lifeline
+
+        lifeline = Lifeline(group, lost_while_idle(engine) if group.rank() == 0 else None)
+        engine.lifeline = lifeline  # a rank > 0's connection stays open while it runs
     if serving and group.rank() == 0:
-        lead(engine, group)
+        lead(engine, group, lifeline)
     engine.generate = _peers_kept(engine.generate, group.rank())
     if serving and group.rank() == 0:
         stop_when_lost(engine, group.rank())

@@ -67,20 +67,24 @@ def decode(engine, payload: bytes):
     return engine.request(prompt, **fields)
 
 
-def lead(engine, group) -> None:
+def lead(engine, group, lifeline=None) -> None:
     """Rank 0 of a served pipeline: each generation posted first, its cancellation shared; close posts STOP (not
-    once a rank is lost: stop_when_lost)."""
+    once a rank is lost: stop_when_lost). lifeline (dist/lifeline.py): told before STOP that the ranks will end."""
     channel, generate, close = Channel(group), engine.generate, engine.close
 
     watch = Watchdog(rank_timeout())
 
     def posted(req, emit=lambda s: None, cancelled=lambda: False):
+        if getattr(engine, "lost_rank", None):  # found by the lifeline while idle: no collective would answer
+            raise Edge0Error(f"rank 0: another rank stopped or failed, the pipeline stops ({engine.lost_rank})")
         engine.check(req)  # a request the model refuses is refused here alone, not on every rank
         with watch:
             channel.post(REQUEST, encode(req))
             return generate(req, emit, lambda: watch.beat() or channel.flag(cancelled()))
 
     def closing(*args, **kwargs):
+        if lifeline is not None:
+            lifeline.stop()
         try:
             if not getattr(engine, "lost_rank", None):
                 channel.post(STOP)
@@ -110,24 +114,43 @@ def stop_when_lost(engine, rank: int) -> None:
     """Rank 0: after a generation fails because a rank is lost, the service stops (SIGTERM to this process, which
     the server handles as a graceful stop) once /health has said why; without it every later request would fail.
     The engine's reset fails from then on, so the server stays unhealthy."""
-    generate, reset, lost = engine.generate, engine.reset, []
+    generate, reset = engine.generate, engine.reset
 
     def call(*args, **kwargs):
         try:
             return generate(*args, **kwargs)
         except Edge0Error as e:
-            if "another rank stopped or failed" in str(e) and not lost:
-                lost.append(str(e))
-                engine.lost_rank = str(e)
+            if "another rank stopped or failed" in str(e):
                 log.error(f"pipeline: {e}; the service stops")
-                threading.Timer(STOP_AFTER_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                mark_lost(engine, str(e))
             raise
 
     def reset_unless_lost() -> None:
-        if lost:
-            raise Edge0Error(f"a rank was lost ({lost[0]}); restart every rank")
+        if getattr(engine, "lost_rank", None):
+            raise Edge0Error(f"a rank was lost ({engine.lost_rank}); restart every rank")
         reset()
     engine.generate, engine.reset = call, reset_unless_lost
+
+
+def mark_lost(engine, why: str) -> None:
+    """Rank 0, once: engine.lost_rank says why (/health reads it), and the service stops STOP_AFTER_S later."""
+    with _LOST:
+        if getattr(engine, "lost_rank", None):
+            return
+        engine.lost_rank = why
+    threading.Timer(STOP_AFTER_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+
+def lost_while_idle(engine):
+    """The lifeline's callback on rank 0: a rank's process or host is gone."""
+    def lost(rank: int) -> None:
+        if not getattr(engine, "lost_rank", None):
+            log.error(f"pipeline: rank {rank} stopped or disconnected; the service stops")
+        mark_lost(engine, f"rank {rank} stopped or disconnected")
+    return lost
+
+
+_LOST = threading.Lock()
 
 
 STOP_AFTER_S = 2.0  # a lost rank: seconds /health answers "unhealthy" before the server stops

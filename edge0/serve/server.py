@@ -120,8 +120,9 @@ class Api:
         if jobs.closing:
             return web.json_response({"status": "shutting_down", **state}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_S)})
-        if jobs.unhealthy is not None:
-            return web.json_response({"status": "unhealthy", "error": jobs.unhealthy, **state}, status=503,
+        lost = getattr(self.engine, "lost_rank", None)  # edge0/dist: a rank of the service is gone, even while idle
+        if jobs.unhealthy is not None or lost:
+            return web.json_response({"status": "unhealthy", "error": jobs.unhealthy or lost, **state}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_S)})
         return web.json_response({"status": "ok", **state})
 

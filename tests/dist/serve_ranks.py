@@ -1,6 +1,6 @@
 """One rank of the distributed serve tests (tests/dist/test_serve.py): rank 0 serves STORE on PORT and prints
 'listening URL'; the others follow it. EDGE0_TEST_DIE_RANK's rank leaves (exit 0) after EDGE0_TEST_DIE_AFTER tokens, or hangs
-with EDGE0_TEST_HANG.
+with EDGE0_TEST_HANG; EDGE0_TEST_LEAVE_IDLE's rank leaves once its first generation is done.
 
     mlx.launch -n 2 --backend ring -- python tests/dist/serve_ranks.py STORE ROUTING PORT
 """
@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
 import edge0.dist.rank  # noqa: F401 (imports the engine's open_engine before it is replaced below)
@@ -24,6 +25,14 @@ def follow(config) -> None:
 
     group = dist.world()
     with dist.open_engine(config, serving=True) as engine:
+        if os.environ.get("EDGE0_TEST_LEAVE_IDLE") == str(group.rank()):  # leaves after its first generation
+            generate_once = engine.generate
+
+            def then_leave(*args, **kwargs):
+                fig = generate_once(*args, **kwargs)
+                threading.Timer(0.5, os._exit, (0,)).start()
+                return fig
+            engine.generate = then_leave
         if os.environ.get("EDGE0_TEST_DIE_RANK") == str(group.rank()):
             generate, after = engine.generate, int(os.environ["EDGE0_TEST_DIE_AFTER"])
 

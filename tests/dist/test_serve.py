@@ -109,3 +109,26 @@ def test_hung_rank_stops_the_service(dist_store):
         assert "no token for 2 s: a rank is not answering" in out, out
     finally:
         end(proc)
+
+
+def test_rank_lost_while_idle_shows_on_health(dist_store):
+    """Rank 1 leaves after the first request, while nothing generates: /health says so within seconds, with no
+    request to find it, and the service stops by itself."""
+    proc, url = start(dist_store, free_port(), env={"EDGE0_TEST_LEAVE_IDLE": "1"})
+    try:
+        status, answer = completion(url)
+        assert status == 200, answer
+        health, deadline = None, time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                status, health = http_request(url, "GET", "/health")[:2]
+            except OSError:  # stopped already: too late to read it
+                break
+            if status != 200:
+                break
+            time.sleep(0.05)
+        assert status == 503 and "rank 1 stopped or disconnected" in json.dumps(health), (status, health)
+        out, _ = proc.communicate(timeout=30)
+        assert "rank 1 stopped or disconnected; the service stops" in out, out
+    finally:
+        end(proc)
