@@ -22,6 +22,7 @@ class Handoff:
     loop: SchedLoop | None = None  # the scheduler's event loop (None once closed)
     _advanced = False  # the loop has ended the step flushed last (its books kept), next_step only settles
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
+    booked: list = []  # plans consumed by Scheduler.take: their books go to the loop ahead of the next plans posted
 
     def _plan(self, plans: list, traced: bool = True) -> None:
         """On the loop: run the plans (numpy, the pool; no MLX), timed as the planner's
@@ -49,11 +50,19 @@ class Handoff:
                 plans.append(partial(c.plan_waiting, waiting))
         return plans
 
+    def books(self) -> list:
+        """The books of the plans consumed by Scheduler.take since the last hand-off, as plans (`booked` emptied):
+        they come before any plan of the same bank (its slots released, its recency)."""
+        if not self.booked:
+            return []
+        booked, self.booked = self.booked, []
+        return [partial(self.sched.consumed, p) for p in booked]
+
     def plan_later(self, c=None, plan=None) -> None:
         """Layer c's scheduler work of this step is done (it has read its bank): its waiting fills (or `plan`) and
         those of the consumers pulled meanwhile (`deferred`) are planned on the loop, in one hand-off, while this
         thread builds and waits for MLX; the next touch of the scheduler settles."""
-        plans = [plan] if plan is not None else self.waiting_plans([c] if c is not None else [])
+        plans = self.books() + ([plan] if plan is not None else self.waiting_plans([c] if c is not None else []))
         plans += self.waiting_plans(self.deferred)
         self.deferred = []
         if not plans:
@@ -101,11 +110,14 @@ class Handoff:
         self._watch_reads(now)
 
     def _settle_quietly(self) -> None:
-        """Settle, dropping the planner's error: the plans are abandoned next (a failed read emptied its slot)."""
+        """Settle, dropping the planner's error: the plans are abandoned next (a failed read emptied its slot); the
+        books of plans consumed are kept here (their slots released before the plans are)."""
         try:
             self.settle()
         except Exception:
             pass
+        for book in self.books():
+            book()
 
 
 class _Scheduling:

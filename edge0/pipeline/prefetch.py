@@ -59,12 +59,6 @@ class Prediction:
     plan: mx.array | None  # the consumer block's decision beside them (predicted routing), else None
     scores: mx.array | None = None  # a guess's scores of every expert (B, T, E); None where plan is not (decided)
 
-    def rank(self) -> np.ndarray | None:
-        """A guess's scores, on the host, as one per expert (the highest over the rows): its fills replace the held
-        experts it ranks lowest. None for a decided routing (its reads are certain)."""
-        if self.scores is None:
-            return None
-        return np.array(self.scores, copy=False).reshape(-1, self.scores.shape[-1]).max(axis=0)
 
 
 class PrefetchExperts:
@@ -85,8 +79,8 @@ class PrefetchExperts:
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
         self.ran = -1  # the last step whose graph this layer built from its bank
-        self.waiting: list[tuple[np.ndarray, int, np.ndarray | None]] = []  # (ids, step, a guess's rank or None for
-        # a decided routing): planned once this layer has run this step
+        self.waiting: list[tuple[np.ndarray, int, np.ndarray | None]] = []  # (unique ids, step, None) of a decided
+        # routing, (routed ids, step, scores) of a guess: planned once this layer has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
@@ -166,6 +160,11 @@ class PrefetchExperts:
                 rt.pull()  # page cache hide nothing: one wait for the heads, not one per layer), planned after this
                 # layer's work; the settle after the wait for MLX, the loop planning the layers before meanwhile
             rt.settle()
+            if d is not None:  # decided a step ahead and read: only the wait for its reads here, its books on the loop
+                plan = sched.take(self.layer, ids)
+                if plan is not None:
+                    rt.booked.append(plan)
+                    return plan.slots, None
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             if d is not None and plan is not None and cache.holding(ids, plan.slots):
@@ -256,8 +255,10 @@ class PrefetchExperts:
         last routed set)."""
         if waiting is None:
             waiting, self.waiting = self.waiting, []
-        for ids, step, rank in waiting:  # a guess (ranked) is speculative: the router may not follow it
-            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=rank is not None, rank=rank)
+        for ids, step, scores in waiting:  # a guess (scored) is speculative: the router may not follow it
+            if scores is not None:  # its routed ids (B, T, n) and scores (B, T, E) as pulled
+                ids, scores = unique_ids(ids), guess_rank(scores)
+            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=scores is not None, rank=scores)
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan. Paused,
@@ -319,6 +320,12 @@ class BankedExperts:
 
     def pack(self, ext) -> None:
         """Nothing: the bank packs its projections itself, and repacks each slot a fill writes."""
+
+
+def guess_rank(scores: np.ndarray) -> np.ndarray:
+    """A guess's scores (B, T, E) on the host as one per expert (the highest over the rows): its fills replace the
+    held experts it ranks lowest."""
+    return scores.reshape(-1, scores.shape[-1]).max(axis=0)
 
 
 def last_token(inds: mx.array) -> mx.array:

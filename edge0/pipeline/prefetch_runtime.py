@@ -109,19 +109,22 @@ class PrefetchRuntime(Handoff, Runtime):
         t0 = now_us()
         self.wake()
         host_eval([a for p in pending for a in (p.inds, p.plan, p.scores) if a is not None])  # scheduled already
-        self._evaluated_before(min(p.step for p in pending) - 1)
+        if self._built:  # (overlapped decode only)
+            self._evaluated_before(min(p.step for p in pending) - 1)
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
         ready = []
         for p in pending:
             host = np.array(p.inds, copy=False)
-            ids = unique_ids(host)
             c = p.consumer
-            c.waiting.append((ids, p.step, p.rank()))  # a guess carries its rank; a decided routing none
+            if p.plan is not None:  # a decided routing: its ids are the consumer's a step later (no rank: certain)
+                ids = unique_ids(host)
+                c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
+                c.waiting.append((ids, p.step, None))
+            else:  # a guess: its ids and rank are made on the loop, where its fill is planned (plan_waiting)
+                c.waiting.append((host, p.step, np.array(p.scores, copy=False)))
             if c.ran >= p.step - 1 and c not in ready:
                 ready.append(c)
-            if p.plan is not None:
-                c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
         return ready
 
     def _evaluated_before(self, step: int) -> None:
@@ -146,7 +149,7 @@ class PrefetchRuntime(Handoff, Runtime):
                 for c in ready:
                     c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
         self.settle()
-        plans = self.waiting_plans(ready + self.deferred)
+        plans = self.books() + self.waiting_plans(ready + self.deferred)
         self.deferred = []
         if plans or self.sched.plans or self.sched.landing:  # the loop plans and ends the step while MLX evaluates
             # it (nothing to plan or drop, as paused: the books here, at next_step, cost less than a post)
@@ -319,7 +322,7 @@ def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-rout
     base = build_runtime(reader, "staged", compute_dtype, memory_budget_gib=memory_budget_gib, slots=slots, held=held)
     rt = PrefetchRuntime("staged", base.fence, {}, banks=base.banks, held=base.held, stats=base.stats,
                          prefill=base.prefill)
-    rt.pending, rt.deferred = [], []
+    rt.pending, rt.deferred, rt.booked = [], [], []
     rt._built = {}
     rt.sched = Scheduler(reader.pool, queue_depth=queue_depth, trace=trace)
     reader.pool.trace = trace

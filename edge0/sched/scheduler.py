@@ -67,6 +67,7 @@ class LayerPlan:
     tasks: list[ReadTask] = field(default_factory=list)  # one per fill, until collected
     demand: bool = False  # read for the step being built (misses), not ahead
     speculative: bool = False  # a guess: consumed without waiting for the reads the router did not choose
+    clean: bool = True  # no slot it found holding was being filled then, no read of it emptied its slot (`take`)
 
 
 @dataclass
@@ -117,7 +118,8 @@ class Scheduler:
         if got is None:  # a multi-token step's union that does not fit, or no free slots now
             self.stats.dropped += 1
             return None
-        plan = LayerPlan(layer, step, ids, cache, got[0], got[1], speculative=speculative)
+        plan = LayerPlan(layer, step, ids, cache, got[0], got[1], speculative=speculative,
+                         clean=not cache.filling[got[0]].any())  # (its own fills' slots are not filling yet)
         self._submit(plan, demand=False)
         cache.reserved[plan.slots] = True
         self.plans[key] = plan
@@ -197,6 +199,7 @@ class Scheduler:
             plan.cache.filling[slot] = False
             if task.error is not None or task.record is None:  # failed, or taken back: the slot holds no bundle
                 plan.cache.forget([slot])
+                plan.clean = False
                 error = error or task.error
                 continue
             self.stats.loads += 1
@@ -248,6 +251,37 @@ class Scheduler:
         finally:
             self._unreserve(plan)  # the caller reads them now: the write rule protects them from here
         return plan
+
+    def take(self, layer: int, ids: np.ndarray) -> LayerPlan | None:
+        """`ready` for a certain plan made for exactly `ids` (the same array: a routing decided a step ahead), on
+        the graph-building thread with the least work: its reads waited for (a stall) and its slots checked; the
+        books (`consumed`) are the caller's to hand to the scheduler's loop, before its next plan of the bank.
+        None where no such plan landed whole (a read failed, a slot still filling): then `ready` takes it."""
+        key = (layer, self.step)
+        plan = self.plans.get(key)
+        if plan is None or plan.speculative or plan.predicted is not ids or not plan.clean:
+            return None
+        tasks = plan.tasks
+        if not all(t is None or t.done for t in tasks):
+            before = self.pool.waited_s
+            try:
+                self.pool.wait([t for t in tasks if t is not None], layer=layer, why="prefetch")
+            except BaseException:
+                return None  # `ready` collects it and raises the error
+            finally:
+                self.stats.stall_s += self.pool.waited_s - before
+        if any(t is not None and (t.error is not None or t.record is None) for t in tasks):
+            return None  # failed or taken back: its slot holds nothing
+        del self.plans[key]
+        return plan
+
+    def consumed(self, plan: LayerPlan) -> None:
+        """The books of a plan `take` consumed (on the loop): its reads collected, its slots released, counted as
+        hits and as the bank's most recently used (as `ready`, `count` and the bank's `holding` do)."""
+        self._collect(plan, None)
+        self._unreserve(plan)
+        self.count(plan, plan.predicted)
+        plan.cache._used(plan.slots, len(plan.slots))  # the bank's `holding`, its checks made by `take`
 
     def _unreserve(self, plan: LayerPlan) -> None:
         """Release a plan's slots, except those another plan of the same bank still holds for its step."""
