@@ -125,8 +125,8 @@ class Boundary:
                 owner.routes_ahead = True
         for c, _ in self.incoming:
             _route_by_remote_head(runtime, runtime.executors[c])
-        if self.incoming and hasattr(runtime, "_overlap_rows"):
-            _recount_overlap(runtime)
+        if self.incoming and hasattr(runtime, "recount_overlap"):  # the staged pipeline: its consumers routed now
+            runtime.recount_overlap()
 
     def begin(self) -> None:
         for rows in self.captured.values():
@@ -175,14 +175,3 @@ def _route_by_remote_head(rt, ex) -> None:
         ex.predicted_routing = True
         ex.planned_by = "remote"
 
-
-def _recount_overlap(rt) -> None:
-    """The staged runtime's overlap of steps (PrefetchRuntime.link's rule) with the crossing consumers now routed."""
-    from ..pipeline.gate import CertainReads, ReadAheadGate
-
-    streamed = [ex for ex in rt.executors.values() if ex.held is None]
-    rt.overlaps_steps = rt.predicted_routing and bool(rt.executors) and all(ex.predicted_routing for ex in streamed)
-    m = rt.candidates or max((ex.block.top_k for ex in streamed), default=1)
-    rt._overlap_rows = min((ex.cache.bank.slots // (2 * m) for ex in streamed), default=1 << 30)
-    if type(rt.gate) is ReadAheadGate and rt.overlaps_steps:
-        rt.gate = CertainReads(rt.sched.pool.reader.manifest.bundle_bytes)

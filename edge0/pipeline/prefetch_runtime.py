@@ -262,6 +262,11 @@ class PrefetchRuntime(Handoff, Runtime):
         if self.heads is None:
             return
         self._link_heads(blocks)
+        self.recount_overlap()
+
+    def recount_overlap(self) -> None:
+        """Whether decode steps overlap, and for how many rows, from the layers' routing now (link; edge0/dist after
+        it routes a layer by another rank's head)."""
         streamed = [ex for ex in self.executors.values() if ex.held is None]
         self.overlaps_steps = (self.predicted_routing and bool(self.executors)
                                and all(ex.predicted_routing for ex in streamed))
