@@ -33,7 +33,10 @@ class ShardedExperts:
         out = self.inner(x, local)  # (..., K, D): this rank reads and computes only its experts
         out = mx.where(mine[..., None], out, mx.zeros((), dtype=out.dtype))
         self.stats.add(out.size * out.dtype.size)
-        return mx.distributed.all_sum(out, group=self.group)
+        out = mx.distributed.all_sum(out, group=self.group)
+        if inds.ndim >= 2 and inds.shape[-2] > 1:  # a prompt chunk: its experts' bytes freed before the next layer's
+            mx.eval(out)  # SYNC: once per layer of a prompt chunk, as whole-layer prefill
+        return out
 
 
 class Traffic:

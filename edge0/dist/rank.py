@@ -137,8 +137,14 @@ def open_expert_rank(config, group, *, trace, serving: bool = False):
         log.info(f"expert parallel: one sequence at a time (--max-batch {c.serving.max_batch} -> 1)")
     # staged banks: resident experts would read every expert into every rank
     executor = "staged" if c.io.executor == "auto" else c.io.executor
+    slots = c.io.slots
+    if executor == "staged" and slots is None:  # a rank's bank holds its own experts: one process's 2K slots shared
+        from ..io.manifest import read_manifest
+
+        k = c.routing.top_k or read_manifest(Path(c.model)).top_k
+        slots = max(k, -(-2 * k // group.size()))
     c = dataclasses.replace(c, serving=dataclasses.replace(c.serving, max_batch=1, prompt_cache_gib=0),
-                            io=dataclasses.replace(c.io, executor=executor))
+                            io=dataclasses.replace(c.io, executor=executor, slots=slots))
     same_store(group, Path(c.model))
     engine = open_engine(c, trace=trace)
     try:
@@ -153,7 +159,8 @@ def open_expert_rank(config, group, *, trace, serving: bool = False):
         engine.close()
         raise
     if group.rank() == 0:
-        log.info("expert parallel", ranks=group.size(), experts="id % ranks == rank", executor=executor)
+        log.info("expert parallel", ranks=group.size(), experts="id % ranks == rank", executor=executor,
+                 **({"slots": slots} if slots is not None else {}))
     return engine
 
 

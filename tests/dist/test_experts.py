@@ -21,6 +21,7 @@ def test_tokens_match_one_process_and_reads_split(dist_store):
     want, got = lines(one.stdout)[0], {line["rank"]: line for line in lines(two.stdout)}
     assert set(got) == {0, 1}, two.stdout + two.stderr
     assert got[0]["tokens"] == got[1]["tokens"] == want["tokens"]
-    for rank in (0, 1):  # prompt and decode: each reads its own experts alone
-        assert 0 < got[rank]["decode_bytes"] <= 0.6 * want["decode_bytes"], (got[rank], want)
+    for rank in (0, 1):  # prompt and decode: each reads its own experts alone, into banks of half the slots
+        assert 0 < got[rank]["decode_bytes"] <= 0.65 * want["decode_bytes"], (got[rank], want)
         assert 0 < got[rank]["prompt_bytes"] <= 0.6 * want["prompt_bytes"], (got[rank], want)
+        assert got[rank]["peak_mlx"] <= 0.65 * want["peak_mlx"], (got[rank], want)
