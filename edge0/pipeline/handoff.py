@@ -21,6 +21,7 @@ class Handoff:
     plan_cpu_s = 0.0  # of which CPU time
     loop: SchedLoop | None = None  # the scheduler's event loop (None once closed)
     _advanced = False  # the loop has ended the step flushed last (its books kept), next_step only settles
+    _nested = 0  # scheduler spans open (`scheduling`): only the outermost is timed
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
     booked: list = []  # plans consumed by Scheduler.take: their books go to the loop ahead of the next plans posted
 
@@ -127,11 +128,15 @@ class _Scheduling:
         self.rt, self.layer = rt, layer
 
     def __enter__(self):
+        self.rt._nested += 1
         self.t0, self.waits0 = now_us(), self.rt.sched.stats.stall_s + self.rt.pull_s
         self.cpu0 = time.thread_time()
 
     def __exit__(self, *exc):
         rt = self.rt
+        rt._nested -= 1
+        if rt._nested:  # inside another span (a settle in a layer's work): timed once, by the outer one
+            return
         spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
         if rt.sched.step >= 1:  # decode steps, as --json's figures (step 0 is the prompt's last token)
             rt.sched_s += spent
