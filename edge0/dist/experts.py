@@ -67,6 +67,37 @@ def shard_experts(engine, group) -> Traffic:
     return traffic
 
 
+class LayerAtATime:
+    """A pipeline rank's MoE executor: a prompt chunk's layer evaluated before the next layer builds, so that the
+    experts it read are freed (no whole-layer prefill: no_whole_layers)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        out = self.inner(x, inds)
+        if inds.ndim >= 2 and inds.shape[-2] > 1:
+            mx.eval(out)  # SYNC: once per layer of a prompt chunk, as whole-layer prefill
+        return out
+
+
+def layer_at_a_time(engine) -> None:
+    """A pipeline rank's prompt: each layer's routed experts read and freed in turn. Whole-layer prefill keeps two
+    banks of every expert of a layer, the same bytes on every rank, whatever the ranks; this rank's share of the
+    memory would not shrink with them."""
+    from ..model.route_stats import moe_blocks
+
+    blocks = [b for b in moe_blocks(engine.store.model).values() if hasattr(b, "executor")]
+    if not blocks or getattr(engine.store.runtime, "prefill", None) is None:
+        return
+    for block in blocks:
+        block.executor = LayerAtATime(block.executor)
+    no_whole_layers(engine.store.runtime, [b.executor.inner for b in blocks])
+
+
 def no_whole_layers(runtime, executors: list) -> None:
     """A prompt's experts read as a decode step's (its unique routed ids, here this rank's alone), not every expert of
     each layer (whole-layer prefill would read the other ranks' experts on every rank)."""

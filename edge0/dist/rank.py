@@ -13,6 +13,7 @@ from ..errors import Edge0Error
 from ..log import log
 from . import same_seed
 from .boundary import Boundary, Part
+from .experts import layer_at_a_time
 from .pipeline import PipelineModel, Stage, decoder, make_stage
 from .serve import lead, lost_while_idle, stop_when_lost
 from .split import SPLIT_ENV, choose_split, even_split, layer_costs
@@ -60,6 +61,7 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         boundary = None
         if part.outgoing or part.incoming:
             boundary = Boundary(part, store.runtime, store.manifest.num_experts)
+        layer_at_a_time(engine)  # a prompt read layer by layer: a rank's memory shrinks with the ranks
         stage = make_stage(store.model, group, mine, engine.top_k, boundary)
         store.model = PipelineModel(store.model, stage)
         engine.stage = stage
