@@ -2,6 +2,8 @@
 own trace's experts, and the rule that sizes a batch over streamed banks (batch_rows) keeps it from reading more per
 token than its sequences alone, on a case whose reads are known in advance."""
 
+from pathlib import Path
+
 import numpy as np
 
 from edge0.bench.route_batch import batch_rows, prompts, run_batch, run_serial
@@ -97,3 +99,22 @@ def test_a_batch_the_banks_cannot_hold_reads_more_than_its_rows_and_the_chosen_s
     assert bundle == open_bundle_bytes()
     assert chosen["bytes"] <= LAYERS * K * bundle  # at most one row's experts again (lfu keeps the first pair's)
     assert whole["tokens"] == chosen["tokens"] == sum(s["tokens"] for s in alone) == 4 * 5
+
+
+def test_bench_refuses_batch_and_affinity_flags_that_cannot_run_by_name(tmp_path, capsys):
+    """--batch without a store, routes or slots; --affinity with no arm reading it; the affinity arm without a table:
+    one line each, exit 2, nothing written."""
+    from edge0.cli import main
+
+    store = str(Path(__file__).resolve().parents[1] / "edge0" / "model" / "demo" / "store")
+    out = str(tmp_path / "out")
+    cases = [(["--batch", "2,4", "--routes", "t.json"], "--batch 2,4: sizes of 2 or more"),
+             (["--batch", "1", "--store", store, "--arms", "staged", "--routes", "t.json", "--slots", "8"],
+              "--batch 1: sizes of 2 or more"),
+             (["--store", store, "--arms", "staged", "--affinity", "a.npz"], "--affinity a.npz: no arm reads it"),
+             (["--store", store, "--arms", "prefetch:affinity"], "--arms prefetch:affinity reads a co-activation table")]
+    for argv, said in cases:
+        assert main(["bench", *argv, "--max-tokens", "2", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
