@@ -103,7 +103,7 @@ def _prompt(engine, args, replay: dict | None) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from ..dist import open_engine  # under mlx.launch: this rank's share of a pipeline
-    from ..dist.routes import rank_routes
+    from ..dist.routes import rank_routes, refuse_record
     from ..engine import memory_figures
     from ..decode.request import GenRequest
     from ..model.traced import attach_routes, save_routes
@@ -111,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     routes = route_files(args)  # --routes sets native routing where --routing is not given
+    refuse_record(args.record_routes)
     config, samp = engine_config(args), sampling(args)
     if args.replay:  # its prompt is token ids: text or a template would be dropped without a word
         for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file is not None),

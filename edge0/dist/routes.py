@@ -16,3 +16,14 @@ def rank_routes(engine, trace):
     rows = [i for i, e in enumerate(whole.layers) if e.layer in stage.layers]
     weights = trace.weights[rows] if trace.weights is not None else None
     return dataclasses.replace(trace, ids=trace.ids[rows], weights=weights, layers=[trace.layers[i] for i in rows])
+
+
+def refuse_record(record: str | None) -> None:
+    """--record-routes under mlx.launch: refused (each rank routes only its own layers, and every rank would write the
+    same path)."""
+    from . import world
+    from ..errors import Edge0Error
+
+    if record is not None and world() is not None:
+        raise Edge0Error(f"--record-routes {record}: not under edge0 launch (each rank routes only its own layers); "
+                         "record with one process")

@@ -75,3 +75,15 @@ def test_error_of_every_rank_is_said_once(tmp_path):
                           str(missing), "--max-tokens", "2"], capture_output=True, text=True, timeout=60)
     errors = [line for line in run.stderr.splitlines() if "edge0.json: missing" in line]
     assert run.returncode != 0 and len(errors) == 1 and "Node with rank" not in run.stderr, run.stderr
+
+
+def test_record_routes_is_refused_across_ranks(tmp_path):
+    """--record-routes under a launch: each rank would write its own layers' routing to the same path; one line, no
+    file."""
+    out = tmp_path / "routes.json"
+    run = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()), "--",
+                          "run", "--max-tokens", "2", "--record-routes", str(out)], capture_output=True, text=True,
+                         timeout=60)
+    errors = [line for line in run.stderr.splitlines() if "--record-routes" in line]
+    assert run.returncode != 0 and len(errors) == 1 and "not under edge0 launch" in errors[0], run.stderr
+    assert not out.exists()
