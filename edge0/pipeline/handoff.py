@@ -24,6 +24,7 @@ class Handoff:
     _nested = 0  # scheduler spans open (`scheduling`): only the outermost is timed
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
     booked: list = []  # plans consumed by Scheduler.take: their books go to the loop ahead of the next plans posted
+    # (at the latest with the step's end)
 
     def _plan(self, plans: list, traced: bool = True) -> None:
         """On the loop: run the plans (numpy, the pool; no MLX), timed as the planner's
@@ -59,15 +60,17 @@ class Handoff:
         booked, self.booked = self.booked, []
         return [partial(self.sched.consumed, p) for p in booked]
 
-    def plan_later(self, c=None, plan=None) -> None:
+    def plan_later(self, c=None, plan=None, books: bool = False) -> None:
         """Layer c's scheduler work of this step is done (it has read its bank): its waiting fills (or `plan`) and
         those of the consumers pulled meanwhile (`deferred`) are planned on the loop, in one hand-off, while this
-        thread builds and waits for MLX; the next touch of the scheduler settles."""
-        plans = self.books() + ([plan] if plan is not None else self.waiting_plans([c] if c is not None else []))
+        thread builds and waits for MLX; the next touch of the scheduler settles. The books of plans consumed go
+        first, and only with plans (they need no hand-off of their own before the step's end), or where `books`."""
+        plans = [plan] if plan is not None else self.waiting_plans([c] if c is not None else [])
         plans += self.waiting_plans(self.deferred)
         self.deferred = []
-        if not plans:
+        if not plans and not (books and self.booked):
             return
+        plans = self.books() + plans
         with self.scheduling(c.layer if c is not None else -1):
             if self.loop is None:
                 for p in plans:

@@ -168,7 +168,7 @@ class PrefetchRuntime(Handoff, Runtime):
         idle = not self.pending and self.loop_idle  # nothing predicted or planning: no span to time
         with nullcontext() if idle else self.scheduling(-1):
             self.pull()  # whatever was predicted after the flush (the loop's work settled)
-            self.plan_later()
+            self.plan_later(books=True)
             self.settle()  # (its plans come before the step's end: the loop's, or run here)
             self.sched.next_step()
             self._watch_reads()

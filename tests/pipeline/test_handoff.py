@@ -25,3 +25,27 @@ def test_a_span_inside_another_is_timed_once():
     assert 0.05 <= rt.sched_s <= wall  # not twice the sleep
     spans = [e for e in rt.trace.events if e.get("name") == "sched"]
     assert len(spans) == 1 and spans[0]["args"]["layer"] == 2
+
+
+def test_books_ride_with_the_next_plans_never_alone():
+    """A consumed plan's books need no hand-off of their own (a post that a settle would then run on the graph-building
+    thread): they go with the next plans, ahead of them, or where asked (the step's end)."""
+    from edge0.sched.loop import SchedLoop
+
+    rt = Runtime()
+    ran = []
+    rt.sched.consumed = lambda p: ran.append(("books", p))
+    rt.loop = SchedLoop()
+    try:
+        rt.booked = ["plan A"]
+        rt.plan_later()  # nothing to plan: nothing posted
+        assert rt.loop.idle and rt.booked == ["plan A"] and ran == []
+        rt.plan_later(plan=lambda: ran.append(("plan", "B")))
+        rt.settle()
+        assert ran == [("books", "plan A"), ("plan", "B")] and rt.booked == []
+        rt.booked = ["plan C"]
+        rt.plan_later(books=True)
+        rt.settle()
+        assert ran[-1] == ("books", "plan C")
+    finally:
+        rt.loop.close()
