@@ -27,6 +27,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "request joins at a step boundary, the experts a step needs are read once for the batch, "
                         "each answer token for token as alone); the staged banks hold 2K slots per sequence, up to "
                         f"E (default {DEFAULT_MAX_BATCH}; 1: one generation at a time)")
+    p.add_argument("--record-routes", metavar="DIR", default=None,
+                   help="write each finished request's routing (every MoE layer's K ids and weights per token, "
+                        "prompt and decode rows marked, the token ids) to DIR/<its id>.npz (chatcmpl-..., msg_...), "
+                        "a trace --routes reads; DIR must be new or empty. Turns the prompt cache off (a trace starts "
+                        "at the prompt's first token); batched requests are each their own trace")
     p.add_argument("--model-id", default=None, metavar="NAME",
                    help="the model name clients use (default: the store directory's name; edge0-demo for the "
                         "built-in model)")
@@ -97,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
     import signal
 
     from ..dist import follow_served
+    from ..dist.routes import refuse_record
     from ..errors import Edge0Error
     from ..log import log
     from ..sched.scheduler import new_loop
@@ -108,11 +114,16 @@ def main(args: argparse.Namespace) -> int:
         raise Edge0Error(f"--max-queue {args.max_queue}: must not be negative")
     front = front_config(args)
     config, samp = serve_configs(args)
+    refuse_record(args.record_routes)
     if follow_served(config):  # a rank > 0 under mlx.launch (edge0/dist): rank 0 serves, this one follows
         return 0
     loop = new_loop()
     asyncio.set_event_loop(loop)
-    server = Server(config, samp, host=args.host, port=args.port, max_queue=args.max_queue, front=front)
+    from ..serve.routes_record import record_dir
+
+    record = record_dir(args.record_routes) if args.record_routes is not None else None
+    server = Server(config, samp, host=args.host, port=args.port, max_queue=args.max_queue, front=front,
+                    record_routes=record)
     server.end_thread = True
     try:
         try:

@@ -14,6 +14,8 @@ own router's weights for those ids (block.weigh). Shapes: T tokens, K routed, B 
 A batch (decode/batch.py BatchDecoder) forces each row from its own trace: `TracedRouting(model, traces=[a, b])`,
 `admit(i)` before the i-th sequence is admitted (its prompt and first step run alone, B = 1: trace i), then each
 batched step's row r follows trace r from its own cursor (rows in order of admission, none left yet).
+`sink` takes every call's routing instead of the hooks' own record: `edge0 serve --record-routes` splits a batch's
+rows by request (serve/routes_record.py).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class TracedRouting:
     recorded when `record`. `what` names the flag in errors."""
 
     def __init__(self, model, *, trace: RouteTrace | None = None, record: bool = False, what: str,
-                 traces: list[RouteTrace] | None = None):
+                 traces: list[RouteTrace] | None = None, sink=None):
         blocks = moe_blocks(model)
         other = [i for i, b in blocks.items() if not hasattr(b, "routes")]
         if not blocks or other:
@@ -66,6 +68,7 @@ class TracedRouting:
                              f"bailing_moe): {why}")
         self.traces = traces if traces is not None else [trace] if trace is not None else []
         self.trace, self.record, self.what = (self.traces or [None])[0], record, what
+        self.sink = sink  # (layer index, inds, scores) of each call, recorded by the caller (unevaluated)
         self.current = 0  # the trace of a call of one row: the sequence admitted last (admit)
         self.blocks = blocks
         self.layers = [_Layer(self, j) for j in range(len(blocks))]
@@ -86,12 +89,19 @@ class TracedRouting:
                  ) -> RouteTrace:
         """What every layer routed to since the hooks were set, as a trace (rows that not every layer routed, as a
         step that raised leaves, dropped)."""
-        per = [h.arrays() for h in self.layers]
-        n = min(ids.shape[0] for ids, _ in per)
-        ids = np.stack([i[:n] for i, _ in per]).astype(np.int32)
-        weights = np.stack([w[:n] for _, w in per]).astype(np.float32)
-        return RouteTrace(ids, weights, list(self.blocks), num_experts, min(prompt_tokens, n),
-                          None if tokens is None else list(tokens[:n]) if len(tokens) >= n else None)
+        return trace_of([h.arrays() for h in self.layers], list(self.blocks), prompt_tokens=prompt_tokens,
+                        tokens=tokens, num_experts=num_experts)
+
+
+def trace_of(per: list[tuple[np.ndarray, np.ndarray]], layers: list[int], *, prompt_tokens: int,
+             tokens: list[int] | None, num_experts: int | None) -> RouteTrace:
+    """The trace of each MoE layer's (T, K) ids and weights: the rows every layer routed, of the sequence's `tokens`
+    (the prompt's, then the generated) where given (a step built ahead that fed the end-of-sequence token dropped)."""
+    n = min([ids.shape[0] for ids, _ in per] + ([len(tokens)] if tokens is not None else []))
+    ids = np.stack([i[:n] for i, _ in per]).astype(np.int32)
+    weights = np.stack([w[:n] for _, w in per]).astype(np.float32)
+    return RouteTrace(ids, weights, layers, num_experts, min(prompt_tokens, n),
+                      None if tokens is None else list(tokens[:n]))
 
 
 class _Layer:
@@ -111,7 +121,7 @@ class _Layer:
         lead = x.shape[:-1]  # (B, T) or (T,)
         b, t = math.prod(lead[:-1]), lead[-1]
         which = [o.current] if b == 1 else list(range(b))  # rows in order of admission
-        if b > 1 and (len(o.traces) < b or t != 1):
+        if b > 1 and o.sink is None and (len(o.traces) < b or t != 1):  # a sink splits the rows itself
             raise Edge0Error(f"{o.what}: a batch of {b} rows needs a trace per row (--routes gives "
                              f"{len(o.traces) or 1}), each row one token a step")
         if o.traces:
@@ -127,7 +137,9 @@ class _Layer:
         else:
             inds, scores = own(block, x)
             self.cursors[0] += t
-        if o.record:
+        if o.sink is not None:
+            o.sink(self.index, inds, scores)
+        elif o.record:
             self.rows.append((inds, scores))
         return inds, scores
 

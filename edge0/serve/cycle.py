@@ -14,6 +14,7 @@ from ..compute.kernels import graph_thread
 from ..decode.batch import BatchDecoder
 from ..errors import Edge0Error
 from ..log import log_failure
+from .routes_record import Quiet
 
 
 def emitter(job, loop) -> Callable[[str], None]:
@@ -27,13 +28,16 @@ class Solo:
     room = 1  # jobs a cycle takes
     jobs: tuple = ()  # jobs carried from one cycle to the next: none
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, hook=None):
+        self.engine, self.hook = engine, hook or Quiet()  # hook: routes_record.py (--record-routes)
 
     def cycle(self, newcomers: list, loop) -> tuple[list, list]:
         """The newcomer's whole generation (any error fails it: the loop resets the engine)."""
         (job,) = newcomers
-        return [], [(job, self.engine.generate(job.req, emitter(job, loop), job.cancel.is_set))]
+        self.hook.start(job)
+        fig = self.engine.generate(job.req, emitter(job, loop), job.cancel.is_set)
+        self.hook.finish(job, fig)
+        return [], [(job, fig)]
 
     def abandon(self, e: Exception) -> list:
         """After the cycle raised e (logged): no job is carried."""
@@ -44,8 +48,10 @@ class Solo:
 class Batch:
     """Continuous batching: the jobs' sequences decode together, joining and leaving at step boundaries."""
 
-    def __init__(self, engine, max_batch: int):
+    def __init__(self, engine, max_batch: int, hook=None):
         self.batch = BatchDecoder(engine, max_batch)
+        self.hook = hook or Quiet()  # told who is admitted and whose rows a step holds (routes_record.py)
+        self.hook.follow(lambda: self.jobs)
 
     @property
     def room(self) -> int:
@@ -61,11 +67,15 @@ class Batch:
         refused = []
         with graph_thread():
             for job in newcomers:
+                self.hook.start(job)
                 try:
                     self.batch.admit(job.req, emitter(job, loop), job.cancel.is_set).owner = job
                 except Edge0Error as e:
                     refused.append((job, e))
+            self.hook.start(None)
             finished = self.batch.step()  # also reports the newcomers done at their first token
+        for s in finished:
+            self.hook.finish(s.owner, s.fig, len(s.fed))
         return refused, [(s.owner, s.fig) for s in finished]
 
     def abandon(self, e: Exception) -> list:

@@ -17,6 +17,7 @@ from ..errors import ApiError
 from ..decode.request import Figures, GenRequest
 from ..log import log, log_failure
 from .cycle import Batch, Solo
+from .routes_record import Quiet
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
 RETRY_AFTER_S = 5  # the Retry-After of a 503: the queue is full, the server stops or its engine is resetting
@@ -50,6 +51,8 @@ class Job:
     started: float | None = None  # when the worker took it
     cancel: threading.Event = field(default_factory=threading.Event)  # set by the loop; read by the worker per token
     shutdown: bool = False  # cancelled because the server stops: answered 503, not as a finished generation
+    id: str | None = None  # its answer's id (chatcmpl-..., msg_...): --record-routes names its trace so
+    routes: object = None  # --record-routes: its routing so far, then its trace's write (serve/routes_record.py)
     # ("text", str) ..., then ("done", Figures) or ("error", exception)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -144,6 +147,7 @@ class JobQueue:
         self.unhealthy: str | None = None  # why the engine is not fit to generate (after an error), else None
         self.closing = False  # the server stops: nothing new is taken
         self.mlx_cache_limit: int | None = None  # the process's MLX cache limit before start, restored by close
+        self.routes = Quiet()  # the cycles' hook: serve/routes_record.py RouteRecorder under --record-routes
 
     def start(self) -> None:
         import mlx.core as mx
@@ -152,7 +156,8 @@ class JobQueue:
             self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
             mx.clear_cache()  # what loading the engine left there
         max_batch = self.engine.config.serving.max_batch if hasattr(self.engine, "config") else 1
-        serving = self._serve(Batch(self.engine, max_batch) if max_batch > 1 else Solo(self.engine))
+        serving = self._serve(Batch(self.engine, max_batch, self.routes) if max_batch > 1 else
+                              Solo(self.engine, self.routes))
         self.task = asyncio.get_running_loop().create_task(serving)
         self.task.add_done_callback(self._stopped)
 
@@ -218,8 +223,16 @@ class JobQueue:
             for job, fig in finished:
                 self.metrics.add(fig)
                 # emit's call_soon_threadsafe callbacks were queued before this point: the text comes first
-                job.events.put_nowait(("error", shutting_down()) if job.shutdown else ("done", fig))
+                self._answer(job, ("error", shutting_down()) if job.shutdown else ("done", fig))
             self._running(decoder.jobs)
+
+    def _answer(self, job: Job, event: tuple) -> None:
+        """A finished job's last event; under --record-routes once its trace is written (no other job waits)."""
+        saved = self.routes.saved(job)
+        if saved is None:
+            job.events.put_nowait(event)
+        else:
+            saved.add_done_callback(lambda _: job.events.put_nowait(event))
 
     async def _take(self, room: int, *, block: bool) -> list[Job]:
         """Waiting jobs for the decoder's free room; waits for one when block (nothing runs)."""
@@ -288,6 +301,7 @@ class JobQueue:
             await asyncio.gather(self.task, return_exceptions=True)
         while not self.waiting.empty():
             self.waiting.get_nowait().events.put_nowait(("error", shutting_down()))
+        await asyncio.get_running_loop().run_in_executor(None, self.routes.close)  # --record-routes: traces written
         if self.mlx_cache_limit is not None:
             import mlx.core as mx
 

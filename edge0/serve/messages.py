@@ -203,7 +203,7 @@ class Answer:
 
     def __init__(self, engine, job: Job):
         self.engine, self.job = engine, job
-        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.id = job.id = "msg_" + uuid.uuid4().hex[:24]
         self.ttft: float | None = None
 
     def first(self, text: str) -> None:

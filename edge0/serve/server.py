@@ -32,6 +32,7 @@ from . import messages
 from .guard import (Bodies, Connection, Front, Runner, check_key, check_text, http_logger, max_token_bytes,
                     read_body)
 from .jobs import DEFAULT_MAX_QUEUE, RETRY_AFTER_S, ApiError, Job, JobQueue, openai_error
+from .routes_record import recorder
 from .validate import check_completion_fields, chat_prompt, completion_prompt, gen_request, show, stream_flags
 
 SHUTDOWN_TIMEOUT_S = 10.0  # how long stopping waits for the handlers once their generations are cancelled
@@ -253,7 +254,7 @@ class Output:
 
     def __init__(self, chat: bool, model: str, job: Job):
         self.chat, self.model, self.job = chat, model, job
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = job.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.ttft: float | None = None
 
@@ -305,9 +306,10 @@ class Server:
     end_thread = False  # clear the MLX worker's streams at stop (the process exits right after)
 
     def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 8080,
-                 max_queue: int = DEFAULT_MAX_QUEUE, front: Front = Front()):
+                 max_queue: int = DEFAULT_MAX_QUEUE, front: Front = Front(), record_routes=None):
         self.config, self.sampling = config, sampling  # EngineConfig, Sampling (the defaults of requests)
         self.host, self.port, self.max_queue, self.front = host, port, max_queue, front
+        self.record_routes = record_routes  # --record-routes DIR, checked (serve/routes_record.py record_dir)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-mlx")
         # one thread parses and tokenizes requests: one large prompt's memory at a time
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-prep")
@@ -323,6 +325,7 @@ class Server:
         self.engine = await loop.run_in_executor(self.worker, open_engine, self.config)
         self.sampling.check_context(self.engine.context)  # the default of requests that give none
         self.jobs = JobQueue(self.engine, self.worker, max_queue=self.max_queue)
+        self.jobs.routes = recorder(self.engine, self.record_routes, loop)
         self.jobs.start()
         c, d = self.config, self.sampling
         names = {c.model} if c.model else set()
