@@ -124,6 +124,27 @@ def test_a_batch_decoding_ahead_keeps_each_finished_sequences_exact_kv_cache(con
         assert again.tokens == alone.generate(GenRequest(prompt=follow, max_tokens=N)).tokens
 
 
+@pytest.mark.parametrize("executor", ["resident", "staged"])
+def test_a_sequence_alone_is_a_batch_of_one(monkeypatch, executor):
+    """engine.generate and generate_steps decode through the batch's step, one row each step: the one decode loop
+    (steps built ahead, and one at a time over streamed experts)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from edge0.decode.loop import generate_steps
+
+    rows, step = [], BatchDecoder.step
+    monkeypatch.setattr(BatchDecoder, "step", lambda self: rows.append(len(self.seqs)) or step(self))
+    with open_engine(EngineConfig(routing=RoutingConfig(mode="native"), io=IOConfig(executor=executor),
+                                  serving=ServingConfig(prompt_cache_gib=0))) as engine:
+        prompt = engine.encode_text(PROMPTS[0])
+        fig = engine.generate(GenRequest(prompt=prompt, max_tokens=8, ignore_eos=True))
+        alone = len(rows)
+        tokens = [t for t, _ in generate_steps(engine.store.model, prompt, max_tokens=8, sampler=make_sampler(0.0),
+                                               runtime=engine.store.runtime)]
+    assert tokens == fig.tokens and len(tokens) == 8
+    assert rows == [1] * 14 and alone == 7  # the first token comes out of the prompt's step, then one step each
+
+
 @pytest.mark.parametrize("executor", ["auto", "staged"])
 def test_default_kernels_batch_every_request_to_its_end(executor):
     """The default (the demo's experts fit: resident, nothing read per step) and the streamed pipeline."""
@@ -324,7 +345,7 @@ def test_a_batched_step_advances_the_positions_once_for_every_layer():
             state = [c.state for c in batch.cache]
             routing = engine.store.runtime.snapshot()
             with engine.kernel.active():
-                nodes = node_counts(batch._build(inputs))
+                nodes = node_counts(batch._build(inputs).tokens)
             for c, st in zip(batch.cache, state):
                 c.state = st
             engine.store.runtime.join([(routing, len(batch.seqs))])

@@ -19,18 +19,23 @@ TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci
 
 @pytest.fixture
 def step_logprobs(monkeypatch):
-    """Each generation's log-probabilities, step by step (a list per generation, in order)."""
-    from edge0.decode import loop as steps
+    """Each generation's log-probabilities, step by step (a list per generation, in order): each step's of its
+    sequence alone (a batch of one, decode/batch.py), kept as evaluated with the step's tokens."""
+    from edge0.decode import batch
 
-    seen, real = [], steps.generate_steps
+    seen, admit, forward = [], batch.BatchDecoder.admit, batch.forward
+
+    def admitting(self, *args, **kwargs):
+        seen.append([])
+        return admit(self, *args, **kwargs)
 
     def recording(*args, **kwargs):
-        seen.append([])
-        for token, logprobs in real(*args, **kwargs):
-            seen[-1].append(np.array(logprobs))
-            yield token, logprobs
+        logprobs, first = forward(*args, **kwargs)
+        seen[-1].append(logprobs)
+        return logprobs, first
 
-    monkeypatch.setattr(steps, "generate_steps", recording)
+    monkeypatch.setattr(batch.BatchDecoder, "admit", admitting)
+    monkeypatch.setattr(batch, "forward", recording)
     return seen
 
 

@@ -1,7 +1,12 @@
-"""Continuous batching: up to max_batch sequences decode together, one model step per token for all of them.
+"""The decode loop: up to max_batch sequences decode together, one model step per token for all of them. A sequence
+alone (decode/loop.py: engine.generate, generate_steps) is a batch of one (`alone`): its own KV cache (mlx-lm's
+KVCache), the runtime's routing state as it leaves it, one sequence's overlap rule (runtime.overlaps_steps), and its
+caller brackets the generation with the runtime's begin / finish / recover and takes its figures whole.
 
 A step, as vLLM v1's: plan (StepPlan, host only) -> execute (build, queue or evaluate) -> update from its output
-(tokens to the host, to their sequences' Tally; the finished leave).
+(tokens to the host, to their sequences' Tally; the finished leave). What depends only on the rows (a trimmable KV
+cache, greedy sampling, forced tokens, the batched caches) is decided when they change (_rows_changed), not at every
+step.
 
 A new sequence's prompt is prefilled alone (through the prompt cache) at a step boundary, then its KV
 cache joins the batch's (mlx-lm's BatchKVCache, left-padded); a finished or cancelled sequence leaves at
@@ -13,70 +18,57 @@ consumer layer with its own router.
 
 Where no layer syncs with the host inside a step (every expert resident, or streamed predicted routing where
 every layer is routed by its head or holds its experts, and each streamed bank holds two steps' candidates of
-every row: `runtime.overlaps_batch`) the batch decodes as one sequence alone does (decode/step.py): step
-n+1's graph is built from step n's unevaluated tokens and queued before those reach the host. A sequence that
-finishes at step n has had step n+1 computed for nothing; its row of that step leaves with it (its KV cache, kept
-for the prompt cache, is trimmed by that token). A newcomer waits for the step built ahead to be taken first
+every row: `runtime.overlaps_batch`) step n+1's graph is built from step n's unevaluated tokens and queued before
+those reach the host (as mlx-lm's generate_step does). A sequence that finishes at step n has had step n+1 computed
+for nothing; its row of that step leaves with it (its KV cache, kept for the prompt cache, is trimmed by that
+token). No step is built past every row's max_tokens. A newcomer waits for the step built ahead to be taken first
 (`settle`).
 
-Everything here runs on the engine's one worker thread.
+Everything here runs on the engine's one worker thread (or the caller's, alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from ..compute.kernels import host_eval
-from .loop import counters
+from ..compute.runtime import Hooks
+from ..sched.trace import NULL, now_us
 from .prefill import prefill
 from .request import Figures, GenRequest
-from .sampling import RowSampler
-from .step import forward
+from .rows import Built, Sequence, StepPlan, charge, counters, forced_one, forced_rows
+from .sampling import Penalties, RowSampler, sampler_for
+from .step import forward, overlaps
 from .text import Tally, TextOut
 
 
-@dataclass
-class Sequence:
-    """One request in the batch."""
-
-    req: GenRequest
-    tally: Tally  # its tokens into its figures and text; when and why it finishes
-    sample: RowSampler  # (1, V) -> (1,), its own random key
-    next_input: int  # the token the next step feeds
-    fed: list[int] = field(default_factory=list)  # tokens in its KV cache
-    started: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    done: bool = False
-    owner: object = None  # whoever asked for it (the server's job)
-
-    @property
-    def fig(self) -> Figures:
-        return self.tally.fig
-
-
-@dataclass
-class StepPlan:
-    """One batch step, planned on the host before any graph is built."""
-
-    rows: int  # sequences in the step
-    overlap: bool  # build the next step from this one's unevaluated tokens (runtime.overlaps_batch)
-    built: mx.array | None  # (rows,) this step's tokens, built ahead by the step before; None: built now
-
-
 class BatchDecoder:
-    """The running batch of one engine."""
+    """The running batch of one engine, or a sequence alone (a batch of one: alone())."""
 
     def __init__(self, engine, max_batch: int):
-        self.engine, self.max_batch = engine, max_batch
+        self.engine, self.max_batch, self.alone = engine, max_batch, False
+        self.model, self.rt = engine.store.model, engine.store.runtime
         self.seqs: list[Sequence] = []
         self.cache: list | None = None  # the batch's KV caches, one per layer
         self.early: list[Sequence] = []  # done at their first token, at admission: reported by the next step
-        self.ahead: mx.array | None = None  # (B,) tokens of a step built ahead for self.seqs, not yet on the host
+        self.ahead: Built | None = None  # a step built ahead for self.seqs, its tokens not yet on the host
+        self.keep_logprobs = False  # each taken step's (V,) log-probabilities into its Sequence (generate_steps)
+        self.stepped = 0  # steps taken since the batch was last idle (the trace's step numbers)
+        self._rows_changed()
+
+    @classmethod
+    def alone(cls, model, runtime: Hooks, engine=None) -> "BatchDecoder":
+        """A batch of one for a sequence alone: model and runtime (engine: for admit, the prompt cache)."""
+        self = cls.__new__(cls)
+        self.engine, self.max_batch, self.alone, self.model, self.rt = engine, 1, True, model, runtime
+        self.seqs, self.cache, self.early, self.ahead, self.keep_logprobs, self.stepped = [], None, [], None, False, 0
+        self._rows_changed()
+        return self
 
     @property
     def room(self) -> int:
@@ -89,45 +81,88 @@ class BatchDecoder:
         the next step() reports it."""
         engine = self.engine
         engine.check(req)
+        if req.forced and len(req.forced) < req.max_tokens:
+            req = dataclasses.replace(req, max_tokens=len(req.forced))  # a replay ends with its tokens
         self.settle()
-        rt = engine.store.runtime
-        if not self.seqs:
-            rt.begin()  # an idle batch: nothing of earlier generations is carried
-        before = rt.snapshot()
-        rt.join([])  # the newcomer routes on its own: no history, nothing decided ahead
-        before_reads = counters(engine.store)
-        seed = req.seed if req.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        if not self.seqs and not self.alone:
+            self.rt.begin()  # an idle batch: nothing of earlier generations is carried
+        if self.alone and req.seed is not None:
+            mx.random.seed(req.seed)  # as mlx-lm's generate: later unseeded requests draw from there
+        before_reads = None if self.alone else counters(engine.store)
         t0 = time.perf_counter()
         with engine.kernel.active():
             cache, cached = engine.cached_prefix(req)
             text = TextOut(engine.tokenizer.detokenizer, req.prompt[-1], req.stop, emit)
             tally = Tally(req, engine.eos, text, Figures(prompt_tokens=len(req.prompt), cached_tokens=cached), cancelled)
-            seq = Sequence(req, tally, RowSampler(req, seed), req.prompt[-1], fed=list(req.prompt[:-1]), started=t0)
-            prefill(engine.store.model, req.prompt[cached:-1], cache, rt)
-            first = self._first_step(seq, cache)
-        _charge([seq], before_reads, counters(engine.store))
-        self._take(seq, first, time.perf_counter())
+            sample, greedy = self._sampler(req)
+            seq = Sequence(req, tally, sample, req.prompt[-1], fed=list(req.prompt[:-1]), started=t0, greedy=greedy)
+            self.start(seq, req.prompt[cached:], cache)
+        if before_reads is not None:
+            charge([seq], before_reads, counters(engine.store))
+        return seq
+
+    def _sampler(self, req: GenRequest) -> tuple[Callable, bool]:
+        """(its sampler, whether its token is the argmax): alone, mlx-lm's on MLX's global random state, as mlx-lm's
+        generate; a batch's row, its own key (the request's seed, else drawn from that state)."""
+        if self.alone:
+            return sampler_for(req), req.temp == 0 and Penalties.of(req) is None
+        seed = req.seed if req.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        sample = RowSampler(req, seed)
+        return sample, sample.greedy
+
+    def start(self, seq: Sequence, prompt: list[int], cache: list) -> Sequence:
+        """seq's prompt (all but its last token, seq.next_input) into cache, then its first step; it joins the batch,
+        or, done at its first token, the next step() reports it."""
+        rt, before = self.rt, None
+        if not self.seqs:
+            self.stepped = 0
+        if not self.alone:
+            before = rt.snapshot()
+            rt.join([])  # the newcomer routes on its own: no history, nothing decided ahead
+        prefill(self.model, prompt[:-1], cache, rt)
+        self._take(seq, self._first_step(seq, cache), time.perf_counter())
+        rows = [(before, len(self.seqs))] if self.seqs else []
         if seq.done:
             self.early.append(seq)
-            rt.join([(before, len(self.seqs))] if self.seqs else [])
             self._finish([seq], None)
+            if self.alone:
+                self._keep(seq, cache)
+            else:
+                rt.join(rows)
             return seq
-        rt.join(([(before, len(self.seqs))] if self.seqs else []) + [(rt.snapshot(ahead=1), 1)])
+        if not self.alone:
+            rt.join(rows + [(rt.snapshot(ahead=1), 1)])
         self._merge(cache)
         self.seqs.append(seq)
+        self._rows_changed()
+        if self.alone and self.overlaps():  # its second step queued before its first token is taken, as every next one
+            self.ahead = self._build(mx.array([[seq.next_input]], dtype=mx.uint32))
+            rt.step_built()
+            mx.async_eval(self.ahead.tokens, self.ahead.also)
         return seq
 
     def _first_step(self, seq: Sequence, cache: list) -> int:
-        """The sequence's last prompt token through the model alone; its first token."""
-        logprobs, _ = forward(self.engine.store.model, mx.array([[seq.next_input]], dtype=mx.uint32), cache)
-        token = seq.sample(logprobs)
-        mx.eval(token)
-        self.engine.store.runtime.sync()
+        """The sequence's last prompt token through the model alone; its first token. Alone, a whole step; a newcomer's
+        step is not ended: its routing state joins the batch's (start)."""
+        t_step = now_us()
+        logprobs, first = forward(self.model, mx.array([[seq.next_input]], dtype=mx.uint32), cache)
+        token = forced_one(seq, seq.sample(logprobs))
+        also = first if self.keep_logprobs or seq.req.forced else token
+        if self.alone:
+            self._evaluate(token, also, hold=not overlaps(self.rt, cache), t_step=t_step)
+            self.stepped += 1
+        else:
+            mx.eval(token, also)
+            self.rt.sync()
         seq.fed.append(seq.next_input)
+        seq.logprobs = first if self.keep_logprobs else None
         return int(token.item())  # SYNC: the first token, once per sequence
 
     def _merge(self, cache: list) -> None:
-        """Join a sequence's KV cache (one row) to the batch's."""
+        """Join a sequence's KV cache (one row) to the batch's; alone, it is the batch's."""
+        if self.alone:
+            self.cache = cache
+            return
         one = [type(c).merge([c]) if hasattr(type(c), "merge") else c for c in cache]
         if self.cache is None:
             self.cache = one
@@ -135,66 +170,117 @@ class BatchDecoder:
             for mine, theirs in zip(self.cache, one):
                 mine.extend(theirs)
 
+    def _rows_changed(self) -> None:
+        """What depends only on the rows, decided once per change of the batch: whether the KV cache can drop a token
+        (a walk over every layer), one argmax for all, whether rows replay forced tokens, the batched caches that
+        share one offsets array; and the runtime's trace."""
+        seqs, rt = self.seqs, self.rt
+        self.trace = rt.trace or NULL
+        self.trimmable = bool(seqs) and can_trim_prompt_cache(self.cache)  # walks every layer: not at every step
+        self.greedy = all(s.greedy for s in seqs)
+        self.forced = any(s.req.forced for s in seqs)
+        batched = [c for c in self.cache or () if type(c) is BatchKVCache]
+        self.batched = batched if len(batched) > 1 else []
+
+    def overlaps(self) -> bool:
+        """Whether the next step may be built before this one's tokens reach the host: no layer syncs with the host
+        inside a step (alone: runtime.overlaps_steps, decode/step.py overlaps; a batch: overlaps_batch) and the KV
+        cache can drop the token of a step built past the last one taken."""
+        rt = self.rt
+        return (rt.overlaps_steps if self.alone else rt.overlaps_batch(len(self.seqs))) and self.trimmable
+
     def step(self) -> list[Sequence]:
         """One decode step for every sequence; returns the sequences that finished (and left the batch)."""
         early, self.early = self.early, []
         if not self.seqs:
             return early
         plan = self._plan()
-        before_reads = counters(self.engine.store)
-        with self.engine.kernel.active():
-            sampled = self._execute(plan)
-        _charge(self.seqs, before_reads, counters(self.engine.store))
-        return early + self._take_step(sampled)
+        t_step = now_us() if self.trace.on else 0
+        if self.alone:  # the caller is inside the kernel's context and takes the generation's reads whole
+            sampled = self._execute(plan, t_step)
+        else:
+            before_reads = counters(self.engine.store)
+            with self.engine.kernel.active():
+                sampled = self._execute(plan, t_step)
+            charge(self.seqs, before_reads, counters(self.engine.store))
+        finished = self._take_step(sampled)
+        if self.trace.on and (plan.overlap or plan.built is not None):  # queued, not timed by _evaluate
+            self.trace.span("step", "step", t_step, now_us(), step=self.stepped)
+        self.stepped += 1
+        return early + finished
 
     def _plan(self) -> StepPlan:
-        """What this step runs (host only): the step built ahead, if any, and whether to build the next one ahead."""
-        overlap = self.engine.store.runtime.overlaps_batch(len(self.seqs)) \
-            and can_trim_prompt_cache(self.cache)
+        """What this step runs (host only): the step built ahead, if any, and whether to build the next one ahead
+        (not past every row's last token)."""
         built, self.ahead = self.ahead, None
+        overlap = self.overlaps() and any(s.fig.completion_tokens + 1 < s.req.max_tokens for s in self.seqs)
         return StepPlan(len(self.seqs), overlap, built)
 
-    def _execute(self, plan: StepPlan) -> mx.array:
+    def _evaluate(self, sampled: mx.array, also: mx.array, *, hold: bool = True, t_step: float = 0.0) -> None:
+        """A step's tokens evaluated, one step at a time: runtime.flush starts what may overlap the evaluation
+        (scheduled routing's last predictions), settled before the fence moves."""
+        rt = self.rt
+        rt.flush()
+        t_eval = now_us()
+        host_eval(sampled, also, hold=hold)
+        rt.settle()
+        rt.sync()
+        rt.next_step()
+        if self.trace.on:
+            self.trace.span("step", "step", t_step, now_us(), step=self.stepped)
+            self.trace.span("head+sample", "sample", t_eval, now_us(), step=self.stepped)
+
+    def _execute(self, plan: StepPlan, t_step: float) -> Built:
         """The plan's step (built now, or ahead by the step before) and, overlapping, the next one queued from its
-        unevaluated tokens before those reach the host; this step's tokens (B,)."""
-        rt, sampled = self.engine.store.runtime, plan.built
-        if sampled is None:
-            sampled = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
+        unevaluated tokens before those reach the host; this step."""
+        rt, built = self.rt, plan.built
+        if built is None:
+            built = self._build(mx.array([[s.next_input] for s in self.seqs], dtype=mx.uint32))
             if plan.overlap:
                 rt.step_built()
-                mx.async_eval(sampled)
+                mx.async_eval(built.tokens, built.also)
             else:
-                host_eval(sampled)
-                rt.sync()
-                rt.next_step()
+                self._evaluate(built.tokens, built.also, t_step=t_step)
         if plan.overlap:
-            self.ahead = self._build(sampled[:, None])
+            self.ahead = self._build(built.tokens[:, None])
             rt.step_built()  # what it decided ahead is for the step built next; its slots stay fenced
-            mx.async_eval(self.ahead)
-        return sampled
+            mx.async_eval(self.ahead.tokens, self.ahead.also)
+        return built
 
     def settle(self) -> None:
         """Take the step built ahead, if any (its tokens to the host, finished sequences out), so that the batch
         can change: the next step() reports what finished."""
         if self.ahead is not None:
-            sampled, self.ahead = self.ahead, None
-            self.early += self._take_step(sampled)
+            built, self.ahead = self.ahead, None
+            self.early += self._take_step(built)
 
-    def _build(self, inputs: mx.array) -> mx.array:
-        """The graph of one step for every sequence from inputs (B, 1); its sampled tokens (B,), unevaluated."""
-        _share_offsets(self.cache)
-        logprobs, _ = forward(self.engine.store.model, inputs, self.cache)  # (B, V)
-        if all(s.sample.greedy for s in self.seqs):
-            return mx.argmax(logprobs, axis=-1)
-        return mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(self.seqs)])  # (B,)
+    def _build(self, inputs: mx.array) -> Built:
+        """The graph of one step for every sequence from inputs (B, 1). A row replaying forced tokens takes its next
+        one, a constant: taking it waits for no step, so a replay queues steps ahead."""
+        for c in self.batched[1:]:  # one offsets array for every layer: a step advances it once (compute/dense.py)
+            c.offset = self.batched[0].offset
+        logprobs, first = forward(self.model, inputs, self.cache)  # (B, V), (V,)
+        seqs = self.seqs
+        if len(seqs) == 1:  # a greedy row's argmax is not built where a forced token takes its place
+            s = seqs[0]
+            sampled = forced_one(s, None if self.greedy and self.forced else
+                                 mx.argmax(logprobs, axis=-1) if self.greedy else s.sample(logprobs))
+        else:
+            sampled = mx.argmax(logprobs, axis=-1) if self.greedy else \
+                mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(seqs)])  # (B,)
+            if self.forced:
+                sampled = forced_rows(seqs, sampled)
+        also = first if self.keep_logprobs or self.forced else sampled  # a forced step: computed, not argmaxed
+        return Built(sampled, first if self.keep_logprobs else None, also)
 
-    def _take_step(self, sampled: mx.array) -> list[Sequence]:
+    def _take_step(self, built: Built) -> list[Sequence]:
         """Update from a step's output: its tokens to the host and to their sequences; the finished ones leave."""
         seqs = self.seqs
-        tokens = sampled.tolist()  # SYNC: the batch's tokens to the host, once per step
+        tokens = built.tokens.tolist()  # SYNC: the batch's tokens to the host, once per step
         now = time.perf_counter()
         for s, t in zip(seqs, tokens):
             s.fed.append(s.next_input)
+            s.logprobs = built.logprobs
             self._take(s, t, now)
         finished = [s for s in seqs if s.done]
         if finished:
@@ -217,13 +303,16 @@ class BatchDecoder:
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs:
             self.cache, self.ahead = None, None
-            self.engine.store.runtime.finish()
+            self._rows_changed()
+            if not self.alone:  # alone, the caller ends the generation
+                self.rt.finish()
             return
         for c in self.cache:
             c.filter(mx.array(keep))
-        self.engine.store.runtime.keep_rows(keep)
+        self.rt.keep_rows(keep)
         if self.ahead is not None:
-            self.ahead = self.ahead[mx.array(keep)]
+            self.ahead = Built(self.ahead.tokens[mx.array(keep)], None, self.ahead.also)
+        self._rows_changed()
 
     def _finish(self, finished: list[Sequence], cache: list | None) -> None:
         """Their last figures and text; their KV caches into the prompt cache."""
@@ -232,40 +321,37 @@ class BatchDecoder:
             s.fig.timed(s.fig.prompt_tokens - s.fig.cached_tokens, s.fig.prefill_s,
                         time.perf_counter() - (s.first_token or time.perf_counter()))
             s.fig.peak_mlx_bytes = mx.get_peak_memory()
+            if self.alone and self.ahead is not None:
+                self.drop_ahead()
             if cache is not None:
                 self._keep_cache(s, self.seqs.index(s))
 
+    def drop_ahead(self) -> None:
+        """Alone: the step built ahead evaluated, its token dropped from the KV cache, which then holds what was fed."""
+        mx.eval([c.state for c in self.cache])
+        trim_prompt_cache(self.cache, 1)
+        self.ahead = None
+
     def _keep_cache(self, s: Sequence, row: int) -> None:
         """Its KV cache, out of the batch's, into the prompt cache (where the cache types allow it)."""
-        if self.engine.prompt_cache is None or s.req.forced is not None:
+        if self.engine is None or self.engine.prompt_cache is None or s.req.forced is not None:
             return
-        if all(hasattr(c, "extract") for c in self.cache):
+        if self.alone:
+            self._keep(s, self.cache)
+        elif all(hasattr(c, "extract") for c in self.cache):
             caches = [c.extract(row) for c in self.cache]
             if self.ahead is not None:  # the step built ahead wrote one more token than s was fed
                 trim_prompt_cache(caches, 1)
+            self._keep(s, caches)
+
+    def _keep(self, s: Sequence, caches: list) -> None:
+        """Its KV cache, which holds s.fed, into the prompt cache (engine.keep_prefix: not a forced replay's)."""
+        if self.engine is not None:
             self.engine.keep_prefix(s.req, s.fed, caches)
 
     def abandon(self) -> list[Sequence]:
         """After an error: every sequence leaves (the caller answers them); the runtime is recovered."""
         seqs, self.seqs, self.cache, self.ahead, self.early = self.seqs, [], None, None, []
-        self.engine.store.runtime.recover()
+        self._rows_changed()
+        self.rt.recover()
         return seqs
-
-
-def _share_offsets(cache: list) -> None:
-    """Every layer's positions array the first batched layer's: equal in value (the same sequences, the same tokens:
-    merged, filtered or grown each on its own, they are distinct arrays), one array lets a decode step advance them
-    once for all layers (compute/dense.py _advanced)."""
-    batched = [c for c in cache if type(c) is BatchKVCache]
-    for c in batched[1:]:
-        c.offset = batched[0].offset
-
-
-def _charge(seqs: list[Sequence], before: tuple, after: tuple) -> None:
-    """The reads of a step (or a prefill), shared evenly by the sequences it served."""
-    share = [(a - b) / len(seqs) for a, b in zip(after, before)]
-    for s in seqs:
-        s.fig.bytes_read += int(share[0])
-        s.fig.cold_bytes += share[1]
-        s.fig.reads += int(share[2])
-        s.fig.stall_s += share[3]

@@ -1,9 +1,9 @@
 """What the serving loop (jobs.py JobQueue._serve) runs on the worker thread, one cycle at a time.
 
-Solo (--max-batch 1): a cycle is one whole generation (engine.generate). Batch (--max-batch N): a cycle admits the
-newcomers (prefill, edge0/decode/batch.py) and takes one decode step for all; a finished or cancelled job leaves at
-the next boundary. Both answer cycle(newcomers) -> (refused, finished) and abandon(error) after one; the loop does
-the rest (taking jobs, answering them, the metrics, the reset after an error).
+Solo (--max-batch 1): a cycle is one whole generation (engine.generate: a batch of one, edge0/decode/loop.py). Batch
+(--max-batch N): a cycle admits the newcomers (prefill, edge0/decode/batch.py) and takes one decode step for all; a
+finished or cancelled job leaves at the next boundary. Both answer cycle(newcomers) -> (refused, finished) and
+abandon(error) after one; the loop does the rest (taking jobs, answering them, the metrics, the reset after an error).
 """
 
 from __future__ import annotations
