@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
     if args.trace:
         _check_trace(args)
     trace = Trace({"model": str(args.model or "demo")}) if args.trace else NULL
-    with open_engine(config, trace=trace) as engine:
+    with open_engine(config, trace=trace, routes=routes, routes_file=args.routes) as engine:
         if trace.on:
             trace.meta.update(routing=engine.config.routing.mode, predictor=engine.config.routing.predictor)
         load_s = time.perf_counter() - t0

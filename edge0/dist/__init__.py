@@ -39,10 +39,12 @@ def same_seed(group) -> None:
     mx.random.seed(seed)
 
 
-def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool = False):
+def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool = False, routes=None,
+                routes_file: str | None = None):
     """engine.open_engine, or under mlx.launch this rank's share of the pipeline (same interface: the engine
     generates on every rank). quiet_others: ranks other than 0 write nothing to stdout. serving: rank 0 posts each
-    generation to the other ranks, which follow it (dist/serve.py)."""
+    generation to the other ranks, which follow it (dist/serve.py). routes: the run's --routes trace (read from
+    routes_file), which --split cost's calibration forces too."""
     from ..sched.trace import NULL
 
     trace = NULL if trace is None else trace
@@ -58,8 +60,9 @@ def open_engine(config, *, trace=None, quiet_others: bool = True, serving: bool 
     mode = os.environ.get(MODE_ENV, "pipeline")
     if mode not in MODES:
         raise Edge0Error(f"{MODE_ENV}={mode}: choose {' or '.join(MODES)}")
-    opener = open_expert_rank if mode == "experts" else open_rank
-    return opener(config, group, trace=trace, serving=serving)
+    if mode == "experts":  # no calibration: every rank holds every layer
+        return open_expert_rank(config, group, trace=trace, serving=serving)
+    return open_rank(config, group, trace=trace, serving=serving, routes=routes, routes_file=routes_file)
 
 
 def serving_engine(config):

@@ -19,9 +19,11 @@ from .serve import lead, lost_while_idle, stop_when_lost
 from .split import SPLIT_ENV, choose_split, even_split, layer_costs
 
 
-def open_rank(config, group, *, trace, split: list[range] | None = None, serving: bool = False):
+def open_rank(config, group, *, trace, split: list[range] | None = None, serving: bool = False, routes=None,
+              routes_file: str | None = None):
     """This rank's engine: layers split[rank] (default an even split) of the store `config` names. serving: rank 0
-    posts each generation to the others (dist/serve.py)."""
+    posts each generation to the others (dist/serve.py). routes: the run's trace, forced by --split cost's
+    calibration (read from routes_file)."""
     from ..io.manifest import read_manifest
     from ..model.arch import read_config, text_config
     from ..model.load import only_layers
@@ -37,14 +39,7 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
     moe = [e.layer for e in read_manifest(root).layers]
     reads = None
     if split is None:
-        spec = os.environ.get(SPLIT_ENV, "even")
-        if spec == "cost":  # each layer's expert reads, measured by a short decode over an even split
-            from ..sched.trace import NULL
-            from .calibrate import measured_reads
-
-            even = even_split(layers, group.size())
-            reads = measured_reads(lambda: open_rank(config, group, trace=NULL, split=even), group, layers)
-        split, costs = choose_split(spec, root, layers, group.size(), reads)
+        split, costs, reads = _chosen(config, group, root, layers, routes, routes_file)
     else:
         costs = layer_costs(root, layers)
     mine = split[group.rank()]
@@ -77,6 +72,19 @@ def open_rank(config, group, *, trace, split: list[range] | None = None, serving
         log.info("pipeline", ranks=group.size(), layers=" ".join(f"{r.start}-{r.stop - 1}" for r in split),
                  mib_per_rank=mib, **shares, crossing_heads=len(part.outgoing))
     return engine
+
+
+def _chosen(config, group, root: Path, layers: int, routes, routes_file: str | None):
+    """(EDGE0_SPLIT's ranges, each layer's bytes held, each layer's reads measured where --split cost, else None)."""
+    spec, reads = os.environ.get(SPLIT_ENV, "even"), None
+    if spec == "cost":  # each layer's expert reads, measured by a short decode over an even split (routed as the run)
+        from ..sched.trace import NULL
+        from .calibrate import measured_reads
+
+        even = even_split(layers, group.size())
+        reads = measured_reads(lambda: open_rank(config, group, trace=NULL, split=even), group, layers, routes,
+                               routes_file)
+    return *choose_split(spec, root, layers, group.size(), reads), reads
 
 
 def same_store(group, root: Path) -> None:

@@ -159,14 +159,17 @@ def test_tied_head_matches_one_process(tied_store):
 
 
 def test_forced_routes_match_one_process(store, runs, tmp_path):
-    """`edge0 launch -n 2 -- run --routes TRACE`: each rank forces its own layers' rows of the trace (the second
-    rank's layers are the trace's later rows), so the tokens are one process's under that trace, not the router's."""
+    """`edge0 launch -n 2 --split cost -- run --routes TRACE`: each rank forces its own layers' rows of the trace (the
+    second rank's layers are the trace's later rows), so the tokens are one process's under that trace, not the
+    router's; --split cost's calibration forces the trace too: its reads are all in layers 0 and 1 (2 and 3 route to
+    the same experts every token), so each rank takes one of them."""
     import numpy as np
 
     manifest = json.loads((store / "edge0.json").read_text())
     e, k = manifest["num_experts"], manifest["top_k"]
-    rng = np.random.default_rng(5)
-    trace = {str(i): [rng.choice(e, k, replace=False).tolist() for _ in range(40)] for i in range(4)}
+    rng = np.random.default_rng(3)
+    trace = {str(i): [rng.choice(e, k, replace=False).tolist() if i < 2 else list(range(e - k, e)) for _ in range(40)]
+             for i in range(4)}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"expert_trace": trace}))
     argv = ["run", "--model", str(store), "--executor", "staged", "--lora", "none", "--prompt", "hello world, the",
@@ -174,9 +177,11 @@ def test_forced_routes_match_one_process(store, runs, tmp_path):
     env = {**os.environ, "EDGE0_KERNEL": "mlx"}
     one = subprocess.run([sys.executable, "-m", "edge0.cli", *argv, "--routes", str(path)], capture_output=True,
                          text=True, timeout=60, env=env)
-    two = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()), "--",
-                          *argv, "--routes", str(path)], capture_output=True, text=True, timeout=60, env=env)
+    two = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--port", str(free_port()),
+                          "--split", "cost", "--", *argv, "--routes", str(path)], capture_output=True, text=True,
+                         timeout=60, env=env)
     assert two.returncode == 0, two.stderr
     want = json.loads(one.stdout)["tokens"]
     assert want != runs[0]["native:staged"]["tokens"][:12]  # the trace routes otherwise than the router
     assert lines(two.stdout)[0]["tokens"] == want
+    assert lines(two.stdout)[0]["pipeline"]["layers"] == [[0, 0], [1, 3]], two.stderr
