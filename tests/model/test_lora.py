@@ -165,7 +165,7 @@ def test_default_adapter_is_the_one_beside_the_store_with_its_heads(served, tmp_
         named = resolve(EngineConfig(model=str(store),
                                      routing=RoutingConfig(heads=str(other))))  # the heads named route by default too
         assert (named.routing.mode, named.routing.heads, named.routing.lora) == ("predicted", str(other), "none")
-        with pytest.raises(Edge0Error, match="--routing native does not apply"):
+        with pytest.raises(Edge0Error, match="routing.mode native does not apply"):
             resolve(EngineConfig(model=str(store), routing=RoutingConfig(mode="native", lora=str(rand))))
         out = helpers.run_json("--model", str(store), "--max-tokens", "4", "--prompt", "def f(x):")
         assert out["lora"] == str(store / f"lora-k{k}.safetensors") and out["routing"] == "predicted"
