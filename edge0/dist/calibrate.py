@@ -8,6 +8,8 @@ depend on its routing and its bank, not on which rank runs it, so an even split 
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 
 CALIBRATION_PROMPT = "The history of the city begins"
@@ -41,4 +43,6 @@ def measured_reads(open_even, group, layers: int, routes=None, routes_file: str 
         mine = [by_layer.get(i, 0) - start.get(i, 0) for i in range(layers)]
     finally:
         engine.close()
+        del engine
+        gc.collect()  # its runtime's cycles (predicted routing's) would hold its banks beside the run's engine
     return mx.distributed.all_sum(mx.array(mine, dtype=mx.int64), group=group, stream=mx.cpu).tolist()

@@ -119,6 +119,19 @@ def join(engine, group, serving: bool) -> None:
         stop_when_lost(engine, group.rank())
     same_seed(group)
     same_overlap(engine.store.runtime, group)
+    engine.close = _closing(engine, engine.close)
+
+
+def _closing(engine, close):
+    """close, then the wrappers above dropped: they refer back to the engine, a cycle that kept its banks and weights
+    until the garbage collector ran (the next engine in this process, as after --split cost's calibration, beside)."""
+    def call(*args, **kwargs):
+        try:
+            close(*args, **kwargs)
+        finally:
+            for name in ("generate", "describe", "reset", "close"):
+                vars(engine).pop(name, None)
+    return call
 
 
 def same_overlap(runtime, group) -> None:

@@ -4,9 +4,12 @@ argument, generate from a fixed prompt and print one JSON line per rank.
     mlx.launch -n 2 --backend ring -- python tests/dist/ranks.py STORE native:staged predicted:staged
 """
 
+import gc
 import json
 import os
 import sys
+
+import mlx.core as mx
 
 from mlx.utils import tree_flatten
 
@@ -44,11 +47,14 @@ def main(store: str, configs: list[str]) -> None:
                                   cancelled=cancelled)
             stage = getattr(engine, "stage", None)
             weights = sum(v.nbytes for _, v in tree_flatten(engine.store.model.parameters()))
-            print(json.dumps({"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read, "decode_bytes": before + fig.bytes_read - at_first[0],
-                              "prompt_bytes": at_first[0] - before,
-                              "weights": weights, "peak_mlx": fig.peak_mlx_bytes, "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0,
-                              "overlaps": engine.store.runtime.overlaps_steps}),
-                  flush=True)
+            line = {"rank": rank, "config": spec, "tokens": fig.tokens, "text": fig.text, "bytes": fig.bytes_read, "decode_bytes": before + fig.bytes_read - at_first[0],
+                    "prompt_bytes": at_first[0] - before,
+                    "weights": weights, "peak_mlx": fig.peak_mlx_bytes, "sent": stage.bytes_sent if stage else 0, "messages": stage.messages if stage else 0,
+                    "overlaps": engine.store.runtime.overlaps_steps}
+        del engine, stage
+        line["left_mlx"] = mx.get_active_memory()  # what the closed engine still holds without the garbage collector
+        gc.collect()  # the prefetch runtimes' cycles (one process's too): the next config's peak is its own
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
