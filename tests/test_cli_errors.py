@@ -172,7 +172,7 @@ def test_every_setting_has_its_flag():
             paths(getattr(value, f.name), f"{prefix}{f.name}.") if dataclasses.is_dataclass(getattr(value, f.name))
             else [prefix + f.name])}
 
-    assert set(SETTING_FLAGS) == paths(EngineConfig()) and len(SETTING_FLAGS) == 25
+    assert set(SETTING_FLAGS) == paths(EngineConfig()) and len(SETTING_FLAGS) == 26
     assert {"model", "routing.mode", "io.slots", "kernel.threads", "serving.max_batch"} <= set(SETTING_FLAGS)
     assert set(SETTING_FLAGS.values()) <= flags
 

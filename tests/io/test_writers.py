@@ -258,13 +258,16 @@ def test_a_killed_reconvert_with_force_leaves_the_old_store(models, tmp_path):
 def test_sigterm_and_ctrl_c_remove_the_temporary_themselves(models, tmp_path):
     src = models("qwen3_moe", "mlx", "src")
     runs = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 130}
-    for sig in runs:
-        (tmp_path / sig.name).mkdir()
-    procs = {sig: start_convert(src, tmp_path / sig.name / "store") for sig in runs}
-    codes = signal_while_writing([(proc, tmp_path / sig.name, 0.0, sig) for sig, proc in procs.items()])
-    assert codes == list(runs.values())
-    for sig, proc in procs.items():
-        assert os.listdir(tmp_path / sig.name) == [] and "Traceback" not in proc.stderr.read().decode()
+    for sig, want in runs.items():
+        for attempt in range(5):  # a loaded machine can let the tiny convert finish before the signal lands (exit 0)
+            parent = tmp_path / f"{sig.name}-{attempt}"
+            parent.mkdir()
+            proc = start_convert(src, parent / "store")
+            [code] = signal_while_writing([(proc, parent, 0.0, sig)])
+            if code != 0:
+                break
+            assert sound(parent / "store")  # finished whole: the signal came too late to test anything
+        assert code == want and os.listdir(parent) == [] and "Traceback" not in proc.stderr.read().decode()
 
 
 @pytest.mark.parametrize("fmt,flags,message", [
