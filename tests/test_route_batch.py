@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0.bench.route_batch import batch_rows, prompts, run_batch, run_serial
+from edge0.bench.route_batch import prompts, run_batch, run_serial
+from edge0.compute.runtime import batch_rows
 from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
 from edge0.io.routetrace import RouteTrace

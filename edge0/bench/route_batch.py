@@ -9,7 +9,7 @@ window after a file's first starts mid-generation: a real model's routing all th
 engine (empty banks). The batch's decode time runs from its first batched step to its last (each row's prompt and
 first token run alone at admission, as the server admits them); the serial figure is the sum of the same sequences'
 decode times, one generation after another on one engine. `choose`: the batch runs its sequences in groups of
-batch_rows (the rule that keeps a batch from being slower than its sequences one after another).
+compute/runtime.py batch_rows (the rule that keeps a batch from being slower than its sequences one after another).
 """
 
 from __future__ import annotations
@@ -17,18 +17,8 @@ from __future__ import annotations
 import math
 import time
 
+from ..compute.runtime import batch_rows
 from ..errors import Edge0Error
-
-
-def batch_rows(size: int, *, slots: int, experts: int, top_k: int) -> int:
-    """The rows a batch over streamed banks of `slots` runs at once: the most, up to `size`, whose expected union of
-    routed experts (rows routing independently: E (1 - (1 - K/E)^B)) fits the bank. Beyond it every step reads the
-    union's overflow again (a bank that cannot hold a step's experts reads them the exact way), so the batch moves
-    more bytes per token than its rows one after another."""
-    rows = 1
-    while rows < size and experts * (1 - (1 - top_k / experts) ** (rows + 1)) <= slots:
-        rows += 1
-    return rows
 
 
 def windows(traces: list, count: int, rows: int) -> list:

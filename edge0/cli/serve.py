@@ -26,7 +26,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together, one step per token for all (continuous batching: a new "
                         "request joins at a step boundary, the experts a step needs are read once for the batch, "
                         "each answer token for token as alone); the staged banks hold 2K slots per sequence, up to "
-                        f"E (default {DEFAULT_MAX_BATCH}; 1: one generation at a time)")
+                        "E. Over staged banks a step takes at most the sequences whose expected union of experts "
+                        "fits a layer's --slots (more would re-read the overflow every step), said at start; the "
+                        f"others wait (default {DEFAULT_MAX_BATCH}; 1: one generation at a time)")
     p.add_argument("--record-routes", metavar="DIR", default=None,
                    help="write each finished request's routing (every MoE layer's K ids and weights per token, "
                         "prompt and decode rows marked, the token ids) to DIR/<its id>.npz (chatcmpl-..., msg_...), "

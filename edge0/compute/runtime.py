@@ -232,6 +232,17 @@ def streamed_slots(slots: int, layers: int, held: int, experts: int) -> int:
     return 0 if held >= layers else min(experts, (slots * layers - experts * held) // (layers - held))
 
 
+def batch_rows(size: int, *, slots: int, experts: int, top_k: int) -> int:
+    """The rows a batch over streamed banks of `slots` runs at once: the most, up to `size`, whose expected union of
+    routed experts (rows routing independently: E (1 - (1 - K/E)^B)) fits the bank. Beyond it every step reads the
+    union's overflow again (a bank that cannot hold a step's experts reads them the exact way), so the batch moves
+    more bytes per token than its rows one after another."""
+    rows = 1
+    while rows < size and experts * (1 - (1 - top_k / experts) ** (rows + 1)) <= slots:
+        rows += 1
+    return rows
+
+
 def _staged(rt: Runtime, reader, exact: dict, budget: int | None, slots: int | None, budget_gib,
             held: tuple = ()) -> Runtime:
     """One bank of `slots` (default 2K) per layer, or every expert for the held layers and what is left shared by

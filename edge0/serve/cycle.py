@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..compute.kernels import graph_thread
+from ..compute.runtime import batch_rows
 from ..decode.batch import BatchDecoder
 from ..errors import Edge0Error
-from ..log import log_failure
+from ..log import log, log_failure
 from .routes_record import Quiet
 
 
@@ -43,6 +44,23 @@ class Solo:
         """After the cycle raised e (logged): no job is carried."""
         log_failure("generation failed", e)
         return []
+
+
+def batch_size(engine, max_batch: int) -> int:
+    """The sequences a step takes: --max-batch, or fewer over staged slot banks, the most rows whose expected union of
+    experts fits a layer's bank (compute/runtime.py batch_rows): beyond it every step reads the overflow again."""
+    if max_batch <= 1:
+        return max_batch
+    rt = engine.store.runtime
+    if rt.executor != "staged" or not rt.banks:  # resident, or every layer held: nothing is read per step
+        return max_batch
+    slots, experts = min(b.slots for b in rt.banks), engine.store.manifest.num_experts
+    rows = batch_rows(max_batch, slots=slots, experts=experts, top_k=engine.top_k)
+    if rows < max_batch:
+        log.info(f"batching: at most {rows} sequences a step (--max-batch {max_batch}): the expected union of more "
+                 f"rows' experts overflows the staged banks' {slots} slots a layer", experts=experts,
+                 top_k=engine.top_k, hint="--slots raises it")
+    return rows
 
 
 class Batch:

@@ -16,7 +16,7 @@ from ..engine import Engine
 from ..errors import ApiError
 from ..decode.request import Figures, GenRequest
 from ..log import log, log_failure
-from .cycle import Batch, Solo
+from .cycle import Batch, Solo, batch_size
 from .routes_record import Quiet
 
 DEFAULT_MAX_QUEUE = 32  # requests waiting behind the one being generated
@@ -155,7 +155,8 @@ class JobQueue:
         if mx.default_device().type == mx.DeviceType.cpu:  # a GPU's allocations cost more: keep MLX's pool there
             self.mlx_cache_limit = mx.set_cache_limit(SERVE_MLX_CACHE_BYTES)
             mx.clear_cache()  # what loading the engine left there
-        max_batch = self.engine.config.serving.max_batch if hasattr(self.engine, "config") else 1
+        max_batch = batch_size(self.engine, self.engine.config.serving.max_batch) if hasattr(self.engine, "config") \
+            else 1
         serving = self._serve(Batch(self.engine, max_batch, self.routes) if max_batch > 1 else
                               Solo(self.engine, self.routes))
         self.task = asyncio.get_running_loop().create_task(serving)
