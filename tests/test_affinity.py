@@ -129,3 +129,17 @@ def test_bad_tables_and_traces_are_refused_by_name(tmp_path, capsys):
         assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert main(["run", "--routing", "prefetch", "--predictor", "affinity", "--executor", "staged"]) == 2
     assert "--predictor affinity reads a co-activation table: give it --affinity FILE" in capsys.readouterr().err
+
+
+def test_a_held_out_trace_of_one_token_is_refused_before_anything_is_written(tmp_path, capsys):
+    """The previous token's recall needs a token before: one token was a ZeroDivisionError after the table was
+    written."""
+    ids = np.zeros((3, 5, 2), np.int32) + np.arange(2, dtype=np.int32)
+    write_trace(tmp_path / "t.json", RouteTrace(ids, None, [0, 1, 2], 8))
+    write_trace(tmp_path / "one.json", RouteTrace(ids[:, :1], None, [0, 1, 2], 8))
+    out = tmp_path / "a.npz"
+    assert main(["train", "affinity", "--traces", str(tmp_path / "t.json"), "--heldout", str(tmp_path / "one.json"),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--heldout {tmp_path / 'one.json'}: 1 token" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -33,6 +33,8 @@ def train_affinity(paths: list[str], out: str, *, heldout: str | None = None, fo
                 t.num_experts, first.num_experts) and t.num_experts != first.num_experts:
             raise Edge0Error(f"{path}: {t.ids.shape[0]} MoE layers, K {t.top_k}, {t.num_experts or '?'} experts; "
                              f"{paths[0]} has {first.ids.shape[0]}, K {first.top_k}, {first.num_experts or '?'}")
+    if held is not None and held.num_tokens < 2:  # the previous token's recall compares each token with the one before
+        raise Edge0Error(f"--heldout {heldout}: {held.num_tokens} token; a held-out trace needs 2 or more")
     table = learn(traces)
     if held is not None and int(held.ids.max()) >= table.num_experts:
         raise Edge0Error(f"--heldout {heldout}: routes expert {int(held.ids.max())}; the traces name "
