@@ -127,6 +127,8 @@ def check_split(spec: str, ranks: int, model: str | None) -> None:
         layers = text_config(read_config(Path(model) if model else DEMO_STORE))["num_hidden_layers"]
     except (Edge0Error, OSError, ValueError, KeyError, TypeError):
         layers = None  # the store is on the other hosts only, or not a store: the ranks say so
+    if counts is not None and layers is None and (len(counts) != ranks or min(counts) < 1):
+        raise Edge0Error(f"--split {spec}: must be {ranks} counts of at least 1 layer")  # the layers unknown here
     if counts is not None:
         counted_split(counts, layers if layers is not None else sum(counts), ranks, f"--split {spec}")
     elif layers is not None and ranks > layers:

@@ -62,6 +62,15 @@ def test_hostfile_counts_the_ranks_for_split(tmp_path, capsys):
     assert "--split 2,2,2: must be 2 counts" in capsys.readouterr().err
 
 
+def test_split_counts_for_a_store_not_here(tmp_path, capsys):
+    """A --model not on this machine: the counts are checked against the ranks only, not a guessed layer count."""
+    argv = ["launch", "-n", "3", "--split", "1,1", "--", "run", "--model", str(tmp_path / "elsewhere")]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "--split 1,1: must be 3 counts of at least 1 layer" in err and "model of" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_record_routes_is_refused_across_ranks(tmp_path):
     """--record-routes under a launch: each rank would write its own layers' routing to the same path; no file. Every
     rank refuses it alike: the launcher says it once, without mlx.launch's lines on the ranks' exits."""
