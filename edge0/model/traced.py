@@ -67,7 +67,7 @@ class TracedRouting:
             raise Edge0Error(f"{what}: routing traces need Edge0's own MoE blocks (qwen3_moe, qwen3_5_moe, "
                              f"bailing_moe): {why}")
         self.traces = traces if traces is not None else [trace] if trace is not None else []
-        self.trace, self.record, self.what = (self.traces or [None])[0], record, what
+        self.record, self.what = record, what
         self.sink = sink  # (layer index, inds, scores) of each call, recorded by the caller (unevaluated)
         self.current = 0  # the trace of a call of one row: the sequence admitted last (admit)
         self.blocks = blocks
@@ -111,10 +111,6 @@ class _Layer:
         self.owner, self.index = owner, index
         self.cursors = [0] * max(1, len(owner.traces))  # per trace: its sequence's next token, the trace's row for it
         self.rows: list[tuple[mx.array, mx.array]] = []  # (inds, scores) of each call, recorded
-
-    @property
-    def cursor(self) -> int:
-        return self.cursors[0]
 
     def __call__(self, block, x: mx.array, own) -> tuple[mx.array, mx.array]:
         o = self.owner
