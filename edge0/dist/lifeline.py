@@ -63,12 +63,15 @@ class Lifeline:
                 server.settimeout(left)
                 try:
                     conn, _ = server.accept()
-                    conn.settimeout(left)
-                    rank, got = conn.makefile("r").readline().split()
-                except (OSError, ValueError):
+                except OSError:
                     continue
-                if int(got) == nonce and 0 < int(rank) < self.group.size():
-                    peers[conn] = int(rank)
+                try:
+                    conn.settimeout(left)
+                    rank, got = map(int, conn.makefile("r").readline().split())
+                except (OSError, ValueError):  # not a rank's greeting (a stray connection): not one of ours
+                    rank, got = -1, -1
+                if got == nonce and 0 < rank < self.group.size():
+                    peers[conn] = rank
                 else:
                     conn.close()
         missing = sorted(set(range(1, self.group.size())) - set(peers.values()))
