@@ -10,7 +10,7 @@ from edge0.bench.route_batch import prompts, run_batch, run_serial
 from edge0.compute.runtime import batch_rows
 from edge0.config import EngineConfig, IOConfig, RoutingConfig, ServingConfig
 from edge0.engine import open_engine
-from edge0.io.routetrace import RouteTrace
+from edge0.io.routetrace import RouteTrace, write_trace
 from edge0.model.route_stats import moe_blocks
 from edge0.model.traced import TracedRouting
 
@@ -119,3 +119,18 @@ def test_bench_refuses_batch_and_affinity_flags_that_cannot_run_by_name(tmp_path
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_batch_refuses_a_trace_of_another_model_by_name(tmp_path, capsys):
+    """A trace of 3 MoE layers x 8 experts on the demo store (6 x 32): one line naming it (was an IndexError)."""
+    from edge0.cli import main
+
+    store = str(Path(__file__).resolve().parents[1] / "edge0" / "model" / "demo" / "store")
+    other = tmp_path / "other.npz"
+    ids = np.stack([[np.roll(np.arange(8), t)[:K] for t in range(64)] for _ in range(3)]).astype(np.int32)
+    write_trace(other, RouteTrace(ids, None, [0, 1, 2], num_experts=8))
+    assert main(["bench", "--batch", "2", "--store", store, "--arms", "staged", "--routes", f"{other},{other}",
+                 "--slots", "8", "--prompt-tokens", "4", "--max-tokens", "2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--routes {other}: the trace routes 3 MoE layers, the model has {LAYERS}" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -123,7 +123,7 @@ def bench_batches(args) -> list[str]:
     import statistics
 
     from ..io.manifest import read_manifest
-    from ..io.routetrace import read_trace
+    from ..io.routetrace import check_fits, read_trace
 
     sizes = sorted({int(s) for s in str(args.batch).split(",") if s.strip().isdigit()})
     arms = (args.arms or "").split(",")
@@ -132,6 +132,8 @@ def bench_batches(args) -> list[str]:
                          "--store, --routes FILE[,FILE..] and --slots")
     m = read_manifest(args.store)
     traces = [read_trace(f, f"--routes {f}") for f in str(args.routes).split(",")]
+    for f, t in zip(str(args.routes).split(","), traces):  # another model's trace indexed past the banks
+        check_fits(t, f"--routes {f}", layers=len(m.layers), experts=m.num_experts, top_k=m.top_k, tokens=0)
     n = args.prompt_tokens + args.max_tokens - 1
     rows = windows(traces, max(sizes), n)
     prompt = prompts(max(sizes), args.prompt_tokens)
