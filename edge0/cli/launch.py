@@ -85,14 +85,24 @@ def _model(argv: list[str]) -> str | None:
     return p.parse_known_args(argv)[0].model
 
 
+SSH_FAILED = "edge0: error: a rank exited with code 255: ssh's own when a --hostfile host cannot be reached or logged into\n"
+
+
 def run_ranks(cmd: list[str]) -> int:
     """Run mlx.launch, its stdout as it comes; 1 when a rank failed (mlx.launch itself exits 0 then). An error every
-    rank reports alike is said once; after one, mlx.launch's lines on the ranks' exits are not repeated."""
+    rank reports alike is said once; after one, mlx.launch's lines on the ranks' exits are not repeated. mlx.launch's
+    own traceback (its cleanup over ssh of a host it never reached) is left out: a rank's exit 255 says why once."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    failed, said = False, set()
+    failed, said, quiet = False, set(), False
     for line in proc.stderr:
         ended = "Node with rank" in line and ("exited with code" in line or "was killed" in line)
         failed = failed or ended
+        if quiet or line.startswith("Exception in thread"):
+            quiet = line.startswith(("Exception in thread", "Traceback", " "))  # its last line ends it
+            continue
+        if ended and "exited with code 255" in line and not said:
+            sys.stderr.write(line)
+            line = SSH_FAILED
         if line.startswith("edge0: error:"):
             if line in said:
                 continue

@@ -81,3 +81,18 @@ def test_record_routes_is_refused_across_ranks(tmp_path):
     errors = [line for line in run.stderr.splitlines() if "--record-routes" in line]
     assert run.returncode != 0 and len(errors) == 1 and "not under edge0 launch" in errors[0], run.stderr
     assert "Node with rank" not in run.stderr and not out.exists(), run.stderr
+
+
+def test_an_unreached_host_is_one_line_without_mlx_launchs_traceback(capfd):
+    """mlx.launch's stderr when ssh reached neither host (as seen with hosts named *.invalid): a rank's exit 255, then
+    its cleanup thread's traceback; the launcher says why once and leaves the traceback out."""
+    from edge0.cli.launch import run_ranks
+
+    seen = ("[WARN] Node with rank 0 exited with code 255\nException in thread Thread-2 (_thread_fn):\n"
+            "Traceback (most recent call last):\n  File \"launch.py\", line 97, in terminate\n    c = run(\n"
+            "subprocess.CalledProcessError: Command 'ssh nohost2.invalid' returned non-zero exit status 255.\n"
+            "[WARN] Node with rank 1 exited with code 255\n")
+    assert run_ranks([sys.executable, "-c", f"import sys; sys.stderr.write({seen!r})"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "CalledProcessError" not in err, err
+    assert err.count("edge0: error: a rank exited with code 255: ssh's own") == 1, err
