@@ -17,6 +17,7 @@ import io
 import json
 import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +44,17 @@ class AffinityTable:
     def num_experts(self) -> int:
         return self.freq.shape[1]
 
+    @cached_property
+    def _cond(self) -> np.ndarray:  # (L-1, E, E): P(layer l+1 routes j | layer l routed i), made once, not per step
+        return self.counts / np.maximum(self.freq[:-1], 1)[:, :, None]
+
+    @cached_property
+    def _pop(self) -> np.ndarray:  # (L, E): each layer's own routing frequency, weighted
+        return POPULARITY * (self.freq / max(1, self.tokens))
+
     def scores(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """(E,) float32: layer+1's experts scored from layer `layer`'s routed (unique) ids at the same token."""
-        ids = np.asarray(ids, dtype=np.int64)
-        cond = self.counts[layer, ids] / np.maximum(self.freq[layer, ids], 1)[:, None]
-        pop = self.freq[layer + 1] / max(1, self.tokens)
-        return (cond.sum(axis=0) + POPULARITY * pop).astype(np.float32)
+        return (self._cond[layer, np.asarray(ids, dtype=np.int64)].sum(axis=0) + self._pop[layer + 1]).astype(np.float32)
 
     def predict(self, layer: int, ids: np.ndarray, n: int) -> np.ndarray:
         """layer+1's n likeliest experts (sorted ids) after layer `layer` routed `ids`."""
