@@ -63,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
     ranks = args.local_ranks if args.hostfile is None else read_hostfile(args.hostfile, args.backend)
     if args.parallel == "pipeline":
         check_split(args.split, ranks, _model(command[1:]))
+    elif args.split != "even":  # expert parallel splits the experts (id % ranks), every rank holds every layer
+        raise Edge0Error(f"--split {args.split}: splits layers, for --parallel pipeline only")
     if args.rank_timeout is not None and not 0 < args.rank_timeout <= 86400:
         raise Edge0Error(f"--rank-timeout {args.rank_timeout:g}: seconds, more than 0 and at most 86400")
     if args.port is not None and not 1024 <= args.port <= 65000:

@@ -25,6 +25,8 @@ from .common import free_port
                                                  "model's 6"),
     (["-n", "2", "--split", "2,2,2", "--", "run"], "--split 2,2,2: must be 2 counts"),
     (["-n", "7", "--", "run"], "7 ranks for a model of 6 layers: at most one rank per layer"),
+    (["-n", "2", "--parallel", "experts", "--split", "cost", "--", "run"], "--split cost: splits layers, for "
+                                                                          "--parallel pipeline only"),
 ])
 def test_refusals(argv, says, capsys):
     assert main(["launch", *argv]) != 0
