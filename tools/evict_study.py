@@ -1,6 +1,10 @@
 """Slot replacement on real routing, held out: which policy a staged bank should use (compute/eviction.py).
 
     python tools/evict_study.py ../shared/traces/olmoe-1b-7b-seed{1,2,3}.json --slots 16,32 [--tokens 120]
+    python tools/evict_study.py ../shared/traces/olmoe-1b-7b-seed{1,2,3}.json --shared 175,256 --rows 11:131
+
+--shared: hot's one bank of that many bundles instead (tools/evict_shared.py), over the trace rows --rows (default
+all; 11:131 are the rows `edge0 bench --prompt-tokens 12 --max-tokens 120` serves from the bank).
 
 Every policy's slot hit rate over each trace, as a ratio to the optimum (Belady) at the same slots a layer. What a
 policy tunes (lfu's decay, the co-activation weight, the split of slots across layers) is chosen on one trace and
@@ -136,11 +140,19 @@ def main() -> None:
     p.add_argument("traces", nargs="+", help="routing traces of one model (two or more)")
     p.add_argument("--slots", default="16,32", help="slots a layer, comma-separated (default 16,32)")
     p.add_argument("--tokens", type=int, default=None, help="the traces' first N tokens only (default all)")
+    p.add_argument("--shared", default=None, help="hot's one shared bank of these bundles, comma-separated")
+    p.add_argument("--rows", default=":", help="with --shared: the rows A:B replayed (default all)")
     a = p.parse_args()
     loaded = {Path(f).stem: read_trace(f) for f in a.traces}
     traces = {n: t.ids[:, :a.tokens].astype(np.int64) for n, t in loaded.items()}
     first = next(iter(loaded.values()))
     num_keys = first.num_experts or int(max(t.max() for t in traces.values())) + 1
+    if a.shared:
+        from evict_shared import shared_study
+        rows = slice(*(int(x) if x else None for x in a.rows.split(":")))
+        for s in (int(x) for x in a.shared.split(",")):
+            shared_study(traces, s, num_keys, rows)
+        return
     for s in (int(x) for x in a.slots.split(",")):
         study(traces, s, num_keys, first.top_k)
 

@@ -91,11 +91,17 @@ def replay(steps, slots: int, policy: str = "lfu", num_keys: int | None = None, 
     return hits, lookups
 
 
+def shared_window(layers: int) -> int:
+    """lfu's window in one bank every layer shares (hot): the last `layers - 1` lookups, every other layer's last
+    set (each needed again within a token), not the looked-up layer's own (needed again only a token later)."""
+    return layers - 1
+
+
 def trace_hit_rates(ids: np.ndarray, slots: int, policies=("lru", "lfu", "belady"), num_keys: int | None = None,
                     shared: bool = False) -> dict[str, float]:
     """Slot hit rate over a trace's ids (L, T, K), per policy: hits over lookups, every layer together, of a staged
     bank of `slots` per layer, or (shared) of one bank of `slots` for every layer (hot: keys layer * E + expert,
-    looked up layer after layer, token after token; lfu keeps the last token's experts of every layer)."""
+    looked up layer after layer, token after token; lfu keeps every other layer's last experts: shared_window)."""
     num_keys = num_keys or int(ids.max()) + 1
     layers = ids.shape[0]
     out = {}
@@ -103,7 +109,8 @@ def trace_hit_rates(ids: np.ndarray, slots: int, policies=("lru", "lfu", "belady
         if shared:
             steps = [ids[layer, t].astype(np.int64) + layer * num_keys for t in range(ids.shape[1])
                      for layer in range(layers)]
-            got = [replay(steps, slots, policy, layers * num_keys, DECAY ** (1 / layers), window=layers)]
+            got = [replay(steps, slots, policy, layers * num_keys, DECAY ** (1 / layers),
+                          window=shared_window(layers))]
         else:
             got = [replay(layer, slots, policy, num_keys) for layer in ids]
         out[policy] = sum(h for h, _ in got) / max(1, sum(n for _, n in got))

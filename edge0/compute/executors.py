@@ -41,7 +41,7 @@ class SlotCache:
     """A bank whose slots hold keyed bundles (key: expert id, or layer * E + expert when shared), replaced by
     `policy` (eviction.py: lfu, the least often used lately, or lru), never a slot a pending graph reads or a
     read is filling. decay: lfu's per lookup (a shared bank's is per layer's); window: lfu replaces the slots used
-    in the last `window` lookups last (a shared bank's: one token's layers)."""
+    in the last `window` lookups last (a shared bank's: eviction.shared_window)."""
 
     def __init__(self, bank: Bank, stats: SlotStats, num_keys: int, policy: str = POLICIES[0], decay: float = DECAY,
                  window: int = 0):

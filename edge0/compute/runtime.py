@@ -12,7 +12,7 @@ from .choices import EXECUTORS
 from ..errors import Edge0Error, SettingError
 from ..io.cgroup import memory_room
 from .banks import Bank, Fence
-from .eviction import DECAY
+from .eviction import DECAY, shared_window
 from .executors import SlotCache, SlotStats, SlottedExperts, WholeLayer
 from .experts import ExactExperts, ResidentExperts
 
@@ -302,7 +302,7 @@ def _hot(rt: Runtime, reader, exact: dict, budget: int | None) -> Runtime:
     bank = Bank(m.pieces, capacity, fence, cdtype)
     rt.banks.append(bank)
     cache = SlotCache(bank, rt.stats, m.num_experts * (max(layers) + 1), decay=DECAY ** (1 / len(layers)),
-                      window=len(layers))  # lfu decays per token, keeps the last token's experts of every layer
+                      window=shared_window(len(layers)))  # lfu decays per token, keeps the other layers' last sets
     for layer in layers:
         rt.executors[layer] = SlottedExperts(reader, layer, cache, fence, exact[layer], rt.prefill, shared=True)
     return rt

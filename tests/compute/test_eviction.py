@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from edge0.compute.banks import Bank, Fence
-from edge0.compute.eviction import replay, trace_hit_rates
+from edge0.compute.eviction import DECAY, replay, shared_window, trace_hit_rates
 from edge0.compute.executors import SlotCache, SlotStats
 from edge0.io.manifest import Piece
+from edge0.io.routesynth import synth_trace
 
 # 3 slots, one expert a step. Worked by hand:
 # SCAN: 0 and 1 used twice, then a scan of 2, 3, 4, then 0 and 1 again. LRU evicts 0 at step 5 and 1 at step 6
@@ -127,3 +128,56 @@ def test_trace_hit_rates_pool_every_layer():
     ids = np.array([[[e] for e in SCAN], [[e] for e in MIXED]])  # (L=2, T=10, K=1)
     rates = trace_hit_rates(ids, 3)
     assert rates == {"lru": 7 / 20, "lfu": 9 / 20, "belady": 10 / 20}
+
+
+def _shared_steps(ids: np.ndarray, experts: int) -> list[np.ndarray]:
+    """hot's lookups: each token's layers in turn, keys layer * E + expert."""
+    return [np.unique(ids[layer, t]) + layer * experts for t in range(ids.shape[1]) for layer in range(len(ids))]
+
+
+def _textbook(steps: list[np.ndarray], slots: int, policy: str, layers: int, decay: float) -> int:
+    """Hits of one bank over `steps`, written plainly: each miss takes an empty slot, else the slot of the held key
+    not routed now that goes first (ties: the first slot): lru the least recently used; belady the one used again
+    last; lfu (hot's) the least decayed uses, the keys of the last layers - 1 lookups (every other layer's last
+    set) after all others, by recency."""
+    bank, last, counts, hits = [None] * slots, {}, {}, 0
+    for s, ids in enumerate(steps):
+        now = set(ids.tolist())
+        hits += len(now & set(bank))
+        for key in sorted(now - set(bank)):
+            def order(i):
+                b = bank[i]
+                if b is None:
+                    return (-1,)
+                if policy == "belady":
+                    return (0, -next((j for j in range(s + 1, len(steps)) if b in steps[j]), len(steps)))
+                recent = policy == "lfu" and last[b] >= s - (layers - 1)
+                return (int(recent), 0.0 if recent or policy == "lru" else counts[b], last[b])
+            bank[min((i for i in range(slots) if bank[i] not in now), key=order)] = key
+        counts = {k: c * decay for k, c in counts.items()}
+        for key in now:
+            last[key], counts[key] = s, counts.get(key, 0.0) + 1
+    return hits
+
+
+def test_a_shared_bank_hits_what_a_textbook_replay_of_each_policy_hits():
+    """hot's one bank over 4 layers of a synthetic trace (OLMoE's token-to-token keep and skew), 20 slots: the
+    replay's LRU, Belady and lfu, and the engine's SlotCache as hot builds it, hit what plain replays written here
+    hit. hot's lfu keeps every other layer's last set, not the looked-up layer's own (needed a token later): on
+    this trace that hits more than keeping all of the last token's sets."""
+    layers, experts, slots = 4, 16, 20
+    ids = synth_trace(layers, experts, 4, 40, seed=3).ids.astype(np.int64)
+    steps = _shared_steps(ids, experts)
+    decay = DECAY ** (1 / layers)
+    want = {p: _textbook(steps, slots, p, layers, decay) for p in ("lru", "lfu", "belady")}
+    lookups = sum(len(s) for s in steps)
+    assert trace_hit_rates(ids, slots, num_keys=experts, shared=True) == {p: h / lookups for p, h in want.items()}
+    pieces = [Piece(name="w", dtype="U32", shape=[2], offset=0, nbytes=8)]
+    cache = SlotCache(Bank(pieces, slots, Fence(), None), SlotStats(), layers * experts, decay=decay,
+                      window=shared_window(layers))
+    for keys in steps:
+        cache.assign(keys)
+        cache.bank.fence.sync()
+    assert (cache.stats.hits, cache.stats.lookups) == (want["lfu"], lookups)
+    whole_token = replay(steps, slots, "lfu", layers * experts, decay, window=layers)[0]
+    assert want["lru"] < whole_token < want["lfu"] < want["belady"]
