@@ -187,7 +187,7 @@ class Scheduler:
             before = self.pool.waited_s
             try:
                 self.pool.wait(tasks, layer=plan.layer, why=why)
-            except BaseException:
+            except Exception:  # (a Ctrl-C goes on up: the generation's end waits for the reads)
                 pass  # raised below, after the plan's slots are consistent
             self.stats.stall_s += self.pool.waited_s - before
         else:
@@ -266,7 +266,7 @@ class Scheduler:
             before = self.pool.waited_s
             try:
                 self.pool.wait([t for t in tasks if t is not None], layer=layer, why="prefetch")
-            except BaseException:
+            except Exception:
                 return None  # `ready` collects it and raises the error
             finally:
                 self.stats.stall_s += self.pool.waited_s - before
@@ -310,7 +310,7 @@ class Scheduler:
     def _drop(self, plan: LayerPlan) -> None:
         try:
             self._collect(plan, None)
-        except BaseException:
+        except Exception:
             pass  # nobody consumes this plan: its failed slots were emptied
         self._unreserve(plan)
 

@@ -107,3 +107,21 @@ def test_take_waits_for_a_read_in_flight_as_a_stall():
     sched.consumed(got["plan"])
     assert sched.in_flight == 0 and not caches[1].filling.any()
     close(sched)
+
+
+@pytest.mark.parametrize("how", ["take", "ready"])
+def test_a_ctrl_c_while_waiting_for_a_plans_reads_goes_on_up(how):
+    """KeyboardInterrupt in the pool's wait is neither swallowed nor turned into a refusal: it reaches the caller."""
+    reader, fence, caches, sched = fake_setup(slots=4)
+    ids = np.array([4])
+    sched.prefetch(1, caches[1], ids, speculative=False)  # its read held: the step must wait for it
+    sched.next_step()
+
+    def interrupted(*a, **k):
+        reader.release.set()  # (the read lands: a swallowed interrupt would let the step go on)
+        raise KeyboardInterrupt
+
+    sched.pool.wait = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sched.take(1, ids) if how == "take" else sched.ready(1)
+    close(sched)
