@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..io.pool import ReadTask
+from ..io.pool import ReadGroup, ReadTask
 from .trace import NULL
 
 QUEUE_DEPTH = 64  # most prefetch reads in flight; a plan beyond it is dropped (the layer reads on demand)
@@ -68,6 +68,7 @@ class LayerPlan:
     demand: bool = False  # read for the step being built (misses), not ahead
     speculative: bool = False  # a guess: consumed without waiting for the reads the router did not choose
     clean: bool = True  # no slot it found holding was being filled then, no read of it emptied its slot (`take`)
+    group: ReadGroup | None = None  # its reads counted down as they land (`take`: no walk over its tasks)
 
 
 @dataclass
@@ -167,8 +168,9 @@ class Scheduler:
             cache.forget([slot for slot, _ in plan.fills])  # assigned, never to be read
             raise
         cache.filling[[slot for slot, _ in plan.fills]] = True
+        plan.group = group = ReadGroup(len(plan.fills))
         plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
-                                             speculative=plan.speculative, commit=(bank, [slot]))
+                                             speculative=plan.speculative, commit=(bank, [slot]), group=group)
                                     for (slot, expert), bufs in zip(plan.fills, buffers)])
         self.in_flight += len(plan.fills)
 
@@ -254,23 +256,23 @@ class Scheduler:
 
     def take(self, layer: int, ids: np.ndarray) -> LayerPlan | None:
         """`ready` for a certain plan made for exactly `ids` (the same array: a routing decided a step ahead), on
-        the graph-building thread with the least work: its reads waited for (a stall) and its slots checked; the
-        books (`consumed`) are the caller's to hand to the scheduler's loop, before its next plan of the bank.
-        None where no such plan landed whole (a read failed, a slot still filling): then `ready` takes it."""
+        the graph-building thread with the least work: its reads waited for (a stall) where its group says some
+        have not landed, and refused where one failed or was taken back; the books (`consumed`) are the caller's to
+        hand to the scheduler's loop, before its next plan of the bank. None where no such plan landed whole (a
+        read failed, a slot still filling): then `ready` takes it."""
         key = (layer, self.step)
         plan = self.plans.get(key)
         if plan is None or plan.speculative or plan.predicted is not ids or not plan.clean:
             return None
-        tasks = plan.tasks
-        if not all(t is None or t.done for t in tasks):
+        if plan.group.left:  # some reads still running (landed: two fields read, no lock, no walk)
             before = self.pool.waited_s
             try:
-                self.pool.wait([t for t in tasks if t is not None], layer=layer, why="prefetch")
+                self.pool.wait([t for t in plan.tasks if t is not None], layer=layer, why="prefetch")
             except Exception:
                 return None  # `ready` collects it and raises the error
             finally:
                 self.stats.stall_s += self.pool.waited_s - before
-        if any(t is not None and (t.error is not None or t.record is None) for t in tasks):
+        if plan.group.failed:
             return None  # failed or taken back: its slot holds nothing
         del self.plans[key]
         return plan

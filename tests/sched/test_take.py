@@ -109,6 +109,43 @@ def test_take_waits_for_a_read_in_flight_as_a_stall():
     close(sched)
 
 
+class Unwalkable(list):
+    """A plan's tasks that may not be walked (take's landed fast path reads its group's count instead)."""
+
+    def __iter__(self):
+        raise AssertionError("walked the plan's tasks")
+
+
+def test_a_landed_plan_is_taken_from_its_groups_count_without_a_wait_or_a_walk():
+    reader, cache, sched, ids = planned(ids=(2, 3, 4))
+    plan = sched.plans[(1, 1)]
+    sched.pool.finish(list(plan.tasks))  # landed
+    assert plan.group.left == 0 and not plan.group.failed
+    plan.tasks = Unwalkable(plan.tasks)
+    sched.pool.wait = lambda *a, **k: pytest.fail("waited for reads that had landed")
+    assert sched.take(1, ids) is plan
+    plan.tasks = list.copy(plan.tasks)
+    sched.consumed(plan)
+    assert held(cache) == {2: 18, 3: 19, 4: 20} and sched.in_flight == 0
+    close(sched)
+
+
+def test_a_groups_count_says_a_read_failed_or_was_taken_back():
+    _, cache, sched, ids = planned(fail=(3,))
+    plan = sched.plans[(1, 1)]
+    sched.pool.finish(list(plan.tasks))
+    assert plan.group.left == 0 and plan.group.failed  # read of 3 failed
+    assert sched.take(1, ids) is None
+    close(sched)
+    reader, fence, caches, sched = fake_setup(slots=4)  # reads held: the second one is still queued
+    plan = sched.prefetch(1, caches[1], np.array([5, 6]), speculative=False)
+    sched.pool.cancel(plan.tasks)  # (one worker: at most one read started)
+    reader.release.set()
+    sched.pool.finish(list(plan.tasks))
+    assert plan.group.left == 0 and plan.group.failed  # taken back: its slot holds nothing
+    close(sched)
+
+
 @pytest.mark.parametrize("how", ["take", "ready"])
 def test_a_ctrl_c_while_waiting_for_a_plans_reads_goes_on_up(how):
     """KeyboardInterrupt in the pool's wait is neither swallowed nor turned into a refusal: it reaches the caller."""
