@@ -91,6 +91,12 @@ class PrefetchExperts:
         self.waiting = []
         self._banked = self._begun = None
 
+    def unlink(self) -> None:
+        """The runtime closed: drop the references back to it, to the other layers and to the block (cycles)."""
+        self.reset()
+        self.rt = self.next = self.block = self.planned_by = self._bank_view = None
+        self.heads = []
+
     def planned(self):
         """The block's hook: routing decided for this layer at the step before, for the step now built."""
         step = self.rt.sched.step

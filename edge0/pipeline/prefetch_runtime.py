@@ -300,6 +300,9 @@ class PrefetchRuntime(Handoff, Runtime):
             self.loop = None
         self.sched.close()
         super().close()
+        for ex in self.executors.values():  # their links to this runtime, each other and their blocks are cycles: a
+            ex.unlink()  # closed engine is freed by refcount alone, not at the garbage collector's next pass
+        self.booked, self.deferred, self.pending = [], [], []
 
 
 def build_prefetch_runtime(reader, compute_dtype, *, predictor: str = "next-router", memory_budget_gib=None,
