@@ -3,6 +3,7 @@ names more of a held-out trace's experts than the previous token does, reads ahe
 demo store without changing a token, and bad tables are refused by name."""
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def test_bad_tables_and_traces_are_refused_by_name(tmp_path, capsys):
     assert main(["train", "affinity", "--traces", str(small), "--out", str(tmp_path / "s.npz")]) == 0
     cases = {str(junk): f"--affinity {junk}: not an affinity table",
              str(tmp_path / "s.npz"): "learned for 3 MoE layers x 8 experts; the store has 6 x 32",
-             str(tmp_path / "none.npz"): f"--affinity {tmp_path / 'none.npz'}: no such file"}
+             str(tmp_path / "none.npz"): f"--affinity {tmp_path / 'none.npz'}: no such file",
+             os.devnull: f"--affinity {os.devnull}: not a regular file"}
     for table, said in cases.items():
         assert main(["run", "--routing", "prefetch", "--predictor", "affinity", "--affinity", table,
                      "--executor", "staged", "--max-tokens", "2"]) == 2

@@ -79,7 +79,8 @@ class AffinityTable:
         """A table written by `save`; anything else is one `error` naming `what` (default the path)."""
         path, what = Path(path), what or str(path)
         if not path.is_file():
-            raise error(f"{what}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+            why = "a directory, not a file" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+            raise error(f"{what}: {why}")
         try:
             with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
