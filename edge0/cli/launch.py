@@ -54,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
     command = args.ranked[1:] if args.ranked[:1] == ["--"] else args.ranked
     if not command or command[0] not in COMMANDS:
         raise Edge0Error(f"edge0 launch: name the command to run across ranks after --: {' or '.join(COMMANDS)}")
+    from . import build_parser
+
+    build_parser().parse_args(command)  # a bad flag is said here once, not by every rank
     if (args.local_ranks is None) == (args.hostfile is None):
         raise Edge0Error("edge0 launch: give -n N (ranks on this machine) or --hostfile FILE, one of them")
     if args.local_ranks is not None and not 2 <= args.local_ranks <= 64:

@@ -98,3 +98,12 @@ def test_an_unreached_host_is_one_line_without_mlx_launchs_traceback(capfd):
     err = capfd.readouterr().err
     assert "Traceback" not in err and "CalledProcessError" not in err, err
     assert err.count("edge0: error: a rank exited with code 255: ssh's own") == 1, err
+
+
+def test_a_bad_flag_of_the_ranked_command_is_said_once_before_any_rank_starts():
+    """Each rank parsed the command itself: its usage and error came once per rank, after mlx.launch started them."""
+    got = subprocess.run([sys.executable, "-m", "edge0.cli", "launch", "-n", "2", "--", "run", "--max-tokens", "2",
+                          "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.count("unrecognized arguments: --no-such-flag") == 1, got.stderr
+    assert got.stderr.count("usage:") == 1 and "Traceback" not in got.stderr, got.stderr
