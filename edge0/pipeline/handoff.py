@@ -21,6 +21,8 @@ class Handoff:
     plan_cpu_s = 0.0  # of which CPU time
     loop: SchedLoop | None = None  # the scheduler's event loop (None once closed)
     _advanced = False  # the loop has ended the step flushed last (its books kept), next_step only settles
+    _ended: int | None = None  # the loop's item that ends the step flushed last: the settle after the step's
+    # evaluation waits for it only, the fills posted after it run on (until the next layer settles)
     _nested = 0  # scheduler spans open (`scheduling`): only the outermost is timed
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
     booked: list = []  # plans consumed by Scheduler.take: their books go to the loop ahead of the next plans posted
@@ -65,13 +67,13 @@ class Handoff:
         those of the consumers pulled meanwhile (`deferred`) are planned on the loop, in one hand-off, while this
         thread builds and waits for MLX; the next touch of the scheduler settles. The books of plans consumed go
         first, and only with plans (they need no hand-off of their own before the step's end), or where `books`."""
-        plans = [plan] if plan is not None else self.waiting_plans([c] if c is not None else [])
-        plans += self.waiting_plans(self.deferred)
-        self.deferred = []
-        if not plans and not (books and self.booked):
+        if plan is None and not self.deferred and not (c is not None and c.waiting) and not (books and self.booked):
             return
-        plans = self.books() + plans
         with self.scheduling(c.layer if c is not None else -1):
+            plans = [plan] if plan is not None else self.waiting_plans([c] if c is not None else [])
+            plans += self.waiting_plans(self.deferred)
+            self.deferred = []
+            plans = self.books() + plans
             if self.loop is None:
                 for p in plans:
                     p()
@@ -89,14 +91,16 @@ class Handoff:
             self.loop.wake()
 
     def settle(self) -> None:
-        """Make sure the loop's work has run, raising its error: before touching the scheduler."""
+        """Make sure the loop's work has run, raising its error: before touching the scheduler. The first settle
+        after a flush (the step's evaluation's) waits only for the step's end (`_ended`)."""
         if self.loop is None:
             return
-        if not self.loop.idle:
+        upto, self._ended = self._ended, None
+        if not self.loop.settled(upto):
             with self.scheduling(-1):  # a wait for the scheduler: its time on the graph-building thread
-                self.loop.settle(self.sched.step)
+                self.loop.settle(self.sched.step, upto)
         else:
-            self.loop.settle()  # (an error of work that ran)
+            self.loop.settle(upto=upto)  # (an error of work that ran)
 
     def span(self, name: str, cat: str, t0: float, **args) -> None:
         if self.trace is not None and self.trace.on:
@@ -105,17 +109,23 @@ class Handoff:
     def scheduling(self, layer: int) -> "_Scheduling":
         return _Scheduling(self, layer)
 
-    def _step_end(self, plans: list, now: float | None) -> None:
-        """On the loop, while MLX evaluates the step flushed: plan its last fills, end it (its plans not consumed are
-        dropped) and time it for the gate (`now`: the graph-building thread's clock at the flush)."""
-        if plans:
-            self._plan(plans)
+    def _step_end(self, now: float | None) -> None:
+        """On the loop, while MLX evaluates the step flushed: end it (its plans not consumed are dropped) and time it
+        for the gate (`now`: the graph-building thread's clock at the flush); its last fills are planned after."""
         self.sched.next_step()
         self._watch_reads(now)
+
+    def _end_built(self, plans: list, step: int) -> None:
+        """On the loop, where steps overlap: plan what was predicted after the last layer's hand-off and end `step`
+        (its plans not consumed are dropped), while the graph-building thread builds the next one."""
+        if plans:
+            self._plan(plans)
+        self.sched.end_step(step)
 
     def _settle_quietly(self) -> None:
         """Settle, dropping the planner's error: the plans are abandoned next (a failed read emptied its slot); the
         books of plans consumed are kept here (their slots released before the plans are)."""
+        self._ended = None  # (all of it)
         try:
             self.settle()
         except Exception:

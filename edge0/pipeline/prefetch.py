@@ -45,8 +45,15 @@ class Decided:
 
     inds: mx.array  # (B, 1, K) routed ids, evaluated
     plan: mx.array  # what the block's `planned` hook returns beside them (weights, or logits)
-    host: np.ndarray  # inds on the host
-    ids: np.ndarray  # their unique ids
+    host: np.ndarray | None = None  # inds on the host: made on the scheduler's loop with their fill (plan_waiting)
+    ids: np.ndarray | None = None  # their unique ids (the fill's `predicted`: Scheduler.take knows it by them)
+
+    def on_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """(host, ids), read after a settle; made here where no fill of them was handed to the loop yet."""
+        if self.ids is None:
+            self.host = np.array(self.inds, copy=False)
+            self.ids = unique_ids(self.host)
+        return self.host, self.ids
 
 
 @dataclass
@@ -79,8 +86,8 @@ class PrefetchExperts:
         self.decided: dict[int, Decided] = {}  # step -> routing decided for this layer by its owner's head
         self.answered = -1  # the step whose block call took the decided routing (`planned`)
         self.ran = -1  # the last step whose graph this layer built from its bank
-        self.waiting: list[tuple[np.ndarray, int, np.ndarray | None]] = []  # (unique ids, step, None) of a decided
-        # routing, (routed ids, step, scores) of a guess: planned once this layer has run this step
+        self.waiting: list[tuple] = []  # (Decided, step, None) of a decided routing, (routed ids, step, scores) of a
+        # guess, pulled (evaluated arrays): planned once this layer has run this step
 
     def reset(self) -> None:
         """A new generation: no previous token, no routing decided ahead."""
@@ -146,7 +153,7 @@ class PrefetchExperts:
         d = self.decided.get(step) if self.answered == step else None
         if d is None:
             return None
-        got = self._slots(d, d.ids)
+        got = self._slots(d, None)
         if got is None:
             self._begun = step  # the exact way, in __call__
             return None
@@ -154,12 +161,13 @@ class PrefetchExperts:
         if reads is not None:
             with rt.scheduling(self.layer):
                 rt.sched.demand_end(reads)
-        self._banked = d.ids
-        return self.cache.bank.read(slots), mx.array(slot_table(d.ids, slots, self.num_experts))
+        table = self._table if self._table is not None else slot_table(d.ids, slots, self.num_experts)
+        self._table, self._banked = None, d.ids
+        return self.cache.bank.read(slots), mx.array(table)
 
-    def _slots(self, d: Decided | None, ids: np.ndarray):
-        """This layer's slots for `ids` this step: (slots, None) where the fill planned a step before holds them,
-        (slots, reads begun) where they are read now, None where they do not fit the bank (read the exact way)."""
+    def _slots(self, d: Decided | None, ids: np.ndarray | None):
+        """This layer's slots for `ids` (d's, after the settle) this step: (slots, None) where the fill planned a step
+        before holds them (taken whole: its slot table in `_table`), (slots, reads begun) if read now, None: exactly."""
         rt, sched, cache = self.rt, self.rt.sched, self.cache
         with rt.scheduling(self.layer):
             if not rt.paused:  # the predictions made at earlier layers (paused: at the step's end, as reads from the
@@ -167,9 +175,11 @@ class PrefetchExperts:
                 # layer's work; the settle after the wait for MLX, the loop planning the layers before meanwhile
             rt.settle()
             if d is not None:  # decided a step ahead and read: only the wait for its reads here, its books on the loop
+                ids = d.on_host()[1]
                 plan = sched.take(self.layer, ids)
                 if plan is not None:
                     rt.booked.append(plan)
+                    self._table = plan.table
                     return plan.slots, None
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
@@ -194,9 +204,12 @@ class PrefetchExperts:
         chosen = d is not None and inds is not d.inds  # the block's router chose K of the candidates, in the graph
         # decided a step ahead: the candidates' ids and slots are on the host already; else this layer routes with
         # its own router
-        host, ids = (d.host, d.ids) if d is not None else self._on_host(inds)
+        host, ids = self._on_host(inds) if d is None else (None, None)
         begun, self._begun = self._begun, None
         got = None if begun == step else self._slots(d, ids)  # (bank_step began the step and found no room)
+        self._table = None
+        if d is not None:
+            host, ids = d.on_host()  # (settled in _slots, or in bank_step's)
         cache = self.cache
         if got is None:  # more experts than slots, or too few writable: read them the exact way
             rt.plan_later()  # the consumers pulled in _slots
@@ -241,7 +254,7 @@ class PrefetchExperts:
         self.rt.wake()
         host_eval(inds)  # SYNC: the routed ids to the host
         self.rt.span(f"eval L{self.layer}", "compute", t0)
-        self.rt.fence.sync()
+        self.rt.sync()  # (the fence moves after the fills the loop still plans)
         host = np.array(inds, copy=False)
         return host, unique_ids(host)
 
@@ -261,10 +274,13 @@ class PrefetchExperts:
         last routed set)."""
         if waiting is None:
             waiting, self.waiting = self.waiting, []
-        for ids, step, scores in waiting:  # a guess (scored) is speculative: the router may not follow it
-            if scores is not None:  # its routed ids (B, T, n) and scores (B, T, E) as pulled
-                ids, scores = unique_ids(ids), guess_rank(scores)
-            self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=scores is not None, rank=scores)
+        for what, step, scores in waiting:  # pulled (evaluated): made numpy here, on the loop
+            guess = scores is not None  # speculative (the router may not follow it): routed ids (B, T, n), scores
+            ids, rank = ((unique_ids(np.array(what, copy=False)), guess_rank(np.array(scores, copy=False))) if guess
+                         else (what.on_host()[1], None))  # a decided routing: its ids kept for the step it decides
+            plan = self.rt.sched.prefetch(self.layer, self.cache, ids, step=step, speculative=guess, rank=rank)
+            if plan is not None and not guess:  # the table of its slots the layer's one-call step reads (bank_step)
+                plan.table = slot_table(ids, plan.slots, self.num_experts)
 
     def _predict(self, x: mx.array, inds: mx.array, ids: np.ndarray | None) -> list[Prediction]:
         """The graphs of this layer's predictions for the next step (pulled later), and repeat's plan. Paused,
@@ -297,7 +313,7 @@ class PrefetchExperts:
         elif self.predictor == "affinity":  # the next layer at this step, from this layer's ids (pipeline/affinity.py)
             plan_next(self, ids)
         elif self.predictor == "repeat":  # all held already: the reuse is the prediction
-            rt.plan_later(self, lambda: rt.sched.prefetch(self.layer, self.cache, ids))
+            rt.plan_later(self, lambda: rt.sched.prefetch(self.layer, self.cache, ids, step=step + 1))
         rt.pending.extend(out)
         return out
 
@@ -311,6 +327,7 @@ class PrefetchExperts:
     _bank_view = None  # banked_experts, made once (the bank's arrays never change: fills write into them)
     _banked = None  # the candidates' ids of a fused step under way (bank_step, then routed)
     _begun = None  # the step whose candidates bank_step found too many for the bank: __call__ reads them exactly
+    _table = None  # the slot table of the fill `_slots` took whole (made on the loop), for bank_step
     predicted_routing = False  # this layer routes by its owner's head (routing=predicted)
     planned_by = None  # the executor of the layer whose head decides this one's routing (predicted routing)
     routes_ahead = False  # this layer owns a head that decides its consumer's routing (predicted routing)

@@ -87,7 +87,18 @@ class PrefetchRuntime(Handoff, Runtime):
         next step's graph gets its own fence epoch, so fills avoid the slots of both until they are known evaluated."""
         self._count_step()
         self._built[self.sched.step] = self.fence.advance()
-        self.next_step()
+        if self.loop is None or self._advanced:
+            self.next_step()
+            return
+        with self.scheduling(-1):  # the step's end on the loop, not settled: the next layer settles after its wait
+            # for MLX, the loop working meanwhile; the step counter is this thread's (the step built next reads it)
+            self.deferred += self._take_pending()
+            plans = self.books() + self.waiting_plans(self.deferred)
+            self.deferred = []
+            step = self.sched.step
+            self.loop.post("step end", self._end_built, plans, step, step=step, wake=False)
+            self.sched.step = step + 1
+            self._watch_reads()  # (the pause of the step built next, read by its layers before they settle)
 
     def _count_step(self) -> None:
         self.flushed_steps += 1
@@ -114,15 +125,13 @@ class PrefetchRuntime(Handoff, Runtime):
         self.pull_s += (now_us() - t0) / 1e6
         self.span("pull", "compute", t0)
         ready = []
-        for p in pending:
-            host = np.array(p.inds, copy=False)
+        for p in pending:  # evaluated: the loop makes them numpy where it plans their fills (`plan_waiting`)
             c = p.consumer
             if p.plan is not None:  # a decided routing: its ids are the consumer's a step later (no rank: certain)
-                ids = unique_ids(host)
-                c.decided[p.step] = Decided(p.inds, p.plan, host, ids)
-                c.waiting.append((ids, p.step, None))
-            else:  # a guess: its ids and rank are made on the loop, where its fill is planned (plan_waiting)
-                c.waiting.append((host, p.step, np.array(p.scores, copy=False)))
+                d = c.decided[p.step] = Decided(p.inds, p.plan)
+                c.waiting.append((d, p.step, None))
+            else:  # a guess: its unique ids and rank made on the loop
+                c.waiting.append((p.inds, p.step, p.scores))
             if c.ran >= p.step - 1 and c not in ready:
                 ready.append(c)
         return ready
@@ -132,37 +141,49 @@ class PrefetchRuntime(Handoff, Runtime):
         order for a forced one, comes first). Overlapped decode: their slots may be written again."""
         done = [s for s in self._built if s < step]
         if done:
-            self.fence.complete(max(self._built[s] for s in done))
+            self._fence_after_loop(self.fence.complete, max(self._built[s] for s in done))
             for s in done:
                 del self._built[s]
 
     def flush(self) -> None:
-        """Before a step's evaluation (decode/step.py): what the last layers predicted comes to the host
-        here; its fills are planned on the scheduler's loop, which also ends the step,
-        while this one waits for MLX to evaluate the step, and settled before the fence moves (decode/step.py),
-        so the plans are the ones made before."""
+        """Before a step's evaluation (decode/step.py): what the last layers predicted comes to the host here; the
+        scheduler's loop ends the step and then plans their fills while this thread waits for MLX to evaluate it.
+        The settle after the evaluation waits for the step's end only (the step next built reads its pause); the
+        fills run on, and the fence moves after them (`sync`), so the plans are the ones made before."""
         self._count_step()
-        ready = []
-        if self.pending:  # (nothing predicted this step, paused or no head: no span to time)
-            with self.scheduling(-1):
-                ready = self._take_pending()  # (waits for MLX before the settle: the loop works meanwhile)
-                for c in ready:
-                    c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
-        self.settle()
-        plans = self.books() + self.waiting_plans(ready + self.deferred)
-        self.deferred = []
-        if plans or self.sched.plans or self.sched.landing:  # the loop plans and ends the step while MLX evaluates
-            # it (nothing to plan or drop, as paused: the books here, at next_step, cost less than a post)
+        if not (self.pending or self.booked or self.deferred or not self.loop.idle or self.sched.plans
+                or self.sched.landing):
+            return  # nothing to plan or drop, as paused: the books at next_step cost less than a post
+        with self.scheduling(-1):
+            ready = self._take_pending()  # (waits for MLX: the loop works meanwhile)
+            for c in ready:
+                c.cache.bank.arrays  # allocated here if not yet: MLX stays on this thread
+            plans = self.books() + self.waiting_plans(ready + self.deferred)
+            self.deferred = []
             self._advanced = True
             now = self.gate.clock() if self.gate is not None else None
-            self.loop.post("step end", self._step_end, plans, now, step=self.sched.step)
+            self.loop.post("step end", self._step_end, now, step=self.sched.step, wake=not plans)
+            self._ended = self.loop.posted
+            if plans:
+                self.loop.post("plan", self._plan, plans, step=self.sched.step)
+
+    def sync(self) -> None:
+        self._fence_after_loop(self.fence.sync)
+
+    def _fence_after_loop(self, move, *args) -> None:
+        """Graphs are evaluated: the fence moves after the fills the loop still plans (so they avoid the slots those
+        graphs read, which the next step most likely reads again, as when planned before), before the next settle."""
+        if self.loop is not None and not self.loop.idle:
+            self.loop.post("fence", move, *args, step=self.sched.step, wake=False)
+        else:
+            move(*args)
 
     def next_step(self) -> None:
-        if self._advanced:  # the loop ended the step at its flush: settle, and plan what was predicted after it
+        if self._advanced:  # the loop ended the step at its flush: what was predicted after it is planned there too
             self._advanced = False
-            if self.pending or not self.loop.idle:
+            if self.pending:
                 with self.scheduling(-1):
-                    self.pull()
+                    self.deferred += self._take_pending()
                     self.plan_later()
             return
         idle = not self.pending and self.loop_idle  # nothing predicted or planning: no span to time
@@ -228,10 +249,11 @@ class PrefetchRuntime(Handoff, Runtime):
         """Sequences left the batch: keep the history and the routing decided ahead of the others."""
         if self.gate is not None:
             self.gate.resize(len(rows))
+        self.settle()  # (the decided routings' host ids are made on the loop)
         idx = mx.array(rows)
         for ex in self.executors.values():
             ex.prev_inds = ex.prev_inds[idx] if ex.prev_inds is not None else None
-            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.host[rows], unique_ids(d.host[rows]))
+            ex.decided = {s: Decided(d.inds[idx], d.plan[idx], d.on_host()[0][rows], unique_ids(d.on_host()[0][rows]))
                           for s, d in ex.decided.items()}
 
     def join(self, parts: list[tuple[dict, int]]) -> None:
@@ -239,6 +261,7 @@ class PrefetchRuntime(Handoff, Runtime):
         previous token gets rows naming no expert) and, where every part has one, their routing decided for
         the step now (else that layer routes the step with its own router). No parts: a clean slate."""
         self.pending = []  # predictions made for other rows decide nothing
+        self.settle()  # (the parts' decided routings' host ids are made on the loop)
         if self.gate is not None and parts:  # (none: a newcomer's clean slate, its prompt next)
             self.gate.resize(sum(n for _, n in parts))
         step = self.sched.step
@@ -247,7 +270,7 @@ class PrefetchRuntime(Handoff, Runtime):
             decs = [snap[layer][1] for snap, _ in parts]
             ex.decided.clear()
             if decs and all(d is not None for d in decs):
-                host = np.concatenate([d.host for d in decs])
+                host = np.concatenate([d.on_host()[0] for d in decs])
                 ex.decided[step] = Decided(mx.concatenate([d.inds for d in decs]),
                                            mx.concatenate([d.plan for d in decs]), host, unique_ids(host))
 

@@ -58,12 +58,13 @@ class SchedLoop:
             self._woken = True
             self.loop.call_soon_threadsafe(self._drain)
 
-    def _drain(self) -> int:
-        """Run the items not started, in order; returns how many ran here."""
+    def _drain(self, upto: int | None = None) -> int:
+        """Run the items not started, in order (up to the `upto`-th posted); returns how many ran here. Items left
+        are run by the loop's drain that the wake-up before them scheduled."""
         self._woken = False
         n = 0
         with self._running:
-            while self._queue:
+            while self._queue and (upto is None or self._done < upto):
                 self._do(*self._queue.popleft())
                 n += 1
         return n
@@ -86,12 +87,22 @@ class SchedLoop:
         """Whether everything posted has run (no wait needed)."""
         return self._done == self._posted
 
-    def settle(self, step: int = -1) -> None:
-        """Make sure everything posted has run (waiting for an item running on the loop, running those it has not
-        started), then raise the first error of that work (once)."""
-        if self._done != self._posted:
+    @property
+    def posted(self) -> int:
+        """Items posted so far (a mark for `settle`'s upto)."""
+        return self._posted
+
+    def settled(self, upto: int | None = None) -> bool:
+        """Whether everything posted (up to the `upto`-th item) has run."""
+        return self._done >= (self._posted if upto is None else upto)
+
+    def settle(self, step: int = -1, upto: int | None = None) -> None:
+        """Make sure everything posted has run (up to the `upto`-th item posted, where given: the rest runs on,
+        on the loop), waiting for an item running on the loop, running those it has not started; then raise the
+        first error of that work (once)."""
+        if self._done < (self._posted if upto is None else upto):
             t0 = now_us()
-            self.ran_here += self._drain()
+            self.ran_here += self._drain(upto)
             t1 = now_us()
             self.wait_s += (t1 - t0) / 1e6
             if self.trace.on:

@@ -19,12 +19,13 @@ Threads: the scheduler has its own event loop (sched/loop.py, the trace's `loop`
   graph-building thread hands the step's last predictions to it at the step's end, and the loop plans their fills,
   ends the step (`next_step`) and keeps the read-ahead gate's books while MLX evaluates it (pipeline/prefetch_runtime.py);
   the step's end settles that work before the scheduler is touched again. Inside a step, the fills a layer plans once
-  it has read its bank are planned on the loop too (the next layer settles first); consuming plans and collecting
-  (numpy on arrays of a few ids, the trace's `sched` span) run on the graph-building thread, between graphs.
-  Where no layer syncs inside a step (predicted routing, every layer routed by its head or holding its experts),
-  decode builds step s+1 while step s evaluates (decode/step.py): the step's last predictions are then pulled
-  and planned on the graph-building thread once the step is built, and a fill's wait for its reads overlaps the
-  step before's compute. Workers read bytes into slots, widen bf16 scales, and fill in the outcome of their task;
+  it has read its bank are planned on the loop too (the next layer settles first), the pulled predictions made
+  numpy there; consuming plans and demand reads (the trace's `sched` span) run on the graph-building thread, between
+  graphs. Where no layer syncs inside a step (predicted routing, every layer routed by its head or holding its
+  experts), decode builds step s+1 while step s evaluates (decode/step.py): the step's end (`end_step`, its last
+  fills) goes to the loop once the step is built, unsettled, the graph-building thread moving `step` on itself, and
+  a fill's wait for its reads overlaps the step before's compute; a plan whose reads have landed is taken from its
+  `ReadGroup`'s count (`take`). Workers read bytes into slots, widen bf16 scales, and fill in the outcome of their task;
   they never touch plans or caches. A planned read that cannot start now (too few free slots, QUEUE_DEPTH reads in
   flight) is dropped, never waited for: the layer reads its experts on demand.
 
@@ -69,6 +70,7 @@ class LayerPlan:
     speculative: bool = False  # a guess: consumed without waiting for the reads the router did not choose
     clean: bool = True  # no slot it found holding was being filled then, no read of it emptied its slot (`take`)
     group: ReadGroup | None = None  # its reads counted down as they land (`take`: no walk over its tasks)
+    table: object = None  # a decided routing's slot table (E,), made on the loop with the plan (pipeline/prefetch.py)
 
 
 @dataclass
@@ -305,9 +307,14 @@ class Scheduler:
 
     def next_step(self) -> None:
         """Called after a decode step has been evaluated: plans of this step that no layer consumed are dropped."""
-        for key in [k for k in self.plans if k[1] <= self.step]:
-            self._drop(self.plans.pop(key))  # popped first: _unreserve keeps only the others' slots
+        self.end_step(self.step)
         self.step += 1
+
+    def end_step(self, step: int) -> None:
+        """Plans of `step` and before that no layer consumed are dropped. Where steps overlap this runs on the loop
+        while the graph-building thread, which owns `step`, builds the next one (so nothing here reads `step`)."""
+        for key in [k for k in self.plans if k[1] <= step]:
+            self._drop(self.plans.pop(key))  # popped first: _unreserve keeps only the others' slots
 
     def _drop(self, plan: LayerPlan) -> None:
         try:

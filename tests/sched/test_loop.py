@@ -62,6 +62,27 @@ def test_a_settle_runs_the_work_the_loops_thread_has_not_started_instead_of_wait
     loop.close()
 
 
+def test_a_settle_up_to_an_item_leaves_the_items_after_it_to_the_loop():
+    """The settle after a step's evaluation waits for the step's end only (its pause is read by the next step): the
+    fills posted after it run on the loop's thread, not on the graph-building one, and the next settle has them."""
+    loop = SchedLoop()
+    held_up = threading.Event()
+    loop.loop.call_soon_threadsafe(held_up.wait)  # the loop's thread busy: a full settle would run both here
+    ran = []
+    loop.post("step end", lambda: ran.append(("end", threading.current_thread().name)), wake=False)
+    mark = loop.posted
+    loop.post("plan", lambda: ran.append(("fills", threading.current_thread().name)))
+    settler = threading.Thread(target=loop.settle, kwargs={"upto": mark}, name="graph")
+    settler.start()
+    settler.join(2.0)
+    assert not settler.is_alive() and ran == [("end", "graph")] and loop.settled(mark) and not loop.settled()
+    held_up.set()
+    assert until(lambda: loop.idle)
+    assert ran == [("end", "graph"), ("fills", "edge0-sched")]
+    loop.settle()
+    loop.close()
+
+
 def test_work_posted_without_a_wake_up_waits_for_wake_or_a_settle():
     loop = SchedLoop()
     ran = []
