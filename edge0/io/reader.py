@@ -102,8 +102,6 @@ class BundleReader:
                     except OSError as e:
                         log.info(f"--io direct: {path.parent} refuses O_DIRECT ({e.strerror}); reading with pread")
                         self.io = "pread"
-            self._transfer = {"mmap": self._transfer_mmap, "direct": self._read_direct}.get(self.io,
-                                                                                              self._transfer_pread)
             install_from_env(self)  # the fault-injection test hook; nothing when $EDGE0_FAULT is unset
         except BaseException:
             self.close()
@@ -200,6 +198,15 @@ class BundleReader:
             self.stats.by_layer[layer] = self.stats.by_layer.get(layer, 0) + n
             self.stats.cold_bytes += cold
         return n, cold
+
+    def _transfer(self, layer: int, offset: int, length: int, iov: list) -> int:
+        """Bytes moved into iov by this reader's --io (a method, not a bound method kept on the reader: that was a
+        reference cycle, so a closed reader waited for the garbage collector)."""
+        if self.io == "direct":
+            return self._read_direct(layer, offset, length, iov)
+        if self.io == "mmap":
+            return self._transfer_mmap(layer, offset, length, iov)
+        return self._transfer_pread(layer, offset, length, iov)
 
     def _transfer_pread(self, layer: int, offset: int, length: int, iov: list) -> int:
         return os.preadv(self._fds[layer], iov, offset)

@@ -16,7 +16,8 @@ class Handoff:
 
     sched_s = 0.0  # the scheduler's time on the graph-building thread (its waits for the loop too), stalls and
     # pulls excluded
-    sched_cpu_s = 0.0  # of which CPU time of that thread (the rest: waiting for a lock, or for a core)
+    sched_cpu_s = 0.0  # CPU time of that thread in the same spans, pulls included (MLX evaluates or spins on this
+    # thread while a pull waits), so it can exceed sched_s
     plan_s = 0.0  # the scheduler's planning on its loop (or run by a settle that found it not started)
     plan_cpu_s = 0.0  # of which CPU time
     loop: SchedLoop | None = None  # the scheduler's event loop (None once closed)
@@ -153,6 +154,6 @@ class _Scheduling:
         spent = (now_us() - self.t0) / 1e6 - (rt.sched.stats.stall_s + rt.pull_s - self.waits0)
         if rt.sched.step >= 1:  # decode steps, as --json's figures (step 0 is the prompt's last token)
             rt.sched_s += spent
-            rt.sched_cpu_s += time.thread_time() - self.cpu0  # stalls and pulls wait without using the CPU
+            rt.sched_cpu_s += time.thread_time() - self.cpu0  # a pull's CPU included (see sched_cpu_s)
         if rt.trace is not None and rt.trace.on:
             rt.trace.span("sched", "sched", self.t0, self.t0 + spent * 1e6, layer=self.layer, step=rt.sched.step)

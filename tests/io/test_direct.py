@@ -128,3 +128,20 @@ def test_reads_longer_than_the_bounce_buffer_continue_where_the_last_chunk_stopp
     assert [bytes(b) for b in one] == want(m.num_experts - 1)
     assert direct.stats.bounced == 2
     direct.close()
+
+
+@pytest.mark.parametrize("io", ["pread", "mmap", "direct"])
+def test_a_closed_reader_is_freed_by_refcount_alone(io):
+    """The reader kept its transfer as a bound method of itself: a cycle, freed only when the collector ran."""
+    import gc
+    import weakref
+
+    r = BundleReader(DEMO, io=io)
+    r.close()
+    alive = weakref.ref(r)
+    gc.disable()
+    try:
+        del r
+        assert alive() is None
+    finally:
+        gc.enable()
