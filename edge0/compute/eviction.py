@@ -32,6 +32,10 @@ class Frequency:
     def use(self, keys) -> None:
         """One step (one lookup of `keys`) has passed."""
         self.counts[keys] += self.weight
+        self.tick()
+
+    def tick(self) -> None:
+        """`use`'s step, its keys already counted (a few keys are added one by one: SlotCache's small banks)."""
         self.weight /= self.decay
         if self.weight > _RESCALE:
             self.counts /= self.weight

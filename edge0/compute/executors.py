@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BankBusy
 from ..io.pool import ReadTask
 from .banks import Bank, Fence
-from .eviction import DECAY, POLICIES, Frequency, victim_order, victim_perm
+from .eviction import DECAY, POLICIES, Frequency, victim_perm
 from .experts import ExactExperts, Quant, bank_positions, switch_glu, unique_ids
 from .kernels import host_eval, queue
 
@@ -103,7 +103,8 @@ class SlotCache:
         calls on a handful of elements costs more than the arithmetic."""
         slot_of, holds = self.slot_of, self.bank.holds
         keyl = keys.tolist()
-        slotl = slot_of[keys].tolist()
+        at = slot_of.item  # (one lookup per key: a fancy index costs more on a handful of keys)
+        slotl = [at(k) for k in keyl]
         misses = [i for i, s in enumerate(slotl) if s < 0]
         fills: list[tuple[int, int]] = []
         if misses:
@@ -113,22 +114,31 @@ class SlotCache:
                     if last_read[s] <= completed and not filling[s] and not reserved[s] and s not in held]
             if len(free) < len(misses):
                 return None
+            used, heldl = self.used.tolist(), holds.tolist()
             if rank is None:
-                used = self.used.tolist()
+                free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
             else:
-                used = victim_order(rank, holds, self.used,
-                                    self.clock - self.used < self.window if recent else None).tolist()
-            free.sort(key=used.__getitem__)  # stable: equal clocks stay in slot order, as argsort(kind="stable")
+                free = _victim_sorted(free, rank.item, heldl, used, self.clock - self.window if recent else None)
             for i, slot in zip(misses, free):
-                old = int(holds[slot])
+                old = heldl[slot]
                 if old >= 0:
                     slot_of[old] = -1
                 slot_of[keyl[i]] = slotl[i] = slot
                 holds[slot] = keyl[i]
                 fills.append((slot, keyl[i]))
-        slots = np.array(slotl, dtype=np.int64)
-        self._used(slots, len(keyl) - len(misses), count)
-        return slots, fills
+        if count:
+            self.stats.lookups += len(keyl)
+            self.stats.hits += len(keyl) - len(misses)
+            if self.freq is not None:  # Frequency.use, key by key (unique keys: the same adds)
+                counts, weight = self.freq.counts, self.freq.weight
+                for k in keyl:
+                    counts[k] += weight
+                self.freq.tick()
+        self.clock += 1
+        used, clock = self.used, self.clock
+        for s in slotl:
+            used[s] = clock
+        return np.array(slotl, dtype=np.int64), fills
 
     def _used(self, slots: np.ndarray, hits: int, count: bool = True) -> None:
         """`slots` are about to be read: now the most recently used; counted as lookups, `hits` of them hits."""
@@ -155,6 +165,18 @@ class SlotCache:
         self.slot_of[held[held >= 0]] = -1
         self.bank.holds[slots] = -1
         self.used[slots] = 0
+
+
+def _victim_sorted(free: list, score, held: list, used: list, recent_after: int | None) -> list:
+    """`free` (slots in slot order) in eviction.victim_order's order: empty first, then the lowest `score`d held key,
+    ties the least recently used, then slot order; used after `recent_after` (lfu's window) last."""
+    inf = float("inf")
+    if recent_after is None:
+        order = [(-inf if held[s] < 0 else score(held[s]), used[s], s) for s in free]
+    else:
+        order = [(-inf if held[s] < 0 else inf if used[s] > recent_after else score(held[s]), used[s], s) for s in free]
+    order.sort()
+    return [s for _, _, s in order]
 
 
 def evict_by(executors, policy: str) -> None:

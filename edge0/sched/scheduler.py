@@ -233,9 +233,10 @@ class Scheduler:
     def _take_back(self, layer: int, ids: np.ndarray) -> None:
         """A consumed guess's reads of experts the router did not choose (not in `ids`): those not started are
         taken back from the pool; running ones land in the background."""
-        keep = set(ids.tolist())
+        keep = None  # (made only where a guess of this layer still has reads: most layers have none)
         for plan in self.landing:
             if plan.layer == layer:
+                keep = set(ids.tolist()) if keep is None else keep
                 self.pool.cancel([t for (_, e), t in zip(plan.fills, plan.tasks) if t is not None and e not in keep])
 
     # -- consuming ------------------------------------------------------------------------------------

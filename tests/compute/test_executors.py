@@ -265,10 +265,11 @@ def test_held_experts_compute_before_reads_from_the_disk_and_the_rows_come_back_
     reader.close()
 
 
-def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypatch):
+@pytest.mark.parametrize("policy,window", [("lfu", 0), ("lfu", 3), ("lru", 0)])
+def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(policy, window, monkeypatch):
     """A staged layer's bank (a few slots) assigns on Python lists: over a long random run of lookups, with slots
-    filling, reserved and read by pending graphs, it returns the same slots and fills, and leaves the same maps
-    and clocks, as the array version (forced by SMALL_BANK = 0)."""
+    filling, reserved and read by pending graphs, scores with ties and lfu's window, it returns the same slots and
+    fills, and leaves the same maps, clocks and counts, as the array version (forced by SMALL_BANK = 0)."""
     from edge0.compute import executors
     from edge0.io.manifest import Piece
 
@@ -277,14 +278,15 @@ def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypat
     for small in (64, 0):
         monkeypatch.setattr(executors, "SMALL_BANK", small)
         fence = Fence()
-        cache = SlotCache(Bank(pieces, 8, fence, None), SlotStats(), 32)
+        cache = SlotCache(Bank(pieces, 8, fence, None), SlotStats(), 32, policy=policy, window=window)
         r = np.random.default_rng(7)
         out = []
         for step in range(400):
             keys = np.unique(r.integers(0, 32, size=int(r.integers(1, 7))))
             cache.filling[:] = r.random(8) < 0.15
             cache.reserved[:] = r.random(8) < 0.15
-            rank = r.normal(size=32) if step % 2 else None  # a guess's scores, or least recently used
+            rank = (r.normal(size=32) if step % 4 == 1 else r.integers(0, 3, size=32).astype(np.float32)) \
+                if step % 2 else None  # a guess's scores (some tied), or the policy's
             got = cache.assign(keys, count=bool(step % 3), rank=rank)
             out.append(None if got is None else (got[0].tolist(), got[1]))
             if got is not None:
@@ -292,7 +294,7 @@ def test_small_bank_assign_chooses_the_slots_the_array_version_chooses(monkeypat
             if r.random() < 0.5:
                 fence.sync()
         out.append((cache.slot_of.tolist(), cache.bank.holds.tolist(), cache.used.tolist(), cache.stats.lookups,
-                    cache.stats.hits))
+                    cache.stats.hits, None if cache.freq is None else cache.freq.counts.tolist()))
         runs.append(out)
     assert runs[0] == runs[1]
     assert sum(o is None for o in runs[0][:-1]) > 10 and sum(bool(o and o[1]) for o in runs[0][:-1]) > 100
