@@ -143,13 +143,15 @@ class Scheduler:
         of the misses' reads (None when every one is held), not yet started; None when the bank cannot take
         them now. Between the halves the caller may build graphs on the held slots only; `demand_end` (or, on
         an error, `cache.forget` of the plan's slots) must follow."""
-        self._take_back(layer, ids)
+        if self.landing:
+            self._take_back(layer, ids)
         self._harvest(layer)  # reads landed or taken back: their slots are free again
         got = cache.assign(ids)
         if got is None:
             return None
         slots, fills = got
-        if cache.filling[slots].any():  # a routed expert's slot is still being filled for a later step
+        filling = cache.filling.item  # (item by item: on a few ids a fancy index and a reduction cost 10x more)
+        if self.in_flight and any(filling(s) for s in slots.tolist()):  # a routed expert's slot is still being filled
             self._wait_filling(layer, cache, slots)
         return slots, LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True) if fills else None
 
@@ -217,10 +219,13 @@ class Scheduler:
 
     def _harvest(self, layer: int) -> None:
         """Collect this layer's reads that have landed: their slots stop counting as filling."""
-        for plan in [*self.plans.values(), *self.landing]:
+        for plan in [*self.plans.values(), *self.landing] if self.in_flight else ():  # (none: no read to collect)
             if plan.layer == layer and plan.tasks:
-                self._collect(plan, None, {s for (s, _), t in zip(plan.fills, plan.tasks) if t is not None and t.done})
-        self.landing = [p for p in self.landing if p.tasks]
+                landed = {s for (s, _), t in zip(plan.fills, plan.tasks) if t is not None and t.done}
+                if landed:
+                    self._collect(plan, None, landed)
+        if self.landing:
+            self.landing = [p for p in self.landing if p.tasks]
 
     def _wait_filling(self, layer: int, cache, slots: np.ndarray) -> None:
         """Wait for the reads still filling `slots` (experts the layer routed to now), and only for those."""
@@ -237,7 +242,10 @@ class Scheduler:
         for plan in self.landing:
             if plan.layer == layer:
                 keep = set(ids.tolist()) if keep is None else keep
-                self.pool.cancel([t for (_, e), t in zip(plan.fills, plan.tasks) if t is not None and e not in keep])
+                gone = [t for (_, e), t in zip(plan.fills, plan.tasks) if t is not None and not t.done
+                        and e not in keep]
+                if gone:  # (a landed read is in no queue of the pool's)
+                    self.pool.cancel(gone)
 
     # -- consuming ------------------------------------------------------------------------------------
 
