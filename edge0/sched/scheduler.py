@@ -45,6 +45,13 @@ from .trace import NULL
 QUEUE_DEPTH = 64  # most prefetch reads in flight; a plan beyond it is dropped (the layer reads on demand)
 
 
+def _mark(flags: np.ndarray, slots: list[int], value: bool) -> None:
+    """flags[slots] = value for a plan's few slots, one by one (a fancy index costs several times more after a wait
+    for MLX)."""
+    for s in slots:
+        flags[s] = value
+
+
 def new_loop() -> asyncio.AbstractEventLoop:
     """uvloop where installed, else asyncio's default loop (the server's loop)."""
     try:
@@ -121,10 +128,11 @@ class Scheduler:
         if got is None:  # a multi-token step's union that does not fit, or no free slots now
             self.stats.dropped += 1
             return None
+        slots, filling = got[0].tolist(), cache.filling.item  # (a few slots: item by item, see demand_begin)
         plan = LayerPlan(layer, step, ids, cache, got[0], got[1], speculative=speculative,
-                         clean=not cache.filling[got[0]].any())  # (its own fills' slots are not filling yet)
+                         clean=not any(filling(s) for s in slots))  # (its own fills' slots are not filling yet)
         self._submit(plan, demand=False)
-        cache.reserved[plan.slots] = True
+        _mark(cache.reserved, slots, True)
         self.plans[key] = plan
         return plan
 
@@ -171,7 +179,7 @@ class Scheduler:
         except BaseException:
             cache.forget([slot for slot, _ in plan.fills])  # assigned, never to be read
             raise
-        cache.filling[[slot for slot, _ in plan.fills]] = True
+        _mark(cache.filling, [slot for slot, _ in plan.fills], True)
         plan.group = group = ReadGroup(len(plan.fills))
         plan.tasks = self.pool.run([ReadTask(plan.layer, expert, bufs, demand=demand, step=plan.step,
                                              speculative=plan.speculative, commit=(bank, [slot]), group=group)
@@ -299,7 +307,7 @@ class Scheduler:
     def _unreserve(self, plan: LayerPlan) -> None:
         """Release a plan's slots, except those another plan of the same bank still holds for its step."""
         cache = plan.cache
-        cache.reserved[plan.slots] = False
+        _mark(cache.reserved, plan.slots.tolist(), False)
         for other in self.plans.values():
             if other.cache is cache and other is not plan:
                 cache.reserved[other.slots] = True
