@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edge0.compute.eviction import DECAY, replay, victim_order  # noqa: E402
+from edge0.compute.eviction import DECAY, replay  # noqa: E402
 from edge0.io.routetrace import read_trace  # noqa: E402
 
 DECAYS = (0.95, 0.98, 0.99, 1.0)
@@ -35,19 +35,9 @@ COACT = (0.0, 0.02, 0.05, 0.1)
 
 def scored(steps, slots: int, score_of, num_keys: int) -> int:
     """Hits of one bank whose victims are the lowest of score_of(t, ids) (keys,), after `replay`'s rules."""
-    held = np.full(slots, -1)
-    used = np.zeros(slots, dtype=np.int64)
-    hits = 0
-    for t, ids in enumerate(steps):
-        here = np.isin(held, ids)
-        hits += int(here.sum())
-        misses = ids[~np.isin(ids, held)]
-        if len(misses):
-            order = victim_order(score_of(t, ids), held, used)
-            order[here] = slots
-            held[np.argsort(order, kind="stable")[:len(misses)]] = misses
-        used[np.isin(held, ids)] = t + 1
-    return hits
+    from evict_shared import scored as bank_hits  # (one replay loop for both studies)
+
+    return bank_hits(steps, slots, lambda t: score_of(t, steps[t]))
 
 
 def lfu_plus(steps, slots, num_keys, table=None, weight=0.0, oracle=False, decay=DECAY) -> int:
