@@ -11,37 +11,35 @@ Means over the steps, and the MB/s the disk gave while busy.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def bursts(reads: list[tuple[float, float]]) -> list[list[float]]:
-    """The union of read intervals (start, end), as disjoint bursts in time order."""
-    out: list[list[float]] = []
-    for s, t in sorted(reads):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], t)
-        else:
-            out.append([s, t])
-    return out
+from edge0.errors import Edge0Error  # noqa: E402
+from edge0.sched.summarize import bursts, load_trace  # noqa: E402
 
 
 def idle(path: str) -> dict:
     """Mean ms per decode step: step, busy, idle before / between / after the reads; bursts, reads, MB/s busy."""
-    events = json.load(open(path))["traceEvents"]
+    events = load_trace(path)["traceEvents"]  # (a missing or damaged file: one Edge0Error naming it)
     steps = [e for e in events if e.get("name") == "step" and e["args"].get("step", 1) >= 1]
     reads = [e for e in events if e.get("name") == "read" and e.get("ph") == "X" and not e["args"].get("whole_layer")]
     rows = []
     for st in steps:
         a, b = st["ts"], st["ts"] + st["dur"]
         mine = [e for e in reads if a <= e["ts"] <= b]
-        got = bursts([(e["ts"], e["ts"] + e["dur"]) for e in mine])
+        got = bursts([(max(e["ts"], a), min(e["ts"] + e["dur"], b)) for e in reads  # clipped to the step: a read
+                      if e["ts"] < b and e["ts"] + e["dur"] > a])  # running on past its end is the next step's
         busy = sum(t - s for s, t in got)
         gaps = sum(got[i + 1][0] - got[i][1] for i in range(len(got) - 1))
         first, after = (got[0][0] - a, b - got[-1][1]) if got else (st["dur"], 0.0)
         rows.append((st["dur"] / 1e3, busy / 1e3, first / 1e3, gaps / 1e3, after / 1e3, len(got), len(mine),
                      sum(e["args"].get("bytes", 0) for e in mine)))
+    if not rows:
+        raise Edge0Error(f"{path}: no decode steps (a timeline of `edge0 run --trace` with --max-tokens 2 or more)")
     m = np.array(rows).mean(0)
     names = ("step_ms", "busy_ms", "idle_before_ms", "idle_between_ms", "idle_after_ms", "bursts", "reads")
     out = dict(zip(names, m[:7].tolist()))
@@ -49,11 +47,15 @@ def idle(path: str) -> dict:
     return out
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+", help="timelines written by `edge0 run --trace`")
     for path in p.parse_args().traces:
-        r = idle(path)
+        try:
+            r = idle(path)
+        except Edge0Error as e:
+            print(f"disk_idle: error: {e}", file=sys.stderr)
+            return 2
         print(f"{path}: {r['steps']} steps; per step (mean) {r['step_ms']:.1f} ms: disk busy {r['busy_ms']:.1f}, "
               f"idle {r['idle_ms']:.1f} = before the first read {r['idle_before_ms']:.1f} + between its "
               f"{r['bursts']:.1f} bursts of reads {r['idle_between_ms']:.1f} + after the last "
@@ -61,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

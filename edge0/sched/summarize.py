@@ -158,18 +158,21 @@ def windows(data: dict, size: int) -> list[dict]:
     return out
 
 
+def bursts(reads: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of read intervals (start, end): disjoint bursts in time order."""
+    out: list[list[float]] = []
+    for s, t in sorted(reads):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return out
+
+
 def _busy(reads: list[dict]) -> tuple[float, float]:
     """(ms during which at least one read ran, mean reads in flight over that time)."""
-    if not reads:
-        return 0.0, 0.0
-    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in reads)
-    busy, (a, b) = 0.0, iv[0]
-    for s, t in iv[1:]:
-        if s > b:
-            busy, a, b = busy + b - a, s, t
-        else:
-            b = max(b, t)
-    busy += b - a
+    iv = [(e["ts"], e["ts"] + e["dur"]) for e in reads]
+    busy = sum(t - s for s, t in bursts(iv))
     return busy / 1e3, sum(t - s for s, t in iv) / busy if busy else 0.0
 
 
