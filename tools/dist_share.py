@@ -87,4 +87,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edge0.errors import Edge0Error
+
+    try:
+        sys.exit(main())
+    except Edge0Error as e:  # a missing model or trace, a flag out of range: one line
+        print(f"dist_share: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge0.compute.eviction import DECAY, replay  # noqa: E402
+from edge0.errors import Edge0Error  # noqa: E402
 from edge0.io.routetrace import read_trace  # noqa: E402
 
 DECAYS = (0.95, 0.98, 0.99, 1.0)
@@ -125,7 +126,42 @@ def study(traces: dict[str, np.ndarray], slots: int, num_keys: int, k: int) -> N
         print(f"  {p:12s} " + " ".join(f"{x:.3f}" for x in r) + f"   mean {np.mean(r):.3f}")
 
 
-def main() -> None:
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise Edge0Error(f"{flag} {text}: expected whole numbers, comma-separated") from None
+    if min(out) < 1:
+        raise Edge0Error(f"{flag} {text}: each must be at least 1")
+    return out
+
+
+def run(a: argparse.Namespace) -> None:
+    if len(a.traces) < 2:
+        raise Edge0Error("give two or more traces: each is measured with what the others tune")
+    loaded = {Path(f).stem: read_trace(f) for f in a.traces}
+    shapes = {n: t.ids.shape[0::2] for n, t in loaded.items()}
+    if len(set(shapes.values())) > 1:
+        raise Edge0Error(f"the traces are of different models (layers, K): {shapes}")
+    traces = {n: t.ids[:, :a.tokens].astype(np.int64) for n, t in loaded.items()}
+    first = next(iter(loaded.values()))
+    num_keys = first.num_experts or int(max(t.max() for t in traces.values())) + 1
+    if a.shared:
+        from evict_shared import shared_study
+        try:
+            rows = slice(*(int(x) if x else None for x in a.rows.split(":")))
+        except (ValueError, TypeError):
+            raise Edge0Error(f"--rows {a.rows}: expected A:B (rows A to B - 1; either may be left out)") from None
+        if min(t[:, rows].shape[1] for t in traces.values()) == 0:
+            raise Edge0Error(f"--rows {a.rows}: no row of a trace falls there")
+        for s in _ints("--shared", a.shared):
+            shared_study(traces, s, num_keys, rows)
+        return
+    for s in _ints("--slots", a.slots):
+        study(traces, s, num_keys, first.top_k)
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+", help="routing traces of one model (two or more)")
     p.add_argument("--slots", default="16,32", help="slots a layer, comma-separated (default 16,32)")
@@ -133,19 +169,15 @@ def main() -> None:
     p.add_argument("--shared", default=None, help="hot's one shared bank of these bundles, comma-separated")
     p.add_argument("--rows", default=":", help="with --shared: the rows A:B replayed (default all)")
     a = p.parse_args()
-    loaded = {Path(f).stem: read_trace(f) for f in a.traces}
-    traces = {n: t.ids[:, :a.tokens].astype(np.int64) for n, t in loaded.items()}
-    first = next(iter(loaded.values()))
-    num_keys = first.num_experts or int(max(t.max() for t in traces.values())) + 1
-    if a.shared:
-        from evict_shared import shared_study
-        rows = slice(*(int(x) if x else None for x in a.rows.split(":")))
-        for s in (int(x) for x in a.shared.split(",")):
-            shared_study(traces, s, num_keys, rows)
-        return
-    for s in (int(x) for x in a.slots.split(",")):
-        study(traces, s, num_keys, first.top_k)
+    try:
+        if a.tokens is not None and a.tokens < 2:
+            raise Edge0Error(f"--tokens {a.tokens}: at least 2")
+        run(a)
+    except Edge0Error as e:
+        print(f"evict_study: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
