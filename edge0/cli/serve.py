@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     from ..dist.routes import refuse_record
     from ..errors import Edge0Error
     from ..log import log
-    from ..sched.scheduler import new_loop
+    from ..sched.loop import new_loop
     from ..serve.server import Server
 
     if not 0 <= args.port <= 65535:

@@ -26,7 +26,7 @@ class Handoff:
     # evaluation waits for it only, the fills posted after it run on (until the next layer settles)
     _nested = 0  # scheduler spans open (`scheduling`): only the outermost is timed
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
-    booked: list = []  # plans consumed by Scheduler.take: their books go to the loop ahead of the next plans posted
+    booked: list = []  # plans consumed by Scheduler.take, books of Scheduler.held's lookups: to the loop ahead of the next plans posted
     # (at the latest with the step's end)
 
     def _plan(self, plans: list, traced: bool = True) -> None:
@@ -56,12 +56,13 @@ class Handoff:
         return plans
 
     def books(self) -> list:
-        """The books of the plans consumed by Scheduler.take since the last hand-off, as plans (`booked` emptied):
+        """The books of the plans consumed by Scheduler.take (and of Scheduler.held's lookups, callables already) since
+        the last hand-off, as plans (`booked` emptied):
         they come before any plan of the same bank (its slots released, its recency)."""
         if not self.booked:
             return []
         booked, self.booked = self.booked, []
-        return [partial(self.sched.consumed, p) for p in booked]
+        return [p if callable(p) else partial(self.sched.consumed, p) for p in booked]
 
     def plan_later(self, c=None, plan=None, books: bool = False) -> None:
         """Layer c's scheduler work of this step is done (it has read its bank): its waiting fills (or `plan`) and

@@ -67,7 +67,6 @@ class Prediction:
     scores: mx.array | None = None  # a guess's scores of every expert (B, T, E); None where plan is not (decided)
 
 
-
 class PrefetchExperts:
     """One MoE layer under the scheduler: gather from its bank, prefetched during the step before."""
 
@@ -160,7 +159,7 @@ class PrefetchExperts:
         slots, reads = got
         if reads is not None:
             with rt.scheduling(self.layer):
-                rt.sched.demand_end(reads)
+                rt.sched.demand_end(reads, rt.booked)
         table = self._table if self._table is not None else slot_table(d.ids, slots, self.num_experts)
         self._table, self._banked = None, d.ids
         return self.cache.bank.read(slots), mx.array(table)
@@ -181,6 +180,8 @@ class PrefetchExperts:
                     rt.booked.append(plan)
                     self._table = plan.table
                     return plan.slots, None
+            elif (slots := sched.held(self.layer, cache, ids, rt.booked)) is not None:  # its router's, all held: only
+                return slots, None  # a lookup here, the books on the loop
             plan = sched.ready(self.layer)  # this layer's fill, planned during the step before: landed
             sched.count(plan, ids)
             if d is not None and plan is not None and cache.holding(ids, plan.slots):
@@ -227,7 +228,7 @@ class PrefetchExperts:
             raise
         if reads is not None:
             with rt.scheduling(self.layer):
-                sched.demand_end(reads)
+                sched.demand_end(reads, rt.booked)
         arrays = cache.bank.read(slots)  # marked read: the next fills avoid these slots
         self.ran = step
         rt.plan_later(self)  # its fills and the consumers pulled in _slots, on the loop

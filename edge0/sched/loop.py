@@ -17,8 +17,17 @@ import asyncio
 import threading
 from collections import deque
 
-from .scheduler import new_loop
 from .trace import NULL, now_us
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed, else asyncio's default loop (the scheduler's, the server's)."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
 
 
 class SchedLoop:

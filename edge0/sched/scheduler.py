@@ -34,8 +34,8 @@ Plans are plain dataclasses; only this class changes them, on one thread at a ti
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -50,16 +50,6 @@ def _mark(flags: np.ndarray, slots: list[int], value: bool) -> None:
     for MLX)."""
     for s in slots:
         flags[s] = value
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where installed, else asyncio's default loop (the server's loop)."""
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
 
 
 @dataclass
@@ -136,6 +126,37 @@ class Scheduler:
         self.plans[key] = plan
         return plan
 
+    def held(self, layer: int, cache, ids: np.ndarray, books: list) -> np.ndarray | None:
+        """A layer routed by its own router, with the least work on the graph-building thread: where `cache` holds every
+        one of `ids` (unique) whole (no read filling its slot) and this step's plan of `layer`, if any, is a guess,
+        their slots; that plan is taken out of `plans`, and the books (`looked_up`) appended to `books` for the loop,
+        ahead of any plan of the bank. None: `ready` and `demand_begin`'s way."""
+        key = (layer, self.step)
+        plan = self.plans.get(key)
+        if plan is not None and not plan.speculative:
+            return None
+        at = cache.slot_of.item  # (one lookup per id: a fancy index costs more on a handful)
+        slots = [at(k) for k in ids.tolist()]
+        if min(slots) < 0 or (self.in_flight and any(cache.filling.item(s) for s in slots)):
+            return None
+        self.plans.pop(key, None)
+        slots = np.array(slots, dtype=np.int64)
+        books.append(partial(self.looked_up, layer, cache, ids, slots, plan))
+        return slots
+
+    def looked_up(self, layer: int, cache, ids: np.ndarray, slots: np.ndarray, plan: LayerPlan | None) -> None:
+        """The books of a lookup `held` found whole (on the loop), as `ready`, `count` and `demand_begin` keep them: the
+        guess planned for it released (its reads of experts not routed taken back), counted, the bank's recency."""
+        if plan is not None:
+            self._unreserve(plan)
+            if plan.tasks:
+                self.landing.append(plan)
+        if self.landing:
+            self._take_back(layer, ids)
+        self._harvest(layer)
+        self.count(plan, ids)
+        cache._used(slots, len(slots))
+
     def demand(self, layer: int, cache, ids: np.ndarray) -> np.ndarray | None:
         """Make `cache` hold `ids` (unique) now: misses read on demand, in parallel, and waited for; returns
         their slots, or None when the bank cannot take them now (the caller reads them the exact way)."""
@@ -163,12 +184,22 @@ class Scheduler:
             self._wait_filling(layer, cache, slots)
         return slots, LayerPlan(layer, self.step, ids, cache, slots, fills, demand=True) if fills else None
 
-    def demand_end(self, reads: LayerPlan | None) -> None:
-        """`demand`'s second half: read the misses in parallel and wait for them."""
+    def demand_end(self, reads: LayerPlan | None, books: list | None = None) -> None:
+        """`demand`'s second half: read the misses in parallel and wait for them. books: where they all landed, their
+        collection (slots no longer filling, counts) is appended there for the scheduler's loop, not made here."""
         if reads is None:
             return
         before = self.pool.waited_s
         self._submit(reads, demand=True)  # a read the pool makes on this thread is a stall too
+        if books is not None:
+            try:
+                self.pool.wait(reads.tasks, layer=reads.layer, why="demand")
+            except Exception:  # (a Ctrl-C goes on up: the generation's end waits for the reads)
+                pass  # collected below: the failed slots emptied, the error raised
+            else:
+                self.stats.stall_s += self.pool.waited_s - before
+                books.append(partial(self._collect, reads, None))
+                return
         self.stats.stall_s += self.pool.waited_s - before
         self._collect(reads, "demand")
 

@@ -370,7 +370,7 @@ class BackgroundServer:
 
     def __init__(self, config, sampling, *, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = DEFAULT_MAX_QUEUE, front: Front = Front()):
-        from ..sched.scheduler import new_loop
+        from ..sched.loop import new_loop
 
         self.server = Server(config, sampling, host=host, port=port, max_queue=max_queue, front=front)
         self.loop = new_loop()
