@@ -26,8 +26,8 @@ class Handoff:
     # evaluation waits for it only, the fills posted after it run on (until the next layer settles)
     _nested = 0  # scheduler spans open (`scheduling`): only the outermost is timed
     deferred: list = []  # consumers pulled inside a layer's scheduler work: planned with that layer's plans, after it
-    booked: list = []  # plans consumed by Scheduler.take, books of Scheduler.held's lookups: to the loop ahead of the next plans posted
-    # (at the latest with the step's end)
+    booked: list = []  # plans consumed by Scheduler.take, books of Scheduler.held's lookups and demand reads: to the
+    # loop ahead of the next plans posted (at the latest with the step's end)
 
     def _plan(self, plans: list, traced: bool = True) -> None:
         """On the loop: run the plans (numpy, the pool; no MLX), timed as the planner's
@@ -56,9 +56,9 @@ class Handoff:
         return plans
 
     def books(self) -> list:
-        """The books of the plans consumed by Scheduler.take (and of Scheduler.held's lookups, callables already) since
-        the last hand-off, as plans (`booked` emptied):
-        they come before any plan of the same bank (its slots released, its recency)."""
+        """The books of the plans consumed by Scheduler.take (and those already callables: Scheduler.held's lookups,
+        demand reads' collections) since the last hand-off, as plans (`booked` emptied): they come before any plan of
+        the same bank (its slots released, its recency)."""
         if not self.booked:
             return []
         booked, self.booked = self.booked, []

@@ -21,13 +21,13 @@ Threads: the scheduler has its own event loop (sched/loop.py, the trace's `loop`
   the step's end settles that work before the scheduler is touched again. Inside a step, the fills a layer plans once
   it has read its bank are planned on the loop too (the next layer settles first), the pulled predictions made
   numpy there; consuming plans and demand reads (the trace's `sched` span) run on the graph-building thread, between
-  graphs. Where no layer syncs inside a step (predicted routing, every layer routed by its head or holding its
-  experts), decode builds step s+1 while step s evaluates (decode/step.py): the step's end (`end_step`, its last
-  fills) goes to the loop once the step is built, unsettled, the graph-building thread moving `step` on itself, and
-  a fill's wait for its reads overlaps the step before's compute; a plan whose reads have landed is taken from its
-  `ReadGroup`'s count (`take`). Workers read bytes into slots, widen bf16 scales, and fill in the outcome of their task;
-  they never touch plans or caches. A planned read that cannot start now (too few free slots, QUEUE_DEPTH reads in
-  flight) is dropped, never waited for: the layer reads its experts on demand.
+  graphs, their books (`consumed`, `looked_up`, a demand read's collection) on the loop after. Where no layer syncs
+  inside a step (predicted routing, every layer routed by its head or holding its experts), decode builds step s+1
+  while step s evaluates (decode/step.py): the step's end (`end_step`, its last fills) goes to the loop once the step
+  is built, unsettled, the graph-building thread moving `step` on itself, and a fill's wait for its reads overlaps the
+  step before's compute; a plan whose reads have landed is taken from its `ReadGroup`'s count (`take`). Workers read
+  bytes into slots, widen bf16 scales, fill in their task's outcome; they never touch plans or caches. A planned read
+  that cannot start now (too few free slots, QUEUE_DEPTH reads in flight) is dropped: the layer reads it on demand.
 
 Plans are plain dataclasses; only this class changes them, on one thread at a time (the loop's or the graph's).
 """
