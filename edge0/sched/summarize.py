@@ -59,8 +59,13 @@ def fit_load_cost(ms: np.ndarray, cold: np.ndarray) -> dict:
             "max_residual_ms": float(np.abs(resid).max())}
 
 
+def _step_of(e: dict, starts: np.ndarray) -> int:
+    """The index of the last step (by its start, `starts`) begun when event `e` begins; -1 before the first."""
+    return int(np.searchsorted(starts, e["ts"], side="right")) - 1
+
+
 def _within(e: dict, starts: np.ndarray, ends: np.ndarray) -> bool:
-    i = np.searchsorted(starts, e["ts"], side="right") - 1
+    i = _step_of(e, starts)
     return i >= 0 and e["ts"] <= ends[i]
 
 
@@ -72,13 +77,9 @@ def summarize(data: dict) -> dict:
     starts = np.array([e["ts"] for e in steps])
     ends = np.array([e["ts"] + e["dur"] for e in steps])
 
-    def in_steps(e) -> bool:
-        i = np.searchsorted(starts, e["ts"], side="right") - 1
-        return i >= 0 and e["ts"] <= ends[i]
-
     by = defaultdict(list)  # spans inside decode steps, by kind
     for e in spans:
-        if e["name"] != "step" and in_steps(e):
+        if e["name"] != "step" and _within(e, starts, ends):
             kind = "eval" if e["name"].startswith(("eval L", "queue L")) or e["name"] == "pull" else e["name"]
             by[kind].append(e)
     n = len(steps)
@@ -107,8 +108,10 @@ def summarize(data: dict) -> dict:
         "sched_ms_per_token": per(total.get("sched", 0.0)),
         "plan_ms_per_token": per(total.get("plan", 0.0)),
         # the scheduler's event loop (sched/loop.py): its work, and the graph-building thread's waits for it
-        "loop_ms_per_token": per(sum(e["dur"] for e in spans if e.get("cat") == "loop" and in_steps(e)) / 1e3),
+        "loop_ms_per_token": per(sum(e["dur"] for e in spans if e.get("cat") == "loop" and _within(e, starts, ends))
+                                 / 1e3),
         "loop_wait_ms_per_token": per(total.get("loop wait", 0.0)),
+        **_layers(by, lambda e: _step_of(e, starts), per),
         "loads": len(reads),
         "loads_per_step": per(len(decode_reads)),
         "demand_loads": sum(1 for e in reads if e["args"].get("demand")),
@@ -124,6 +127,21 @@ def summarize(data: dict) -> dict:
         "recall": hits / routed if routed else None,
         "load_cost_fit": fit_load_cost(ms, cold),
     }
+
+
+def _layers(by: dict, step_of, per) -> dict:
+    """A routed layer's scheduler work on the graph-building thread in a step (median us of its `sched` spans), where
+    it read nothing on demand and where it did, and how many of each a step (`per`)."""
+    layer_us = defaultdict(float)  # (step, layer) -> us
+    for e in by["sched"]:
+        if e["args"].get("layer", -1) >= 0:
+            layer_us[(step_of(e), e["args"]["layer"])] += e["dur"]
+    demand = {(step_of(e), e["args"].get("layer")) for e in by["stall"] if e["args"].get("why") == "demand"}
+    held = [us for k, us in layer_us.items() if k not in demand]  # its experts held, or read ahead
+    missed = [us for k, us in layer_us.items() if k in demand]
+    return {"layer_sched_us": float(np.median(held)) if held else None, "layers_per_step": per(len(held)),
+            "demand_layer_sched_us": float(np.median(missed)) if missed else None,
+            "demand_layers_per_step": per(len(missed))}
 
 
 def windows(data: dict, size: int) -> list[dict]:

@@ -267,3 +267,30 @@ def test_summarize_prints_the_loops_work_and_the_wait_for_it(capsys):
     print_summary(summarize({"traceEvents": trace.events}))
     line = next(l for l in capsys.readouterr().out.splitlines() if "scheduler" in l)
     assert "(of which 2.00 waiting for the loop), 3.00 on the scheduler's loop" in line, line
+
+
+def test_summarize_splits_a_routed_layers_scheduler_time_by_whether_it_read_on_demand(capsys):
+    from edge0.cli.trace import print_summary
+    from edge0.sched.summarize import summarize
+    from edge0.sched.trace import Trace
+
+    trace = Trace()
+    for step, t in ((1, 0), (2, 10_000)):  # two 10 ms steps
+        trace.span("step", "step", t, t + 10_000, step=step)
+        trace.span("sched", "sched", t + 100, t + 120, layer=0, step=step)  # layer 0: 20 + 10 us, nothing read
+        trace.span("sched", "sched", t + 500, t + 510, layer=0, step=step)
+        trace.span("sched", "sched", t + 1_000, t + 1_100 + 100 * step, layer=1, step=step)  # layer 1: 200, 300 us
+        trace.span("stall", "stall", t + 1_300, t + 4_000, layer=1, why="demand")  # ... and a demand read
+        trace.span("stall", "stall", t + 5_000, t + 6_000, layer=0, why="prefetch")  # (a wait for a plan: no demand)
+        trace.span("sched", "sched", t + 9_000, t + 9_050, layer=-1, step=step)  # the step's own: no layer's
+    trace.span("sched", "sched", 30_000, 30_500, layer=0, step=3)  # outside every decode step
+    s = summarize({"traceEvents": trace.events})
+    assert (s["layer_sched_us"], s["layers_per_step"]) == (30.0, 1.0)
+    assert (s["demand_layer_sched_us"], s["demand_layers_per_step"]) == (250.0, 1.0)
+    print_summary(s)
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("layers"))
+    assert "30.0 us of it a routed layer without a demand read (1.0/step), 250.0 us with one (1.0/step)" in line, line
+    native = Trace()  # no scheduler at any layer (native routing): no such line
+    native.span("step", "step", 0, 10_000, step=1)
+    print_summary(summarize({"traceEvents": native.events}))
+    assert not any(l.strip().startswith("layers") for l in capsys.readouterr().out.splitlines())
