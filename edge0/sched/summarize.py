@@ -43,6 +43,9 @@ def load_trace(path: str | Path) -> dict:
             raise Edge0Error(f"{path}: damaged event {str(e)[:80]}")
         if not isinstance(e.setdefault("args", {}), dict):  # optional in the format: none is no arguments
             raise Edge0Error(f"{path}: damaged event {str(e)[:80]} (args is not an object)")
+        for key in ("step", "layer"):  # numbers the summary compares and groups by
+            if key in e["args"] and (type(e["args"][key]) is not int):
+                raise Edge0Error(f"{path}: damaged event {str(e)[:80]} (args.{key} is not an integer)")
     return data
 
 

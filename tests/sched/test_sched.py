@@ -109,6 +109,10 @@ def test_bad_trace_files(tmp_path, capsys):
     assert got["steps"] == 2 and got["prompt_last_step_ms"] is None
     assert main(["trace", "summarize", trace_of({**bare, "args": [1]})]) == 2
     assert "args is not an object" in capsys.readouterr().err
+    sched = {"ph": "X", "name": "sched", "cat": "sched", "ts": 100, "dur": 20}  # a layer's scheduler work in step 1
+    for args, key in (({"layer": "x", "step": 1}, "layer"), ({"layer": 2, "step": "1"}, "step")):
+        assert main(["trace", "summarize", trace_of({**bare, "args": {"step": 1}}, {**sched, "args": args})]) == 2
+        assert f"args.{key} is not an integer" in capsys.readouterr().err
 
 
 class FakeReader:
