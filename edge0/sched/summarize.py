@@ -157,11 +157,12 @@ def windows(data: dict, size: int) -> list[dict]:
     if not steps:
         return []
     starts = np.array([e["ts"] for e in steps])
+    ends = np.array([e["ts"] + e["dur"] for e in steps])
     stall, reads = np.zeros(len(steps)), [[] for _ in steps]
     for e in spans:
-        i = int(np.searchsorted(starts, e["ts"], side="right")) - 1
-        if i < 0 or e["ts"] > steps[i]["ts"] + steps[i]["dur"]:  # inside a decode step, as `summarize` counts
+        if not _within(e, starts, ends):  # inside a decode step, as `summarize` counts
             continue
+        i = _step_of(e, starts)
         if e["name"] == "stall":
             stall[i] += e["dur"] / 1e3
         elif e["name"] == "read" and not e["args"].get("whole_layer"):
