@@ -88,11 +88,13 @@ def print_summary(s: dict) -> None:
         rows.insert(0, ("prompt", f"its last token's step {s['prompt_last_step_ms']:.1f} ms (the first token's; "
                                   "in the prompt's time, not decode's)"))
     if s.get("layer_sched_us") is not None or s.get("demand_layer_sched_us") is not None:
-        us = lambda v: "-" if v is None else f"{v:.1f} us"  # noqa: E731
+        def us(name: str) -> str:
+            v, least = s.get(f"{name}_sched_us"), s.get(f"{name}_sched_min_us")
+            return "-" if v is None else f"{v:.1f} us ({s[f'{name}s_per_step']:.1f}/step, least {least:.1f})"
+
         rows.insert(rows.index(next(r for r in rows if r[0] == "scheduler")) + 1, (
-            "layers", f"{us(s.get('layer_sched_us'))} of it a routed layer without a demand read "
-                      f"({s['layers_per_step']:.1f}/step), {us(s.get('demand_layer_sched_us'))} with one "
-                      f"({s['demand_layers_per_step']:.1f}/step); medians"))
+            "layers", f"{us('layer')} of it a routed layer without a demand read, {us('demand_layer')} with one; "
+                      "medians"))
     if fit["a_ms"] is not None:
         rows.append(("load cost", f"{fit['a_ms']:.3f} ms + {fit['b_ms']:.3f} ms x cold (rms residual "
                                   f"{fit['rms_residual_ms']:.3f} ms, max {fit['max_residual_ms']:.3f} ms)"))

@@ -133,8 +133,8 @@ def summarize(data: dict) -> dict:
 
 
 def _layers(by: dict, step_of, per) -> dict:
-    """A routed layer's scheduler work on the graph-building thread in a step (median us of its `sched` spans), where
-    it read nothing on demand and where it did, and how many of each a step (`per`)."""
+    """A routed layer's scheduler work on the graph-building thread in a step (the median and the least us of its
+    `sched` spans), where it read nothing on demand and where it did, and how many of each a step (`per`)."""
     layer_us = defaultdict(float)  # (step, layer) -> us
     for e in by["sched"]:
         if e["args"].get("layer", -1) >= 0:
@@ -142,9 +142,12 @@ def _layers(by: dict, step_of, per) -> dict:
     demand = {(step_of(e), e["args"].get("layer")) for e in by["stall"] if e["args"].get("why") == "demand"}
     held = [us for k, us in layer_us.items() if k not in demand]  # its experts held, or read ahead
     missed = [us for k, us in layer_us.items() if k in demand]
-    return {"layer_sched_us": float(np.median(held)) if held else None, "layers_per_step": per(len(held)),
-            "demand_layer_sched_us": float(np.median(missed)) if missed else None,
-            "demand_layers_per_step": per(len(missed))}
+    out = {}
+    for name, us in (("layer", held), ("demand_layer", missed)):
+        out[f"{name}_sched_us"] = float(np.median(us)) if us else None
+        out[f"{name}_sched_min_us"] = float(min(us)) if us else None  # the floor of this path as it runs
+        out[f"{name}s_per_step"] = per(len(us))
+    return out
 
 
 def windows(data: dict, size: int) -> list[dict]:

@@ -277,19 +277,21 @@ def test_summarize_splits_a_routed_layers_scheduler_time_by_whether_it_read_on_d
     trace = Trace()
     for step, t in ((1, 0), (2, 10_000)):  # two 10 ms steps
         trace.span("step", "step", t, t + 10_000, step=step)
-        trace.span("sched", "sched", t + 100, t + 120, layer=0, step=step)  # layer 0: 20 + 10 us, nothing read
-        trace.span("sched", "sched", t + 500, t + 510, layer=0, step=step)
+        trace.span("sched", "sched", t + 100, t + 120, layer=0, step=step)  # layer 0: 20 + 10 or 20 us, nothing read
+        trace.span("sched", "sched", t + 500, t + 500 + 10 * step, layer=0, step=step)  # (30, 40 us)
         trace.span("sched", "sched", t + 1_000, t + 1_100 + 100 * step, layer=1, step=step)  # layer 1: 200, 300 us
         trace.span("stall", "stall", t + 1_300, t + 4_000, layer=1, why="demand")  # ... and a demand read
         trace.span("stall", "stall", t + 5_000, t + 6_000, layer=0, why="prefetch")  # (a wait for a plan: no demand)
         trace.span("sched", "sched", t + 9_000, t + 9_050, layer=-1, step=step)  # the step's own: no layer's
     trace.span("sched", "sched", 30_000, 30_500, layer=0, step=3)  # outside every decode step
     s = summarize({"traceEvents": trace.events})
-    assert (s["layer_sched_us"], s["layers_per_step"]) == (30.0, 1.0)
-    assert (s["demand_layer_sched_us"], s["demand_layers_per_step"]) == (250.0, 1.0)
+    assert (s["layer_sched_us"], s["layer_sched_min_us"], s["layers_per_step"]) == (35.0, 30.0, 1.0)
+    assert (s["demand_layer_sched_us"], s["demand_layer_sched_min_us"], s["demand_layers_per_step"]) == (250.0, 200.0,
+                                                                                                        1.0)
     print_summary(s)
     line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("layers"))
-    assert "30.0 us of it a routed layer without a demand read (1.0/step), 250.0 us with one (1.0/step)" in line, line
+    assert ("35.0 us (1.0/step, least 30.0) of it a routed layer without a demand read, 250.0 us (1.0/step, least "
+            "200.0) with one; medians") in line, line
     native = Trace()  # no scheduler at any layer (native routing): no such line
     native.span("step", "step", 0, 10_000, step=1)
     print_summary(summarize({"traceEvents": native.events}))
