@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 _tokens: list = []  # kernels made current by use_kernel, undone after each test (conftest)
 
 
@@ -56,3 +58,6 @@ def metric(url: str, name: str) -> float:
     """One figure of a server's /metrics (edge0_NAME)."""
     text = http_request(url, "GET", "/metrics")[1]
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"edge0_{name} ")))
+
+
+OLMOE_TRACES = Path(__file__).parent / "data" / "olmoe"  # real OLMoE-1B-7B routing, seeds 1-3 (its README)

@@ -16,7 +16,8 @@ from edge0.engine import open_engine
 from edge0.io.routetrace import RouteTrace, read_trace, write_trace
 from edge0.model.traced import TracedRouting
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from tests.helpers import OLMOE_TRACES
+
 LAYERS, EXPERTS, K = 6, 32, 4  # the demo store's
 TOKENS = 200  # rows of each OLMoE trace the held-out test uses
 PROMPT = [317, 288, 1350, 269, 1245, 488, 10, 80, 302, 275, 306, 299]  # the demo prompt's ids
@@ -46,14 +47,13 @@ def test_the_learned_table_is_the_hand_count(tmp_path, capsys):
     assert (z["freq"] == [[3, 2, 1, 0, 0], [1, 0, 0, 3, 2], [0, 2, 3, 0, 1]]).all()
 
 
-@pytest.mark.skipif(not (TRACES / "olmoe-1b-7b-seed3.json").is_file(), reason="shared/traces not here")
 def test_on_a_held_out_trace_the_table_names_more_than_the_previous_token(tmp_path, capsys):
     """Learned from OLMoE seeds 1 and 2, on seed 3: the table's 2K likeliest experts of layer l+1 (from layer l's at the
     same token) hold more of the routed K than the layer's own K at the token before; both recalls recomputed here
     with plain counting (P(j | i) summed over layer l's ids)."""
     out, seeds = tmp_path / "a.npz", []
     for s in (1, 2, 3):  # their first TOKENS rows: the count below takes a second
-        t = read_trace(TRACES / f"olmoe-1b-7b-seed{s}.json")
+        t = read_trace(OLMOE_TRACES / f"olmoe-1b-7b-seed{s}.json")
         seeds.append(str(tmp_path / f"s{s}.npz"))
         write_trace(seeds[-1], RouteTrace(t.ids[:, :TOKENS], None, t.layers, t.num_experts))
     assert main(["train", "affinity", "--traces", *seeds[:2], "--heldout", seeds[2], "--out", str(out), "--json"]) == 0

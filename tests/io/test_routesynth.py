@@ -3,7 +3,6 @@ the real OLMoE traces', both measured here with plain Python on the files as the
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,9 @@ from edge0.cli import main
 from edge0.io.routesynth import synth_trace
 from edge0.io.routetrace import read_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-SEEDS = [TRACES / f"olmoe-1b-7b-seed{s}.json" for s in (1, 2, 3)]
+from tests.helpers import OLMOE_TRACES
+
+SEEDS = [OLMOE_TRACES / f"olmoe-1b-7b-seed{s}.json" for s in (1, 2, 3)]
 
 
 def _stats(layers: list[list[list[int]]], experts: int) -> tuple[float, float]:
@@ -27,7 +27,6 @@ def _stats(layers: list[list[list[int]]], experts: int) -> tuple[float, float]:
     return sum(kept) / len(kept), sum(top) / len(top)
 
 
-@pytest.mark.skipif(not all(p.is_file() for p in SEEDS), reason="the shared OLMoE traces are not beside this checkout")
 @pytest.mark.parametrize("layers,experts,seed", [(16, 64, 0), (48, 128, 1)])
 def test_kept_share_and_skew_match_the_olmoe_traces(layers, experts, seed):
     real = [_stats(list(json.loads(p.read_text())["expert_trace"].values()), 64) for p in SEEDS]

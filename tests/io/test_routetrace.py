@@ -11,7 +11,9 @@ import pytest
 from edge0.errors import Edge0Error
 from edge0.io.routetrace import check_fits, read_trace, write_trace
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / "olmoe-1b-7b-seed1.json"
+from tests.helpers import OLMOE_TRACES
+
+SHARED = OLMOE_TRACES / "olmoe-1b-7b-seed1.json"
 
 
 def _ids(layers=3, tokens=5, k=2, experts=8, seed=0) -> np.ndarray:
@@ -177,7 +179,6 @@ def test_a_trace_of_another_shape_than_the_run_is_refused_by_name(shape, words):
         check_fits(t, "--routes t.json", **{**run, "experts": 6})
 
 
-@pytest.mark.skipif(not SHARED.is_file(), reason="the shared OLMoE traces are not beside this checkout")
 def test_the_shared_olmoe_trace_reads():
     t = read_trace(SHARED)
     assert t.ids.shape == (16, 499, 8) and t.num_experts == 64 and t.ids.max() < 64
