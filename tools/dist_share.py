@@ -1,7 +1,7 @@
 """Each rank's share of one process's expert reads and memory (issue #62's per-rank goal), measured as `edge0 run`
 would run: one process first, then N local ranks under mlx.launch, the same prompt, tokens and routing.
 
-    python tools/dist_share.py --model /tmp/e60/olmoe --routes ../shared/traces/olmoe-1b-7b-seed1.json --tokens 96
+    python tools/dist_share.py --model /tmp/e60/olmoe --routes tests/data/olmoe/olmoe-1b-7b-seed1.json --tokens 96
     python tools/dist_share.py --model STORE --parallel experts --split cost --ranks 2
 
 Prints, per rank, decode bytes read per token, peak MLX memory and weights as fractions of one process's (goal:

@@ -1,7 +1,7 @@
 """Slot replacement on real routing, held out: which policy a staged bank should use (compute/eviction.py).
 
-    python tools/evict_study.py ../shared/traces/olmoe-1b-7b-seed{1,2,3}.json --slots 16,32 [--tokens 120]
-    python tools/evict_study.py ../shared/traces/olmoe-1b-7b-seed{1,2,3}.json --shared 175,256 --rows 11:131
+    python tools/evict_study.py tests/data/olmoe/olmoe-1b-7b-seed{1,2,3}.json --slots 16,32 [--tokens 120]
+    python tools/evict_study.py tests/data/olmoe/olmoe-1b-7b-seed{1,2,3}.json --shared 175,256 --rows 11:131
 
 --shared: hot's one bank of that many bundles instead (tools/evict_shared.py), over the trace rows --rows (default
 all; 11:131 are the rows `edge0 bench --prompt-tokens 12 --max-tokens 120` serves from the bank).

@@ -1,6 +1,6 @@
 """`edge0 bench --routes FILE`: every arm's routing forced from one trace, and what that routing allows.
 
-    edge0 bench --store olmoe.edge0 --arms resident,native,hot --routes ../shared/traces/olmoe-1b-7b-seed2.json \
+    edge0 bench --store olmoe.edge0 --arms resident,native,hot --routes tests/data/olmoe/olmoe-1b-7b-seed2.json \
         --prompt-tokens 12 --max-tokens 120 --slots 16
 
 Each Edge0 arm runs `edge0 run --routes FILE` (the trace's rows from the prompt's first token on); the routes

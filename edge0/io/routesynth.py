@@ -6,7 +6,7 @@
 Each layer keeps each of the last token's experts with probability KEPT and draws the rest, without replacement,
 from the experts it did not just use, by a fixed popularity per layer (log-normal weights, randomly placed, their
 spread fitted so that a quarter of the experts take TOP_QUARTER of the routings). Both targets are the OLMoE-1B-7B
-traces' (shared/traces, seeds 1-3, mean over layers). Shapes: L layers, T tokens, K routed, E experts.
+traces' (tests/data/olmoe, seeds 1-3, mean over layers). Shapes: L layers, T tokens, K routed, E experts.
 """
 
 from __future__ import annotations

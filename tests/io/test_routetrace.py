@@ -13,7 +13,7 @@ from edge0.io.routetrace import check_fits, read_trace, write_trace
 
 from tests.helpers import OLMOE_TRACES
 
-SHARED = OLMOE_TRACES / "olmoe-1b-7b-seed1.json"
+OLMOE_SEED1 = OLMOE_TRACES / "olmoe-1b-7b-seed1.json"
 
 
 def _ids(layers=3, tokens=5, k=2, experts=8, seed=0) -> np.ndarray:
@@ -23,8 +23,8 @@ def _ids(layers=3, tokens=5, k=2, experts=8, seed=0) -> np.ndarray:
 
 
 def test_the_public_expert_trace_layout_reads_and_drops_its_padding_row_saying_so_once(tmp_path, capsys):
-    """shared/traces' layout: {"num_layers", "num_experts", "top_k", "expert_trace": {"<layer>": rows}} with a last
-    row of -1 (here 12 layers, so a layer sorted as text, "10" before "2", would be out of order)."""
+    """The real OLMoE traces' layout (tests/data/olmoe): {"num_layers", "num_experts", "top_k", "expert_trace":
+    {"<layer>": rows}} with a last row of -1 (here 12 layers, so a layer sorted as text, "10" before "2", would be out of order)."""
     ids = _ids(layers=12, tokens=4, k=3, experts=16)
     doc = {"model": "x", "num_layers": 12, "num_experts": 16, "top_k": 3, "generated_ids": [1, 2, 3, 4],
            "expert_trace": {str(n): ids[n].tolist() + [[-1, -1, -1]] for n in range(12)}}
@@ -179,6 +179,6 @@ def test_a_trace_of_another_shape_than_the_run_is_refused_by_name(shape, words):
         check_fits(t, "--routes t.json", **{**run, "experts": 6})
 
 
-def test_the_shared_olmoe_trace_reads():
-    t = read_trace(SHARED)
+def test_the_real_olmoe_trace_reads():
+    t = read_trace(OLMOE_SEED1)
     assert t.ids.shape == (16, 499, 8) and t.num_experts == 64 and t.ids.max() < 64

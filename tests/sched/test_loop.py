@@ -277,7 +277,7 @@ def test_summarize_splits_a_routed_layers_scheduler_time_by_whether_it_read_on_d
     trace = Trace()
     for step, t in ((1, 0), (2, 10_000)):  # two 10 ms steps
         trace.span("step", "step", t, t + 10_000, step=step)
-        trace.span("sched", "sched", t + 100, t + 120, layer=0, step=step)  # layer 0: 20 + 10 or 20 us, nothing read
+        trace.span("sched", "sched", t + 100, t + 120, layer=0, step=step)  # layer 0: 20 + 10 x step us, nothing read
         trace.span("sched", "sched", t + 500, t + 500 + 10 * step, layer=0, step=step)  # (30, 40 us)
         trace.span("sched", "sched", t + 1_000, t + 1_100 + 100 * step, layer=1, step=step)  # layer 1: 200, 300 us
         trace.span("stall", "stall", t + 1_300, t + 4_000, layer=1, why="demand")  # ... and a demand read
